@@ -1,0 +1,265 @@
+"""Typed config tree: dataclasses loaded through OmegaConf with dotted overrides.
+
+`load("configs/tiny.yaml", ["optim.peak_lr=3e-4"])` returns a validated `Config`. Every error is
+a `ConfigError` whose message names the key and what is allowed, so `main()` can print one line
+and exit 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A bad key or value; the message says what to change."""
+
+
+@dataclass
+class RunCfg:
+    dir: str = "runs/default"
+    seed: int = 1337
+    log_every: int = 1          # steps between progress-bar refreshes (metrics.jsonl gets every step)
+    val_every: int = 50         # steps between validation passes (0 = never)
+    val_batches: int = 4        # batches per domain per validation pass
+    init_from: str = ""         # a checkpoint folder of another run to branch from
+    tensorboard: bool = True    # write TensorBoard files when the package is installed
+    alert_command: str = ""     # shell command fed each alert event as JSON on stdin
+
+
+@dataclass
+class DataCfg:
+    dir: str = ""               # "" = the embedded stdlib corpus, prepared on first use
+    verify: bool = True         # hash every shard at start (a flipped byte is refused)
+
+
+@dataclass
+class ModelCfg:
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 64
+    vocab_size: int = 0         # 0 = take it from the data manifest
+    ffn_hidden: int = 0         # 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+
+@dataclass
+class TrainCfg:
+    total_steps: int = 300
+    micro_batch_size: int = 12
+    grad_accum: int = 1
+    precision: str = "fp32"     # bf16 | fp16 | fp32
+    z_loss: float = 1e-4
+    device: str = "auto"        # auto | cpu | cuda
+
+
+@dataclass
+class OptimCfg:
+    peak_lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    schedule: str = "cosine"    # cosine | wsd
+    decay_steps: int = 0        # wsd: length of the final decay phase
+    decay_shape: str = "linear"  # wsd: linear | 1-sqrt
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip: float = 1.0
+    decay_embeddings: bool = False
+
+
+@dataclass
+class CkptCfg:
+    every: int = 100
+    keep_last: int = 3
+    keep_every: int = 0         # also keep every checkpoint whose step is a multiple (0 = none)
+    async_save: bool = True
+
+
+@dataclass
+class EngineCfg:
+    kind: str = "ddp"           # ddp | zero | fsdp
+    zero_stage: int = 1
+    ds_config: str = ""         # "" = ds_configs/zero{stage}.json
+
+
+@dataclass
+class MonitorCfg:
+    enabled: bool = True
+    window: int = 50            # clean steps in the rolling baseline
+    min_history: int = 20       # clean steps before the monitor judges
+    loss_z: float = 6.0         # robust z-score (MAD units) that makes a loss an outlier
+    hard_loss_z: float = 20.0   # robust z-score that rewinds at once
+    gnorm_mult: float = 5.0     # grad norm over this multiple of the median clean norm is an outlier
+    max_skips: int = 2          # consecutive skipped outliers tolerated before a rewind
+    rewind_margin_steps: int = 5  # rewind to a checkpoint at least this far before the spike
+    max_rewinds: int = 4        # rewinds before escalating to a human (exit 3)
+    lr_backoff: float = 0.7     # lr_scale factor when the same region spikes again
+    region_steps: int = 50      # spikes closer than this to a past rewind count as the same region
+
+
+@dataclass
+class FaultsCfg:
+    crash_at_step: int = -1     # hard exit (as if killed) when reaching this step, once per run.dir
+    crash_rank: int = -1        # -1 = every rank
+    crash_in_save: int = -1     # die inside the save of this step after writing files, before rename
+    poison_batches: list = field(default_factory=list)  # [[start, end], ...] data-batch windows
+    poison_rank: int = -1       # -1 = every rank's slice of a poisoned batch; else only this rank's
+    nan_steps: list = field(default_factory=list)        # steps whose loss is made non-finite
+
+
+@dataclass
+class Config:
+    run: RunCfg = field(default_factory=RunCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    model: ModelCfg = field(default_factory=ModelCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    ckpt: CkptCfg = field(default_factory=CkptCfg)
+    engine: EngineCfg = field(default_factory=EngineCfg)
+    monitor: MonitorCfg = field(default_factory=MonitorCfg)
+    faults: FaultsCfg = field(default_factory=FaultsCfg)
+
+
+# Keys that may change between a checkpoint and its resume without changing what the run
+# computes up to that point. Everything else must match (or be allowed with --allow-drift).
+RESUME_MUTABLE_KEYS = (
+    "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
+    "run.tensorboard", "run.alert_command", "data.dir", "data.verify", "train.total_steps",
+    "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
+)
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config at `path` (default configs/tiny.yaml) with `key=value` overrides applied."""
+    schema = OmegaConf.structured(Config)
+    path = Path(path) if path else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; pass a YAML file such as configs/tiny.yaml")
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_explain(err)) from None
+    validate(cfg)
+    return cfg
+
+
+def _explain(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", "") or ""
+    if "not in struct" in str(err) or "Key" in type(err).__name__:
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _keys_of(section)
+        return f"unknown config key {key!r}; allowed here: {', '.join(allowed)}"
+    return f"bad value for {key!r}: {str(err).splitlines()[0]}"
+
+
+def _keys_of(section: str) -> list[str]:
+    node: Any = Config()
+    for part in filter(None, section.split(".")):
+        node = getattr(node, part, None)
+    if node is None or not dataclasses.is_dataclass(node):
+        node = Config()
+        section = ""
+    prefix = f"{section}." if section else ""
+    return [prefix + f.name for f in dataclasses.fields(node)]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(key: str, value: Any, allowed: tuple) -> None:
+    _check(value in allowed, f"{key}={value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first key that cannot work, and how to fix it."""
+    m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.engine
+    _check_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
+    _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    _check_choice("optim.schedule", o.schedule, ("cosine", "wsd"))
+    _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
+    _check_choice("engine.kind", e.kind, ("ddp", "zero", "fsdp"))
+    _check_choice("engine.zero_stage", e.zero_stage, (1, 2, 3))
+    for key, value in (("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
+                       ("model.n_heads", m.n_heads), ("model.seq_len", m.seq_len),
+                       ("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.grad_accum", t.grad_accum), ("ckpt.every", cfg.ckpt.every),
+                       ("ckpt.keep_last", cfg.ckpt.keep_last)):
+        _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(m.d_model % m.n_heads == 0,
+           f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    _check((m.d_model // m.n_heads) % 2 == 0,
+           f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
+    _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
+    _check(0 <= o.warmup_steps <= t.total_steps,
+           f"optim.warmup_steps={o.warmup_steps} must be in [0, train.total_steps={t.total_steps}]")
+    if o.schedule == "wsd":
+        _check(1 <= o.decay_steps <= t.total_steps - o.warmup_steps,
+               f"optim.decay_steps={o.decay_steps} must be in [1, train.total_steps - optim.warmup_steps"
+               f"={t.total_steps - o.warmup_steps}] for optim.schedule=wsd")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _check(o.clip > 0, f"optim.clip={o.clip} must be > 0 (a huge value disables clipping)")
+    _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
+    _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
+    _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
+    _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
+    for window in cfg.faults.poison_batches:
+        _check(isinstance(window, list) and len(window) == 2 and 0 <= window[0] < window[1],
+               f"faults.poison_batches entry {window!r} must be [start, end] with 0 <= start < end")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def hashed_items(cfg: Config) -> dict[str, Any]:
+    """The flat key -> value map that the config hash covers (mutable keys left out)."""
+    return {key: value for key, value in _flatten(to_dict(cfg)).items()
+            if not any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS)}
+
+
+def config_hash(cfg: Config) -> str:
+    blob = json.dumps(hashed_items(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now)."""
+    now = hashed_items(cfg)
+    keys = set(saved) | set(now)
+    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}

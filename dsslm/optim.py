@@ -1,0 +1,89 @@
+"""AdamW with decay / no-decay groups, and the learning rate as a pure function of the step."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dsslm.config import Config, OptimCfg
+
+
+def param_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
+    """Two groups: matrices decay; norm gains, biases and (unless configured) embeddings do not.
+
+    Decaying a norm gain pulls it towards 0, which fights the normalisation it exists for; the
+    embedding is a lookup table whose rows see few updates, so decay mostly erases rare tokens.
+    """
+    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        is_embedding = id(param) in embedding_params
+        if param.dim() < 2 or (is_embedding and not cfg.decay_embeddings):
+            no_decay.append(param)
+            no_decay_names.append(name)
+        else:
+            decay.append(param)
+            decay_names.append(name)
+    assert_partition(model, [decay, no_decay])
+    return [
+        {"params": decay, "weight_decay": cfg.weight_decay, "names": decay_names},
+        {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names},
+    ]
+
+
+def assert_partition(model: nn.Module, groups: list[list[torch.Tensor]]) -> None:
+    """Every trainable parameter in exactly one group: a missed one would silently never train."""
+    seen: dict[int, int] = {}
+    for group in groups:
+        for param in group:
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    wanted = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    missing = [n for i, n in wanted.items() if i not in seen]
+    doubled = [wanted.get(i, "?") for i, count in seen.items() if count > 1]
+    extra = [i for i in seen if i not in wanted]
+    if missing or doubled or extra:
+        raise AssertionError(f"parameter groups are not a partition: missing={missing} "
+                             f"in_two_groups={doubled} unknown={len(extra)}")
+
+
+def build_adamw(model: nn.Module, cfg: OptimCfg) -> torch.optim.AdamW:
+    groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, cfg)]
+    # foreach=False: the per-tensor loop gives the same bits regardless of how tensors are grouped,
+    # which keeps DDP, one process and resumed runs comparable to the bit on CPU.
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, foreach=False)
+
+
+def lr_at(step: int, config: Config) -> float:
+    """The planned learning rate of optimizer step `step` (0-based), before lr_scale.
+
+    Pure: the same (step, config) gives the same value in any order of calls, so a resumed run
+    follows the plan with no warmup restart.
+    """
+    cfg, total_steps = config.optim, config.train.total_steps
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.peak_lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr + (cfg.peak_lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay_start = total_steps - cfg.decay_steps
+    if step < decay_start:
+        return cfg.peak_lr
+    progress = min(1.0, (step - decay_start + 1) / cfg.decay_steps)
+    fraction = 1.0 - progress if cfg.decay_shape == "linear" else 1.0 - math.sqrt(progress)
+    return cfg.min_lr + (cfg.peak_lr - cfg.min_lr) * fraction
+
+
+def decay_start_step(config: Config) -> int | None:
+    """First step of the WSD decay phase (the checkpoint before it is kept for cooldown branches)."""
+    cfg = config.optim
+    return config.train.total_steps - cfg.decay_steps if cfg.schedule == "wsd" else None
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

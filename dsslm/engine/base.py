@@ -1,0 +1,156 @@
+"""The one interface `train()` talks to, and the pieces every engine shares.
+
+Ranks live here and nowhere else: the loop asks `engine.is_main`, never the environment.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsslm.config import Config
+from dsslm.precision import LossScaler
+
+
+def pick_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_s: int = 1800) -> None:
+    """Join the process group that torchrun / accelerate launch / srun described in the environment.
+
+    Plain `python -m dsslm.train` (no WORLD_SIZE) stays a single process with no group at all.
+    """
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    # nccl only moves CUDA tensors; gloo is the CPU path (the one the tests exercise).
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+class Engine(abc.ABC):
+    """Shared state and collectives; subclasses implement wrap / backward / clip / step / state."""
+
+    name = "base"
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        init_distributed(self.device)
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.is_main = self.rank == 0
+        self.module = model  # the unwrapped model: parameter names for checkpoints come from it
+        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
+
+    # --- the training step -------------------------------------------------------------------
+    @abc.abstractmethod
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        ...
+
+    @abc.abstractmethod
+    def clip_grad_norm(self, max_norm: float) -> float:
+        ...
+
+    @abc.abstractmethod
+    def step(self, lr: float) -> None:
+        ...
+
+    @abc.abstractmethod
+    def skip_step(self) -> None:
+        ...
+
+    def train_mode(self, training: bool) -> None:
+        self.module.train(training)
+
+    # --- state -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        ...
+
+    @abc.abstractmethod
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
+        ...
+
+    @abc.abstractmethod
+    def memory_report(self) -> dict[str, int]:
+        ...
+
+    # --- collectives -------------------------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            tensor = tensor.to(self.device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's value of `obj` on every rank: how one decision reaches all ranks."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """torch AdamW state re-keyed by parameter name, in the engine-agnostic checkpoint layout."""
+    out: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            name = names[id(param)]
+            out["step"][name] = float(state["step"])
+            out["exp_avg"][name] = state["exp_avg"].detach().float()
+            out["exp_avg_sq"][name] = state["exp_avg_sq"].detach().float()
+    return out
+
+
+def load_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
+                    optim_sd: dict[str, Any]) -> None:
+    """Write the named moments back into torch AdamW state (fresh tensors: no stale references)."""
+    optimizer.state.clear()
+    for name, step in optim_sd["step"].items():
+        param = params[name]
+        optimizer.state[param] = {
+            "step": torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": optim_sd["exp_avg"][name].to(param.device, param.dtype).clone(),
+            "exp_avg_sq": optim_sd["exp_avg_sq"][name].to(param.device, param.dtype).clone(),
+        }
+
+

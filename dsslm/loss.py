@@ -1,0 +1,71 @@
+"""Token-weighted loss over all micro-batches and ranks of one optimizer step."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsslm.engine.base import Engine
+from dsslm.precision import autocast
+
+IGNORE_INDEX = -100
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums over the real (non-ignored) targets of cross-entropy and of z = logsumexp(logits)^2.
+
+    Both in fp32. The z-loss (PaLM) pulls log Z towards 0 so the logits cannot drift upwards
+    until the softmax saturates, a common source of late spikes.
+    """
+    logits = logits.float().flatten(0, 1)
+    targets = targets.flatten()
+    ce_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    real = targets != IGNORE_INDEX
+    z_sum = torch.logsumexp(logits[real], dim=-1).pow(2).sum()
+    return ce_sum, z_sum
+
+
+@dataclass
+class StepResult:
+    loss: float         # mean cross-entropy per real target token, over every rank
+    gnorm: float        # global gradient norm before clipping
+    tokens: int         # real target tokens in the step, over every rank
+    stop_requested: bool  # any rank received SIGTERM/SIGUSR1
+
+
+def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
+               z_loss: float, clip: float, poison_loss: bool = False,
+               stop_requested: bool = False) -> StepResult:
+    """Forward and backward every micro-batch, then clip: the gradient is that of the step's
+    summed token loss divided by its total real-token count, whatever the micro-batch split.
+
+    A mean of per-micro-batch means would weight a token in a short micro-batch more than one
+    in a long one; dividing every micro-batch's sum by the global count avoids that.
+    """
+    local_tokens = sum(int((t != IGNORE_INDEX).sum()) for _, t in micro_batches)
+    tokens = int(engine.all_reduce_sum(torch.tensor([float(local_tokens)]))[0])
+    # Every engine averages gradients over ranks, so scale by world_size to get the global sum.
+    scale = engine.world_size / max(tokens, 1)
+    ce_total = torch.zeros((), dtype=torch.float64)
+    last = len(micro_batches) - 1
+    for i, (inputs, targets) in enumerate(micro_batches):
+        inputs, targets = inputs.to(engine.device), targets.to(engine.device)
+        sync = contextlib.nullcontext() if i == last else engine.no_sync()
+        with sync:
+            with autocast(precision, engine.device):
+                logits = engine.forward(inputs)
+            ce_sum, z_sum = token_losses(logits, targets)
+            loss = (ce_sum + z_loss * z_sum) * scale
+            if poison_loss and i == last:
+                loss = loss * float("nan")  # fault drill: a non-finite loss at this step
+                ce_sum = ce_sum * float("nan")
+            engine.backward(loss)
+        ce_total += ce_sum.detach().double().cpu()
+    gnorm = engine.clip_grad_norm(clip)
+    # One collective carries the loss sum and every rank's stop flag.
+    reduced = engine.all_reduce_sum(torch.tensor([float(ce_total), float(stop_requested)],
+                                                 dtype=torch.float64))
+    return StepResult(loss=float(reduced[0]) / max(tokens, 1), gnorm=gnorm, tokens=tokens,
+                      stop_requested=bool(reduced[1] > 0))

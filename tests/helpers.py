@@ -1,0 +1,89 @@
+"""Shared test helpers: run a function on N gloo ranks, run dsslm.train in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+# Small enough to train hundreds of steps in seconds on 2 cores; real text (stdlib source).
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+        "train.micro_batch_size=4", "train.precision=fp32", "run.val_every=0", "run.tensorboard=false",
+        "optim.warmup_steps=5", "train.device=cpu"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
+    result = fn(rank, world_size, *args)
+    out.put((rank, result))
+
+
+def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout_s: int = 300) -> list:
+    """Run fn(rank, world_size, *args) on `world_size` spawned processes; return results by rank.
+
+    fn must be importable (module level) and may create its own process group through the
+    environment set here (dsslm engines do).
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    for _ in procs:
+        rank, value = out.get(timeout=timeout_s)
+        results[rank] = value
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return [results[r] for r in range(world_size)]
+
+
+def train_cmd(nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [PYTHON, "-m", "dsslm.train"]
+    return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), "-m", "dsslm.train"]
+
+
+def run_train(run_dir: Path, *overrides: str, nproc: int = 1, check: bool = True,
+              timeout_s: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Train in a subprocess (a fresh interpreter, as a user would) and return the result."""
+    cmd = train_cmd(nproc) + [f"run.dir={run_dir}", *TINY, *overrides]
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Each step's loss as finally trained (a later record of a step replaces an earlier one)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def events(run_dir: Path, name: str | None = None) -> list[dict]:
+    records = read_jsonl(run_dir / "events.jsonl")
+    return [r for r in records if name is None or r["event"] == name]

@@ -1,0 +1,258 @@
+"""SpikeMonitor verdicts on synthetic loss curves, state roundtrips, and the rewind policy."""
+import json
+import math
+import random
+
+import pytest
+
+from dsslm.config import MonitorCfg
+from dsslm.monitor import (RewindPlan, SpikeMonitor, Verdict, merge_windows, plan_rewind,
+                           rewind_record)
+
+
+def clean_curve(seed, n_steps=3000, noise=0.015, gnorm_sigma=0.25, warmup_steps=0):
+    """(step, loss, gnorm) of a healthy run: exponential decay from ~10.8 (ln 50k vocab) to 2.0
+    with relative Gaussian noise, and lognormal grad-norm noise. With warmup the loss stays flat
+    for a while and the grad norm climbs 7.5x over warmup before slowly decaying."""
+    rng = random.Random(seed)
+    for step in range(n_steps):
+        if warmup_steps:
+            mean = 2.0 + 8.8 * math.exp(-max(0, step - warmup_steps // 4) / 350)
+            if step < warmup_steps:
+                gnorm = 0.2 + 1.3 * step / warmup_steps
+            else:
+                gnorm = 0.3 + 1.2 * math.exp(-(step - warmup_steps) / 1500)
+        else:
+            mean = 2.0 + 8.8 * math.exp(-step / 400)
+            gnorm = 0.4 + 1.6 * math.exp(-step / 300)
+        loss = mean * (1 + noise * rng.gauss(0, 1))
+        yield step, loss, gnorm * math.exp(gnorm_sigma * rng.gauss(0, 1))
+
+
+def feed(monitor, stream):
+    return [monitor.check(step, loss, gnorm) for step, loss, gnorm in stream]
+
+
+def warmed_monitor(n_steps=200, cfg=None, seed=0):
+    """A monitor that has seen `n_steps` clean steps of the late, flat part of a curve."""
+    monitor = SpikeMonitor(cfg or MonitorCfg())
+    stream = list(clean_curve(seed, n_steps=2000 + n_steps))[2000:]
+    assert set(feed(monitor, ((i, l, g) for i, (_, l, g) in enumerate(stream)))) == {Verdict.OK}
+    return monitor
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 300])
+@pytest.mark.parametrize("noise", [0.01, 0.02])
+def test_clean_curves_have_no_outliers(noise, warmup_steps):
+    # Measured over 50 seeds x 3000 steps per setting: at most 1 outlier in 150k steps.
+    for seed in range(5):
+        stream = clean_curve(seed, noise=noise, warmup_steps=warmup_steps)
+        verdicts = feed(SpikeMonitor(MonitorCfg()), stream)
+        outliers = [(step, v) for step, v in enumerate(verdicts) if v is not Verdict.OK]
+        assert outliers == [], seed
+
+
+def test_a_sudden_drop_in_loss_is_progress_not_a_spike():
+    monitor = warmed_monitor()
+    rng = random.Random(1)
+    # The loss falls 15% in one step (a phase change): z is about -10, far below -loss_z.
+    verdicts = [monitor.check(200 + i, 1.7 * (1 + 0.015 * rng.gauss(0, 1)), 0.4) for i in range(100)]
+    assert set(verdicts) == {Verdict.OK}
+
+
+def test_noise_free_curves_do_not_divide_by_a_zero_mad():
+    monitor = SpikeMonitor(MonitorCfg())
+    assert set(feed(monitor, ((s, 3.0, 1.0) for s in range(100)))) == {Verdict.OK}
+    assert monitor.check(100, 3.0 * 1.005, 1.0) is Verdict.OK   # 0.5% wobble: under the floor
+    assert monitor.check(101, 3.0 * 1.03, 1.0) is Verdict.SKIP  # 3%: z = 0.09 / 0.007 = 12.9
+    falling = SpikeMonitor(MonitorCfg())
+    assert set(feed(falling, ((s, 2.0 + 3.0 * math.exp(-s / 50), 1.0) for s in range(1000)))) == {Verdict.OK}
+
+
+def test_isolated_spike_is_skipped_at_once_and_kept_out_of_the_history():
+    monitor = warmed_monitor()
+    losses_before = monitor.state_dict()["losses"]
+    median = sorted(losses_before)[len(losses_before) // 2]
+    assert 6 < monitor.loss_z(median * 1.15) < 20
+    assert monitor.check(200, median * 1.15, 0.4) is Verdict.SKIP  # detection delay: 0 steps
+    assert monitor.spike_start == 200
+    assert monitor.state_dict()["losses"] == losses_before
+    assert monitor.check(201, median, 0.4) is Verdict.OK
+    assert monitor.spike_start is None
+    assert max(monitor.state_dict()["losses"]) < median * 1.15
+
+
+def test_grad_norm_outlier_is_skipped():
+    monitor = warmed_monitor()
+    assert monitor.check(200, 2.0, 0.4 * 6) is Verdict.SKIP
+    assert monitor.check(201, 2.0, 0.4 * 3) is Verdict.OK
+
+
+@pytest.mark.parametrize("max_skips", [0, 2, 4])
+def test_sustained_spike_rewinds_after_max_skips(max_skips):
+    monitor = warmed_monitor(cfg=MonitorCfg(max_skips=max_skips))
+    verdicts = [monitor.check(200 + i, 2.3, 0.4) for i in range(max_skips + 1)]
+    assert verdicts == [Verdict.SKIP] * max_skips + [Verdict.REWIND]  # detection delay: max_skips
+    assert monitor.spike_start == 200
+
+
+def test_a_clean_step_resets_the_consecutive_count():
+    monitor = warmed_monitor()
+    verdicts = []
+    for i in range(0, 30, 3):  # two spikes, one clean step, repeated
+        verdicts += [monitor.check(200 + i, 2.3, 0.4), monitor.check(201 + i, 2.3, 0.4),
+                     monitor.check(202 + i, 2.0, 0.4)]
+    assert Verdict.REWIND not in verdicts
+    assert verdicts.count(Verdict.SKIP) == 20
+
+
+@pytest.mark.parametrize("loss, gnorm", [(math.nan, 0.4), (math.inf, 0.4), (2.0, math.inf), (2.0, math.nan)])
+def test_non_finite_rewinds_immediately(loss, gnorm):
+    monitor = warmed_monitor()
+    history = monitor.state_dict()["losses"]
+    assert monitor.check(200, loss, gnorm) is Verdict.REWIND
+    assert monitor.spike_start == 200
+    assert monitor.state_dict()["losses"] == history
+
+
+def test_nan_rewinds_even_before_min_history():
+    monitor = SpikeMonitor(MonitorCfg())
+    assert monitor.check(0, 10.8, 1.0) is Verdict.OK
+    assert monitor.check(1, math.nan, 1.0) is Verdict.REWIND
+    assert monitor.state_dict()["losses"] == [10.8]
+
+
+def test_hard_threshold_rewinds_immediately_and_keeps_the_streak_start():
+    monitor = warmed_monitor()
+    assert monitor.loss_z(2.0 + 25 * 0.03) > 20   # noise is 1.5% of 2.0 = 0.03 nats
+    assert monitor.check(200, 2.0 + 25 * 0.03, 0.4) is Verdict.REWIND
+    assert monitor.spike_start == 200
+    monitor.reset_streak()
+    assert monitor.spike_start is None
+    assert monitor.check(300, 2.3, 0.4) is Verdict.SKIP      # a skip, then a hard spike
+    assert monitor.check(301, 50.0, 0.4) is Verdict.REWIND
+    assert monitor.spike_start == 300
+
+
+def test_no_judgement_before_min_history():
+    monitor = SpikeMonitor(MonitorCfg(min_history=20))
+    assert set(feed(monitor, ((s, 3.0 if s % 2 else 30.0, 1.0) for s in range(20)))) == {Verdict.OK}
+    assert len(monitor.state_dict()["losses"]) == 20
+
+
+def spiky_stream(seed=3, n_steps=1500):
+    """A late-training stream with isolated spikes, short runs, sustained runs, NaNs."""
+    # Noise is 1.5% of the loss: x1.15 is z ~ 10 (skip), x1.5 is z ~ 33 (hard rewind).
+    spikes = {300: 1.15, 301: 1.15, 500: 1.5, 700: 1.15, 701: 1.2, 702: 1.15, 703: 1.15,
+              900: math.nan, 1100: 1.2, 1250: 5.0, 1400: 1.15, 1401: 1.15}
+    for i, (_, loss, gnorm) in enumerate(list(clean_curve(seed, n_steps=2000 + n_steps))[2000:]):
+        yield i, loss * spikes.get(i, 1.0), gnorm * (8.0 if i == 1000 else 1.0)
+
+
+def judge(monitor, stream):
+    """Verdicts and spike starts, acting on a REWIND as the loop does (reset_streak)."""
+    out = []
+    for step, loss, gnorm in stream:
+        verdict = monitor.check(step, loss, gnorm)
+        out.append((verdict, monitor.spike_start))
+        if verdict is Verdict.REWIND:
+            monitor.reset_streak()
+    return out
+
+
+@pytest.mark.parametrize("cut", [290, 300, 301, 690, 701, 702, 990, 1240])
+def test_state_roundtrip_judges_like_the_uninterrupted_monitor(cut):
+    stream = list(spiky_stream())
+    reference = judge(SpikeMonitor(MonitorCfg()), stream)
+    assert {v for v, _ in reference} == {Verdict.OK, Verdict.SKIP, Verdict.REWIND}
+    first = SpikeMonitor(MonitorCfg())
+    before = judge(first, stream[:cut])
+    restored = SpikeMonitor(MonitorCfg())
+    restored.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert before + judge(restored, stream[cut:]) == reference
+    # A monitor that starts afresh at the cut misses what the restored one sees.
+    assert before + judge(SpikeMonitor(MonitorCfg()), stream[cut:]) != reference
+
+
+def test_the_streak_travels_in_the_state():
+    monitor = warmed_monitor()
+    assert [monitor.check(200 + i, 2.3, 0.4) for i in range(2)] == [Verdict.SKIP] * 2
+    state = json.loads(json.dumps(monitor.state_dict()))
+    restored, streakless = SpikeMonitor(MonitorCfg()), SpikeMonitor(MonitorCfg())
+    restored.load_state_dict(state)
+    streakless.load_state_dict({**state, "streak": 0, "spike_start": None})
+    assert restored.check(202, 2.3, 0.4) is Verdict.REWIND and restored.spike_start == 200
+    assert streakless.check(202, 2.3, 0.4) is Verdict.SKIP and streakless.spike_start == 202
+
+
+def test_load_state_dict_refuses_another_format():
+    with pytest.raises(ValueError, match="format"):
+        SpikeMonitor(MonitorCfg()).load_state_dict({"format": 99})
+
+
+def batch_of(skip_list):
+    """The loader's mapping: the step-th data batch outside every [start, end) window."""
+    def data_batch_of(step):
+        batch = step
+        for start, end in merge_windows(skip_list):
+            if batch < start:
+                break
+            batch += end - start
+        return batch
+    return data_batch_of
+
+
+def test_plan_rewind_without_skip_windows():
+    plan = plan_rewind(200, 202, batch_of([]), [], MonitorCfg())
+    assert plan == RewindPlan(to_step=195, window=[200, 203], lr_scale_factor=1.0, escalate=False)
+
+
+def test_plan_rewind_covers_batches_across_an_existing_skip_window():
+    skip = [[100, 110]]
+    assert plan_rewind(95, 97, batch_of(skip), [], MonitorCfg()).window == [95, 98]
+    # Steps 98..101 are fed batches 98, 99, 110, 111: the window covers all four.
+    assert plan_rewind(98, 101, batch_of(skip), [], MonitorCfg()).window == [98, 112]
+    assert plan_rewind(100, 100, batch_of(skip), [], MonitorCfg()).window == [110, 111]
+    assert merge_windows(skip + [[98, 112]]) == [[98, 112]]
+
+
+def test_plan_rewind_to_step_keeps_the_margin():
+    assert plan_rewind(200, 202, batch_of([]), [], MonitorCfg(rewind_margin_steps=20)).to_step == 180
+    assert plan_rewind(3, 3, batch_of([]), [], MonitorCfg(rewind_margin_steps=5)).to_step == 0
+
+
+def test_second_spike_in_the_same_region_backs_off_the_lr():
+    cfg = MonitorCfg(region_steps=50, lr_backoff=0.7)
+    first = plan_rewind(200, 202, batch_of([]), [], cfg)
+    history = [rewind_record(200, first)]
+    assert json.loads(json.dumps(history)) == history
+    skip = [first.window]
+    # Same steps replayed after the rewind: the data moved on, the spike did not.
+    again = plan_rewind(201, 203, batch_of(skip), history, cfg)
+    assert again.lr_scale_factor == 0.7 and again.window == [204, 207]
+    assert plan_rewind(249, 249, batch_of(skip), history, cfg).lr_scale_factor == 0.7
+    assert plan_rewind(250, 250, batch_of(skip), history, cfg).lr_scale_factor == 1.0
+    assert plan_rewind(600, 602, batch_of(skip), history, cfg).lr_scale_factor == 1.0
+    # Far in steps but touching the old data window: the same region of data.
+    far_history = [{"step": 1000, "window": [200, 203], "to_step": 995}]
+    assert plan_rewind(197, 199, batch_of([]), far_history, cfg).lr_scale_factor == 0.7
+    assert plan_rewind(190, 195, batch_of([]), far_history, cfg).lr_scale_factor == 1.0
+
+
+def test_escalate_after_max_rewinds():
+    cfg = MonitorCfg(max_rewinds=4)
+    history = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5}
+               for i in range(1, 5)]
+    assert plan_rewind(7000, 7002, batch_of([]), history[:3], cfg).escalate is False
+    assert plan_rewind(7000, 7002, batch_of([]), history, cfg).escalate is True
+
+
+def test_merge_windows():
+    assert merge_windows([]) == []
+    assert merge_windows([[5, 8], (0, 3), [3, 4], [7, 10], [12, 12], [20, 25], [21, 22]]) == \
+        [[0, 4], [5, 10], [20, 25]]
+
+
+def test_verdicts_are_json_strings():
+    assert json.dumps([Verdict.OK, Verdict.SKIP]) == '["ok", "skip_step"]'
+    assert Verdict("rewind") is Verdict.REWIND and Verdict.ESCALATE == "escalate"

@@ -1,0 +1,173 @@
+"""dsslm.report on synthetic run dirs: a clean run and one with every kind of incident."""
+import json
+import math
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dsslm import report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+T0 = 1_764_000_000.0
+RNG = random.Random(0)
+CONFIG = {"optim": {"clip": 1.0, "peak_lr": 3e-4}, "train": {"total_steps": 100}}
+
+
+def step_record(step, lr_scale=1.0, verdict="ok", loss=None, **extra):
+    base = 2.5 + 8.0 * math.exp(-step / 15)
+    return {"step": step, "loss": loss if loss is not None else base + RNG.gauss(0, 0.05),
+            "gnorm": 0.4 + RNG.random() * 0.8, "lr": 3e-4 * min(1.0, step / 10) * lr_scale,
+            "lr_scale": lr_scale, "tokens": step * 8192, "tokens_per_s": 40_000 + RNG.gauss(0, 500),
+            "step_time_s": 0.2, "clip_frac": 0.1, "verdict": verdict, "data_batch": step} | extra
+
+
+def val_record(step):
+    return {"step": step, "val_loss": {"web": 2.7 + 6 * math.exp(-step / 15),
+                                       "code": 2.2 + 5 * math.exp(-step / 15)}}
+
+
+def event(name, step, **fields):
+    return {"event": name, "time": T0 + step * 0.5, "step": step, **fields}
+
+
+def write_run(run_dir, metrics, events, truncated_tail=""):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) for r in metrics]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n" + truncated_tail)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run_dir
+
+
+def clean_run(run_dir):
+    metrics, events = [], [event("start", 0, world_size=2, engine="ddp", config_hash="abc", n_params=1_000_000)]
+    for step in range(1, 101):
+        metrics.append(step_record(step))
+        if step % 25 == 0:
+            metrics.append(val_record(step))
+            events.append(event("save", step, checkpoint=f"step-{step:08d}", seconds=0.3))
+    events.append(event("end", 100))
+    return write_run(run_dir, metrics, events)
+
+
+def segment(steps, lr_scale, metrics, specials=None):
+    specials = specials or {}
+    for step in steps:
+        ratios = {g: 1e-3 * (1 + i) * math.exp(-step / 50) for i, g in enumerate(["embed", "layer0", "head"])}
+        metrics.append(specials.get(step) or step_record(step, lr_scale, update_ratio=ratios))
+        if step % 10 == 0:
+            metrics.append(val_record(step))
+
+
+def incident_run(run_dir):
+    """Skip at 20, rewind at 40 back to 25 (lr_scale 1 -> 0.5), crash at 62, resume from 50,
+    killed while writing step 101. Executed 40 + 37 + 50 = 127 steps; 27 of them abandoned."""
+    metrics = []
+    events = [event("start", 0, world_size=2, engine="zero", config_hash="def", n_params=2_000_000,
+                    config=CONFIG)]
+    segment(range(1, 41), 1.0, metrics, {20: step_record(20, verdict="skip_step", loss=14.0, gnorm=30.0),
+                                         40: step_record(40, verdict="rewind", loss=16.0, gnorm=50.0)})
+    events += [event("skip", 20), event("save", 25, checkpoint="step-00000025", seconds=0.4),
+               event("alert", 38, reason="loss z-score 6.1"),
+               event("rewind", 40, to_step=25, window=[38, 41]), event("lr_scale", 40, old=1.0, new=0.5)]
+    segment(range(26, 63), 0.5, metrics)
+    events += [event("save", 50, checkpoint="step-00000050", seconds=0.5)]
+    events += [event("resume", 50, checkpoint="step-00000050")]
+    events[-1]["time"] = T0 + 62 * 0.5 + 30  # the restart came 30 s after the crash
+    segment(range(51, 101), 0.5, metrics)
+    return write_run(run_dir, metrics, events, truncated_tail='{"step": 101, "loss": 2.6, "gn')
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000
+    width, height = struct.unpack(">II", data[16:24])  # IHDR
+    assert width == 9 * 120 and 400 <= height <= 900
+
+
+def test_clean_run_writes_plots_and_summary(tmp_path, capsys):
+    run_dir = clean_run(tmp_path / "clean")
+    assert report.main([str(run_dir)]) == 0
+    out = run_dir / "report"
+    for name in ["loss.png", "lr.png", "gnorm.png", "throughput.png"]:
+        assert_png(out / name)
+    assert not (out / "update_ratio.png").exists()  # no record carries update_ratio
+    summary = (out / "summary.md").read_text()
+    assert "- status: finished" in summary
+    assert "- steps: 100 (100 executed, 0 abandoned" in summary
+    assert "- tokens: 819,200 (819k)" in summary
+    assert "- wall time: 0:00:50 (first to last event)" in summary
+    assert "| 0 | 0 | 0 | 0 | 0 | 0 | 0 | 4 | 0 |" in summary
+    assert "No skips, rewinds, resumes" in summary
+    assert "Unreadable" not in summary
+
+
+def test_incident_run_counts_and_table(tmp_path):
+    run_dir = incident_run(tmp_path / "incident")
+    out = tmp_path / "elsewhere"
+    assert report.main([str(run_dir), "--out", str(out)]) == 0
+    for name in ["loss.png", "lr.png", "gnorm.png", "throughput.png", "update_ratio.png"]:
+        assert_png(out / name)
+    summary = (out / "summary.md").read_text()
+    assert "- status: no end event" in summary
+    assert "- steps: 100 (127 executed, 27 abandoned" in summary
+    assert "- tokens: 819,200 (819k)" in summary
+    assert "- wall time: 0:01:01 (first to last event)" in summary  # start at T0, resume at T0 + 61 s
+    assert "  - code: 2.206 (step 100)" in summary and "  - web: 2.708 (step 100)" in summary
+    # skips, rewinds, resumes, lr_scale changes, alerts, escalations, passed over, saves, non-finite
+    assert "| 1 | 1 | 1 | 1 | 1 | 0 | 0 | 2 | 0 |" in summary
+    table = summary.split("## Events")[1]
+    events = [line.split("|")[4].strip() for line in table.splitlines()[4:] if line.startswith("|")]
+    assert events == ["skip", "alert", "rewind", "lr_scale", "resume"]
+    assert "to_step=25, window=[38, 41]" in table and "old=1, new=0.5" in table
+    assert "metrics.jsonl: 1" in summary  # the truncated last line
+
+
+def test_kept_flags_mark_rolled_back_steps():
+    steps = [1, 2, 3, 4, 2, 3, 4, 5, 4, 5, 6]
+    metrics = [{"step": s} for s in steps] + [{"step": 6, "val_loss": {}}]
+    kept = report.kept_flags(metrics, [True] * len(steps) + [False])
+    assert kept == [True, False, False, False, True, True, False, False, True, True, True, True]
+
+
+def test_incident_run_abandoned_records(tmp_path):
+    run = report.load_run(incident_run(tmp_path / "incident"))
+    kept_steps = [r["step"] for r, k in zip(run.train, run.train_kept) if k]
+    assert kept_steps == list(range(1, 101))
+    assert sum(~run.train_kept) == 27
+    assert [r["step"] for r, k in zip(run.val, run.val_kept) if not k] == [30, 40, 60]
+    assert report.clip_threshold(run) == 1.0
+
+
+def test_smooth_is_centered_and_keeps_length():
+    y = np.array([0.0, 0, 0, 3, 0, 0, 0])
+    assert np.allclose(report.smooth(y, 3), [0, 0, 1, 1, 1, 0, 0])
+
+
+def test_missing_metrics_exits_2(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl" in err[0]
+    assert not (tmp_path / "report").exists()
+
+
+def test_module_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dsslm.report", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_missing_events_and_optional_fields(tmp_path):
+    run_dir = tmp_path / "bare"
+    run_dir.mkdir()
+    lines = [{"step": s, "loss": 3.0 - s / 100, "verdict": "ok", "extra_field": [1]} for s in range(1, 30)]
+    lines[5] |= {"loss": "nan", "gnorm": "inf", "verdict": "skip_step"}  # how metrics.py writes non-finite
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "- steps: 29 (29 executed" in summary and "- final val loss: none recorded" in summary
+    assert "| 1 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 1 |" in summary
+    assert "- engine: ? (no start event)" in summary and "- wall time: ?" in summary

@@ -1,0 +1,150 @@
+"""Rank-0 sinks: metrics.jsonl, events.jsonl, TensorBoard, alerts, and the progress bar.
+
+Every sink is a no-op on other ranks, so the loop calls them unconditionally.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ALERT_EVENTS = ("skip", "rewind", "lr_scale", "escalation", "alert")
+ALERT_TIMEOUT_S = 30
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf; write them as strings so every line stays parseable.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class JsonlLog:
+    def __init__(self, path: Path, enabled: bool):
+        self.enabled = enabled
+        self.file = None
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(_clean(record)) + "\n")
+            self.file.flush()  # a killed run keeps every line written before the kill
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class EventLog(JsonlLog):
+    """events.jsonl, plus the user's alert command for the events a human should hear about."""
+
+    def __init__(self, run_dir: Path, enabled: bool, alert_command: str = ""):
+        super().__init__(run_dir / "events.jsonl", enabled)
+        self.alert_command = alert_command
+        self.alert_threads: list[threading.Thread] = []
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        record = {"event": event, "time": time.time(), **fields}
+        self.write(record)
+        if self.enabled and self.alert_command and event in ALERT_EVENTS:
+            thread = threading.Thread(target=self._run_alert, args=(record,), daemon=True)
+            thread.start()
+            self.alert_threads.append(thread)
+        return record
+
+    def _run_alert(self, record: dict) -> None:
+        # In a thread with a timeout: a hung webhook must never stall training.
+        try:
+            subprocess.run(self.alert_command, shell=True, input=json.dumps(_clean(record)),
+                           text=True, timeout=ALERT_TIMEOUT_S, capture_output=True)
+        except (subprocess.TimeoutExpired, OSError) as err:
+            print(f"dsslm: alert command failed: {err}", file=sys.stderr)
+
+    def close(self) -> None:
+        for thread in self.alert_threads:
+            thread.join(timeout=ALERT_TIMEOUT_S)
+        super().close()
+
+
+class TensorBoard:
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.writer = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # the tensorboard extra is optional
+                return
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["step"]
+        for key, value in record.items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    if isinstance(v, (int, float)):
+                        self.writer.add_scalar(f"{key}/{sub}", v, step)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                self.writer.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Progress:
+    """A one-line bar on a terminal; silent when stderr is a file (Slurm logs, CI)."""
+
+    def __init__(self, total_steps: int, enabled: bool):
+        self.total_steps = total_steps
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, step_time_s: float) -> None:
+        if not self.enabled:
+            return
+        eta_s = max(0, self.total_steps - step) * step_time_s
+        sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {loss:.4f}  "
+                         f"{tokens_per_s:,.0f} tok/s  eta {eta_s / 60:.1f} min   ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+class Sinks:
+    """Everything rank 0 writes about a run, behind one object the loop holds."""
+
+    def __init__(self, run_dir: Path, is_main: bool, total_steps: int, tensorboard: bool,
+                 alert_command: str = ""):
+        self.metrics = JsonlLog(run_dir / "metrics.jsonl", is_main)
+        self.events = EventLog(run_dir, is_main, alert_command)
+        self.tensorboard = TensorBoard(run_dir, is_main and tensorboard)
+        self.progress = Progress(total_steps, is_main)
+
+    def log_step(self, record: dict) -> None:
+        self.metrics.write(record)
+        self.tensorboard.write(record)
+        self.progress.update(record["step"], record["loss"], record["tokens_per_s"], record["step_time_s"])
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        return self.events.emit(event, **fields)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.tensorboard.close()
+        self.events.close()
+        self.metrics.close()

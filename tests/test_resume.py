@@ -1,0 +1,186 @@
+"""Checkpoints that resume exactly: kill anywhere, resume, and every later step is equal to the bit."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsslm import persist
+from dsslm.config import load
+from dsslm.faults import DrillAbort
+from dsslm.train import train
+from helpers import TINY, events, losses_by_step, read_jsonl, run_train
+
+STEPS = ["train.total_steps=30", "ckpt.every=10", "ckpt.keep_last=5"]
+
+
+def lrs_by_step(run_dir):
+    return {r["step"]: r["lr"] for r in read_jsonl(run_dir / "metrics.jsonl") if "lr" in r}
+
+
+def final_tensors(run_dir, step=30):
+    folder = run_dir / "checkpoints" / f"step-{step:08d}"
+    return load_file(folder / "model.safetensors"), load_file(folder / "optim.safetensors")
+
+
+def assert_same_run(a, b, from_step=1):
+    la, lb = losses_by_step(a), losses_by_step(b)
+    assert set(la) == set(lb) and la, (sorted(la), sorted(lb))
+    diff = {s: (la[s], lb[s]) for s in la if s >= from_step and la[s] != lb[s]}
+    assert not diff, f"losses differ at steps {sorted(diff)[:5]}: {list(diff.values())[:3]}"
+    assert lrs_by_step(a) == lrs_by_step(b)
+    for left, right in zip(final_tensors(a), final_tensors(b)):
+        assert left.keys() == right.keys()
+        assert all(torch.equal(left[k], right[k]) for k in left)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    run_train(run_dir, *STEPS)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_resumes_to_the_bit(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = run_train(run_dir, *STEPS, "faults.crash_at_step=17", check=False)
+    assert killed.returncode == -9  # a real SIGKILL: nothing ran after it
+    run_train(run_dir, *STEPS)
+    assert events(run_dir, "resume")[0]["step"] == 10
+    assert_same_run(reference, run_dir)
+
+
+@pytest.mark.slow
+def test_crash_inside_save_resumes_from_the_previous_checkpoint(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    crashed = run_train(run_dir, *STEPS, "faults.crash_in_save=20", check=False)
+    assert crashed.returncode == 137
+    leftovers = list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert leftovers, "the drill should leave a half-written temp folder behind"
+    run_train(run_dir, *STEPS)
+    assert events(run_dir, "resume")[0]["step"] == 10
+    assert_same_run(reference, run_dir)
+
+
+def inprocess(run_dir, *extra):
+    return load(None, [f"run.dir={run_dir}", *TINY, *STEPS, *extra])
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_tmp_and_manifestless_ignored(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    ckpts = run_dir / "checkpoints"
+    newest = ckpts / "step-00000030" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    newest.write_bytes(bytes(data))
+    truncated = ckpts / "step-00000020" / "optim.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    (ckpts / "step-00000025").mkdir()  # no MANIFEST: does not exist for readers
+    (ckpts / "step-00000025" / "state.json").write_text("{}")
+    (ckpts / ".tmp-step-00000028-1-x").mkdir()
+    metrics_before = len(read_jsonl(run_dir / "metrics.jsonl"))
+    assert train(inprocess(run_dir)) == 0
+    assert events(run_dir, "resume")[-1]["step"] == 10
+    passed = {e["checkpoint"] for e in events(run_dir, "passed_over")}
+    assert {"step-00000030", "step-00000020", "step-00000025"} <= {p.split("/")[-1] for p in passed}
+    assert (ckpts / "step-00000025").exists() and (ckpts / ".tmp-step-00000028-1-x").exists()
+    redone = read_jsonl(run_dir / "metrics.jsonl")[metrics_before:]
+    ref = losses_by_step(reference)
+    assert [r["step"] for r in redone if "loss" in r] == list(range(11, 31))
+    assert all(r["loss"] == ref[r["step"]] for r in redone if "loss" in r)
+
+
+def test_resume_refuses_other_data_or_tokenizer(reference, tmp_path, capsys):
+    from dsslm.data import main as prepare
+    from dsslm.train import main
+    other = tmp_path / "other"
+    (tmp_path / "t.txt").write_text("some other text entirely " * 400)
+    assert prepare(["prepare", "--input", str(tmp_path / "t.txt"), "--out", str(other)]) == 0
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    rc = main([f"run.dir={run_dir}", *TINY, *STEPS, "train.total_steps=40", f"data.dir={other}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "data" in err[0] and "--allow-drift" in err[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    bpe = tmp_path / "bpe"
+    assert prepare(["prepare", "--input", str(tmp_path / "t.txt"), "--out", str(bpe),
+                    "--tokenizer", "bpe", "--vocab-size", "300"]) == 0
+    rc = main([f"run.dir={run_dir}", *TINY, *STEPS, "train.total_steps=40", f"data.dir={bpe}"])
+    assert rc == 2 and "tokenizer" in capsys.readouterr().err
+
+
+def test_changed_hyperparameter_refused_unless_allowed(reference, tmp_path, capsys):
+    from dsslm.train import main
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    args = [f"run.dir={run_dir}", *TINY, *STEPS, "train.total_steps=32", "optim.peak_lr=5e-3"]
+    assert main(args) == 2
+    assert "optim.peak_lr" in capsys.readouterr().err
+    assert main(["--allow-drift", "optim.peak_lr", *args]) == 0
+    assert events(run_dir, "resume")[-1]["drift"] == {"optim.peak_lr": [0.002, 0.005]}
+
+
+def test_dropout_and_double_resume_equal_to_the_bit(tmp_path):
+    ref = tmp_path / "ref"
+    assert train(inprocess(ref, "model.dropout=0.1")) == 0
+    run_dir = tmp_path / "run"
+    for kill_at in (12, 23):  # killed, resumed, killed again, resumed again
+        with pytest.raises(DrillAbort):
+            train(inprocess(run_dir, "model.dropout=0.1", f"faults.crash_at_step={kill_at}",
+                            "faults.crash_mode=raise"))
+    assert train(inprocess(run_dir, "model.dropout=0.1")) == 0
+    assert [e["step"] for e in events(run_dir, "resume")] == [10, 20]
+    assert_same_run(ref, run_dir)
+
+
+@pytest.mark.parametrize("forget", ["rng", "adam_step", "loader", "moments"])
+def test_negative_controls_a_forgotten_piece_of_state_is_seen(tmp_path, monkeypatch, forget):
+    """The equality test must be able to fail: leave one piece of state unrestored."""
+    ref = tmp_path / "ref"
+    assert train(inprocess(ref, "model.dropout=0.1")) == 0
+    run_dir = tmp_path / "run"
+    with pytest.raises(DrillAbort):
+        train(inprocess(run_dir, "model.dropout=0.1", "faults.crash_at_step=17", "faults.crash_mode=raise"))
+    real_unflatten, real_restore = persist.unflatten_optim, persist.restore
+    if forget == "rng":
+        monkeypatch.setattr(persist, "set_rng_state", lambda state: None)
+    elif forget == "adam_step":
+        monkeypatch.setattr(persist, "unflatten_optim", lambda flat: {
+            **real_unflatten(flat), "step": {k: 1.0 for k in real_unflatten(flat)["step"]}})
+    elif forget == "moments":
+        monkeypatch.setattr(persist, "unflatten_optim", lambda flat: {
+            **real_unflatten(flat), "exp_avg": {k: torch.zeros_like(v) for k, v in real_unflatten(flat)["exp_avg"].items()}})
+    elif forget == "loader":
+        def restore_without_position(job, ckpt):
+            run = real_restore(job, ckpt)
+            run.skip_list = [[0, run.step]]  # the loader "restarts": different batches from here on
+            return run
+        monkeypatch.setattr(persist, "restore", restore_without_position)
+    assert train(inprocess(run_dir, "model.dropout=0.1")) == 0
+    ref_losses, got = losses_by_step(ref), losses_by_step(run_dir)
+    assert any(ref_losses[s] != got[s] for s in range(11, 31))
+
+
+def test_async_save_snapshot_is_taken_at_the_step(tmp_path):
+    """The weights in step-10 are those after step 10, although step 11 ran while it was written."""
+    run_dir = tmp_path / "run"
+    assert train(inprocess(run_dir, "ckpt.every=10", "train.total_steps=11")) == 0
+    sync_dir = tmp_path / "sync"
+    assert train(inprocess(sync_dir, "ckpt.every=10", "train.total_steps=11", "ckpt.async_save=false")) == 0
+    a = load_file(run_dir / "checkpoints" / "step-00000010" / "model.safetensors")
+    b = load_file(sync_dir / "checkpoints" / "step-00000010" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_state_json_carries_what_resume_needs(reference):
+    state = json.loads((reference / "checkpoints" / "step-00000030" / "state.json").read_text())
+    for key in ("step", "skip_list", "rng", "monitor", "scaler", "fingerprint", "run", "loader"):
+        assert key in state
+    assert state["step"] == 30 and state["run"]["lr_scale"] == 1.0
+    assert {"python", "numpy", "torch"} <= set(state["rng"][0])
+    manifest = json.loads((reference / "checkpoints" / "step-00000030" / "MANIFEST").read_text())
+    assert set(manifest["files"]) == {"model.safetensors", "optim.safetensors", "state.json"}

@@ -1,0 +1,104 @@
+"""Loss-spike recovery end to end on real text (the stdlib corpus), fp32."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsslm.config import load
+from dsslm.train import main, train
+from helpers import TINY, events, read_jsonl, run_train
+
+# d_model 64 at lr 3e-3 has settled near loss 3 by step 60, where uniformly random tokens
+# (loss ~7) are a clear spike; checkpoints every 5 steps give rewind targets.
+SPIKE = ["model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=100", "ckpt.every=5",
+         "ckpt.keep_last=4", "monitor.min_history=15", "monitor.window=30",
+         "monitor.rewind_margin_steps=2", "optim.warmup_steps=5"]
+
+
+def cfg(run_dir, *extra):
+    return load(None, [f"run.dir={run_dir}", *TINY, *SPIKE, *extra])
+
+
+def fed_batches(run_dir):
+    """Data batches whose update was kept (ok steps), in order."""
+    return [r["data_batch"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("verdict") == "ok"]
+
+
+@pytest.mark.slow
+def test_clean_run_has_no_skips_or_rewinds(tmp_path):
+    assert train(cfg(tmp_path, "train.total_steps=400", "ckpt.every=100")) == 0
+    verdicts = [r["verdict"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "verdict" in r]
+    assert len(verdicts) == 400 and set(verdicts) == {"ok"}
+    assert not events(tmp_path, "skip") and not events(tmp_path, "rewind")
+
+
+def test_single_poisoned_batch_is_skipped_and_changes_nothing(tmp_path):
+    # hard_loss_z high so the isolated outlier takes the skip path, not an immediate rewind.
+    assert train(cfg(tmp_path, "faults.poison_batches=[[70,71]]", "monitor.hard_loss_z=1e9",
+                     "ckpt.every=1", "ckpt.keep_last=100", "train.total_steps=72")) == 0
+    skips = events(tmp_path, "skip")
+    assert [(e["step"], e["data_batch"]) for e in skips] == [(71, 70)]
+    before = tmp_path / "checkpoints" / "step-00000070"
+    after = tmp_path / "checkpoints" / "step-00000071"
+    for name in ("model.safetensors", "optim.safetensors"):  # weights, both moments, Adam's step
+        a, b = load_file(before / name), load_file(after / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    records = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r}
+    assert records[72]["data_batch"] == 71  # the poisoned batch is not replayed; the plan advanced
+    assert records[72]["lr"] != records[71]["lr"]
+
+
+def test_poisoned_window_rewinds_once_and_is_never_fed_again(tmp_path):
+    assert train(cfg(tmp_path, "faults.poison_batches=[[70,74]]")) == 0
+    rewinds = events(tmp_path, "rewind")
+    assert len(rewinds) == 1
+    start, end = rewinds[0]["window"]
+    assert start <= 70 and 70 < end <= 74 and rewinds[0]["to_step"] <= 68
+    state_skip = json.loads((tmp_path / "checkpoints" / "step-00000100" / "state.json").read_text())["skip_list"]
+    assert [start, end] in state_skip
+    after = [b for b in fed_batches(tmp_path)[rewinds[0]["to_step"]:]]
+    assert not any(start <= b < end for b in after)
+    assert not any(70 <= b < 74 for b in fed_batches(tmp_path))  # no poisoned update was kept
+    # A resume from a checkpoint older than the spike must still never read the window.
+    run_dir_copy = tmp_path.parent / f"{tmp_path.name}-resumed"
+    shutil.copytree(tmp_path, run_dir_copy)
+    for folder in (run_dir_copy / "checkpoints").glob("step-*"):
+        if int(folder.name[5:]) > 65:
+            shutil.rmtree(folder)
+    assert train(cfg(run_dir_copy, "train.total_steps=110")) == 0
+    newly = read_jsonl(run_dir_copy / "metrics.jsonl")[len(read_jsonl(tmp_path / "metrics.jsonl")):]
+    assert newly and not any(start <= r["data_batch"] < end for r in newly if "data_batch" in r)
+
+
+def test_same_region_again_lowers_lr_scale(tmp_path):
+    assert train(cfg(tmp_path, "faults.poison_batches=[[70,74],[74,78]]")) == 0
+    changes = events(tmp_path, "lr_scale")
+    assert len(events(tmp_path, "rewind")) == 2 and len(changes) == 1
+    assert changes[0]["new"] == pytest.approx(0.7)
+    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["lr_scale"] == pytest.approx(0.7)
+
+
+def test_endless_poison_escalates_with_exit_3(tmp_path, capsys):
+    rc = main([f"run.dir={tmp_path}", *TINY, *SPIKE, "faults.poison_batches=[[70,100000]]",
+               "monitor.max_rewinds=2"])
+    assert rc == 3 and "escalated" in capsys.readouterr().err
+    assert len(events(tmp_path, "rewind")) == 2 and len(events(tmp_path, "escalation")) == 1
+
+
+def test_nan_loss_rewinds_and_recovers(tmp_path):
+    assert train(cfg(tmp_path, "faults.nan_steps=[75]")) == 0
+    rewinds = events(tmp_path, "rewind")
+    assert len(rewinds) == 1 and rewinds[0]["step"] == 75
+    final = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r][-1]
+    assert final["step"] == 100 and final["loss"] < 4.0
+
+
+@pytest.mark.slow
+def test_two_ranks_only_rank1_poisoned_act_together(tmp_path):
+    proc = run_train(tmp_path, *SPIKE, "train.micro_batch_size=2", "faults.poison_batches=[[70,74]]",
+                     "faults.poison_rank=1", nproc=2, timeout_s=400)
+    assert proc.returncode == 0
+    assert len(events(tmp_path, "rewind")) == 1
+    assert events(tmp_path, "end")[0]["step"] == 100

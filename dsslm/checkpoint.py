@@ -1,0 +1,365 @@
+"""Checkpoint store: host snapshot, one background writer, atomic publish, retention, newest-valid reads.
+
+    mgr = CheckpointManager(run_dir, keep_last=3, keep_every=1000, on_event=log_event)
+    ckpt = mgr.load_latest()                      # newest folder that verifies, or None
+    ...
+    mgr.check()                                   # each step: a failed background save raises here
+    mgr.save_async(step, {"model": model_sd, "optim": optim_sd}, {"step": step, "skip_list": ...})
+    ...
+    mgr.wait()                                    # before exit
+
+Layout and file format live in `ckpt_io.py`. The rules this module keeps:
+- `save_async` returns once every tensor is copied to host memory; the optimizer may then change
+  the live tensors. The writer thread streams the copies to `.tmp-step-XXXXXXXX-<pid>-<hex>/`,
+  fsyncs each file, writes MANIFEST last, fsyncs the folder and renames it into place.
+- At most one save in flight; a writer error is kept and raised (once) as CheckpointError by the
+  next `check()`, `wait()` or `save_async()` in the training thread.
+- on_event is only ever called from the training thread: events the writer produces are queued
+  and delivered by the next call into the manager, so a non-thread-safe logger is fine.
+- Folders that do not verify are passed over (one `passed_over` event each) and never deleted.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import queue
+import secrets
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable
+
+from dsslm.ckpt_io import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
+                           CheckpointError, HostBuffers, fsync_dir, load_checkpoint,
+                           load_verified, parse_name, remove_checkpoint, safetensors_chunks,
+                           stat_key, step_name, verify)
+
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointManager", "load_checkpoint", "verify"]
+
+# Below this a chunk is hashed inline: handing it to the hashing thread costs more than it saves.
+_INLINE_HASH_BYTES = 1 << 20
+
+
+def _write_file(path: Path, chunks: Iterable) -> tuple[str, int]:
+    """Create `path`, write `chunks`, fsync; return (sha256 hex, size).
+
+    The writer's only call that writes data, so a test can make it fail (ENOSPC) or slow.
+    """
+    digest, size = hashlib.sha256(), 0
+    with open(path, "xb") as f, ThreadPoolExecutor(1) as hasher:
+        for chunk in chunks:
+            # sha256 and write() both release the GIL: hashing a chunk while writing it makes a
+            # save cost max(hash, write) instead of their sum.
+            hashing = hasher.submit(digest.update, chunk) if len(chunk) >= _INLINE_HASH_BYTES else None
+            if hashing is None:
+                digest.update(chunk)
+            f.write(chunk)
+            if hashing is not None:
+                hashing.result()
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest(), size
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """Every rename of a checkpoint folder goes through here, so a test can crash between two."""
+    os.rename(src, dst)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under `run_dir/checkpoints/`. Call it from one training thread.
+
+    crash_in_save_step / crash_after_files: fault drill. The save of that step hard-exits the
+    process (os._exit(137), as if SIGKILLed) once `crash_after_files` files are in its temp folder
+    (MANIFEST counts; 0 dies before the first). It fires every time: arming it once per run is
+    the caller's (dsslm.faults).
+    """
+
+    def __init__(self, run_dir, keep_last: int = 3, keep_every: int = 0,
+                 on_event: Callable[..., None] | None = None,
+                 crash_in_save_step: int = -1, crash_after_files: int = 1,
+                 reuse_host_buffers: bool = True):
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} would delete the checkpoint just saved; set ckpt.keep_last >= 1")
+        if keep_every < 0:
+            raise ValueError(f"keep_every={keep_every} must be >= 0 (0 keeps no extra checkpoints)")
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self._on_event = on_event
+        self._crash_in_save_step, self._crash_after_files = crash_in_save_step, crash_after_files
+        self._buffers = HostBuffers(reuse_host_buffers)
+        # Guards every rename, delete and read of checkpoint folders (writer vs training thread).
+        self._lock = threading.RLock()
+        self._verified: dict[str, tuple[tuple, str | None]] = {}  # name -> (stat_key, reason)
+        self._reported: set[str] = set()
+        self._pinned: set[int] = set()
+        self._events: collections.deque = collections.deque()
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._error: tuple[int, BaseException] | None = None
+        self._last_path: Path | None = None
+        with self._lock:
+            for step, paths in self._scan().items():
+                if any(p.name.endswith(ASIDE_SUFFIX) for p in paths):
+                    self._settle_aside(step)
+
+    # Training-thread API.
+
+    def save_async(self, step: int, tensors: dict, state: dict) -> None:
+        """Copy everything to host memory now; write it on the background thread."""
+        self.wait()  # one save in flight; also raises the previous save's error
+        step_name(step)  # an unnameable step fails here, not in the writer
+        state = json.loads(json.dumps(state))  # a deep copy; a non-JSON value fails here too
+        snapshot = self._buffers.snapshot(tensors)
+        self._idle.clear()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._work, name="dsslm-ckpt-writer", daemon=True)
+            self._thread.start()
+        self._jobs.put((step, snapshot, state))
+
+    def save(self, step: int, tensors: dict, state: dict) -> Path:
+        """Synchronous save: the same path as save_async, then wait. Returns the published folder."""
+        self.save_async(step, tensors, state)
+        self.wait()
+        return self._last_path
+
+    def check(self) -> None:
+        """Deliver queued events; raise a failed background save as CheckpointError (once)."""
+        self._flush_events()
+        if not self._idle.is_set():
+            return  # the writer only sets _error before going idle; reading it now could race
+        failure, self._error = self._error, None
+        if failure is not None:
+            step, exc = failure
+            raise CheckpointError(f"saving checkpoint {step_name(step)} failed: {exc!r}; checkpoints "
+                                  f"saved before it are untouched") from exc
+
+    def wait(self) -> None:
+        """Block until no save is in flight; raise its error if it failed."""
+        self._idle.wait()
+        self.check()
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a background save is being written."""
+        return not self._idle.is_set()
+
+    def close(self) -> None:
+        """wait(), then stop the writer thread."""
+        self.wait()
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+    def valid_steps(self) -> list[int]:
+        """Steps with a valid folder, ascending. Verification is cached per folder file stats."""
+        self._flush_events()
+        with self._lock:
+            return sorted(self._valid_paths())
+
+    def load_latest(self) -> Checkpoint | None:
+        return self.latest_before(10**8)
+
+    def latest_before(self, step: int) -> Checkpoint | None:
+        """Newest valid checkpoint with ckpt.step <= step, re-hashed in full before it is loaded."""
+        self._flush_events()
+        with self._lock:
+            found = self._scan()
+            for candidate in sorted((s for s in found if s <= step), reverse=True):
+                path = self._resolve(found[candidate], rehash=True)
+                if path is None:
+                    continue
+                try:
+                    return load_verified(path)
+                except CheckpointError as exc:
+                    self._pass_over(path.name, str(exc))
+        return None
+
+    def pin(self, steps: Iterable[int]) -> None:
+        """Set the steps retention must keep besides its policy (pending rewind targets, the WSD
+        decay start). Replaces the previous set, so a target the run has moved past is let go."""
+        with self._lock:
+            self._pinned = {int(s) for s in steps}
+
+    def apply_retention(self) -> list[int]:
+        """Keep the newest keep_last valid, multiples of keep_every, pinned; delete the rest."""
+        with self._lock:
+            valid = self._valid_paths()
+            steps = sorted(valid)
+            keep = set(steps[-self.keep_last:]) | self._pinned
+            if self.keep_every > 0:
+                keep |= {s for s in steps if s % self.keep_every == 0}
+            deleted = [s for s in steps if s not in keep]
+            for s in deleted:
+                remove_checkpoint(valid[s])
+                self._verified.pop(valid[s].name, None)
+                self._emit("retention_delete", checkpoint=valid[s].name)
+        return deleted
+
+    # Writer thread.
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._last_path = self._write(*job)
+            except BaseException as exc:  # OSError(ENOSPC) included: kept for the training thread
+                self._error = (job[0], exc)
+            finally:
+                self._idle.set()
+
+    def _write(self, step: int, tensors: dict, state: dict) -> Path:
+        start = time.perf_counter()
+        if not self.ckpt_dir.is_dir():
+            self.ckpt_dir.mkdir(parents=True)
+            fsync_dir(self.run_dir)  # the new checkpoints/ entry must survive a power cut too
+        tmp = self.ckpt_dir / f".tmp-{step_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            self._maybe_crash(step, tmp)
+            files = {}
+            for group, named in tensors.items():
+                name = group + TENSOR_SUFFIX
+                files[name] = self._write_one(tmp / name, safetensors_chunks(named), step)
+            state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
+            files[STATE_FILE] = self._write_one(tmp / STATE_FILE, [memoryview(state_bytes)], step)
+            manifest = {"format": FORMAT, "step": step,
+                        "files": {n: {"sha256": h, "size": size} for n, (h, size) in files.items()}}
+            self._write_one(tmp / MANIFEST, [memoryview(json.dumps(manifest, indent=1).encode())], step)
+            fsync_dir(tmp)
+            with self._lock:
+                path = self._publish(tmp, step)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # our own temp folder; frees what ENOSPC needs
+            raise
+        self._emit("save", checkpoint=path.name, step=step, seconds=round(time.perf_counter() - start, 3),
+                   bytes=sum(size for _, size in files.values()))
+        try:
+            self.apply_retention()
+        except OSError as exc:
+            raise CheckpointError(f"{path.name} was saved, but retention could not delete: {exc}") from exc
+        return path
+
+    def _write_one(self, path: Path, chunks, step: int) -> tuple[str, int]:
+        result = _write_file(path, chunks)
+        self._maybe_crash(step, path.parent)
+        return result
+
+    def _maybe_crash(self, step: int, tmp: Path) -> None:
+        if step != self._crash_in_save_step or len(os.listdir(tmp)) < self._crash_after_files:
+            return
+        os._exit(137)  # no cleanup, no flush: what a SIGKILL mid-save leaves behind
+
+    def _publish(self, tmp: Path, step: int) -> Path:
+        """Rename the finished temp folder to step-XXXXXXXX, replacing what is there safely.
+
+        Re-saving a step (after a rewind) that has a valid folder takes two renames: old ->
+        `step-XXXXXXXX.replaced`, new -> `step-XXXXXXXX`; then the aside is deleted (MANIFEST
+        first). Between the renames only the aside exists, and readers accept a valid aside as
+        its step when the plain name is absent or invalid, so the step is findable at every
+        moment; `_settle_aside` (next save of the step, or the next manager) finishes a replace
+        that died half way. Linux renameat2(RENAME_EXCHANGE) would swap atomically, but os does
+        not expose it and not every filesystem has it; two renames plus a reader rule work on all.
+        An existing invalid folder is renamed to `.invalid-<time>` for a person to look at.
+        """
+        final = self.ckpt_dir / step_name(step)
+        self._settle_aside(step)
+        if final.exists():
+            reason = verify(final)  # full hash: deciding what to delete deserves more than the cache
+            if reason is None:
+                _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
+            else:
+                stamp = time.strftime("%Y%m%dT%H%M%S")
+                _rename(final, final.with_name(f"{final.name}.invalid-{stamp}-{secrets.token_hex(2)}"))
+            fsync_dir(self.ckpt_dir)
+        _rename(tmp, final)
+        fsync_dir(self.ckpt_dir)
+        self._verified[final.name] = (stat_key(final), None)  # every byte was hashed as written
+        self._settle_aside(step)
+        return final
+
+    def _settle_aside(self, step: int) -> None:
+        """Finish a replace of `step` that a crash interrupted (see _publish)."""
+        final = self.ckpt_dir / step_name(step)
+        aside = final.with_name(final.name + ASIDE_SUFFIX)
+        if not aside.exists():
+            return
+        if self._reason(final) is None:
+            remove_checkpoint(aside)  # the new copy made it in; the aside was going to be deleted
+            self._verified.pop(aside.name, None)
+        elif not final.exists() and self._reason(aside) is None:
+            _rename(aside, final)  # died between the renames: the old copy is still the step
+            fsync_dir(self.ckpt_dir)
+            self._verified.pop(aside.name, None)
+
+    # Reading (callers hold self._lock).
+
+    def _scan(self) -> dict[int, list[Path]]:
+        """step -> candidate folders, `step-XXXXXXXX` before its aside. Skips `.tmp-*` silently."""
+        found: dict[int, list[Path]] = collections.defaultdict(list)
+        if not self.ckpt_dir.is_dir():
+            return {}
+        for name in os.listdir(self.ckpt_dir):
+            if not name.startswith("step-"):
+                continue  # temp folders of any process, drill markers: not checkpoints
+            parsed = parse_name(name)
+            if parsed is None:
+                self._pass_over(name, f"name {name!r} is not step-XXXXXXXX")
+            else:
+                found[parsed[0]].append(self.ckpt_dir / name)
+        for paths in found.values():
+            paths.sort(key=lambda p: p.name.endswith(ASIDE_SUFFIX))
+        return dict(found)
+
+    def _valid_paths(self) -> dict[int, Path]:
+        found = self._scan()
+        valid = {step: self._resolve(paths, rehash=False) for step, paths in found.items()}
+        return {step: path for step, path in valid.items() if path is not None}
+
+    def _resolve(self, paths: list[Path], rehash: bool) -> Path | None:
+        """The first valid candidate; reports the invalid ones it passes over."""
+        for path in paths:
+            reason = self._reason(path, rehash)
+            if reason is None:
+                return path
+            self._pass_over(path.name, reason)
+        return None
+
+    def _reason(self, folder: Path, rehash: bool = False) -> str | None:
+        """verify(folder), cached per stat_key unless rehash (the one a loader returns)."""
+        key = stat_key(folder)
+        cached = self._verified.get(folder.name)
+        if key is not None and not rehash and cached is not None and cached[0] == key:
+            return cached[1]
+        reason = verify(folder) if folder.exists() else "missing"
+        if key is not None:
+            self._verified[folder.name] = (key, reason)
+        return reason
+
+    def _pass_over(self, name: str, reason: str) -> None:
+        if name not in self._reported:
+            self._reported.add(name)
+            self._emit("passed_over", checkpoint=name, reason=reason)
+
+    def _emit(self, event: str, **fields) -> None:
+        if self._on_event is None:
+            return
+        self._events.append((event, fields))
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        if threading.current_thread() is self._thread:
+            return  # the writer never calls on_event; the training thread delivers its events
+        while self._events and self._on_event is not None:
+            try:
+                event, fields = self._events.popleft()
+            except IndexError:
+                return  # another caller drained it between the check and the pop
+            self._on_event(event, **fields)

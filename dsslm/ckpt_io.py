@@ -1,0 +1,283 @@
+"""Checkpoint I/O primitives: host snapshot, folder naming, safetensors streaming, MANIFEST, verify, load.
+
+`checkpoint.py` holds the policy (async writer, atomic publish, retention); this module holds
+the mechanics, and everything a reader needs, so a tool can verify or load a folder without a manager.
+
+A folder `step-XXXXXXXX/` holds `<group>.safetensors` per tensor group, `state.json`, and
+`MANIFEST` = {"format": 1, "step": N, "files": {name: {"sha256": hex, "size": int}}} covering
+every other file. MANIFEST is written last and deleted first, so any folder without one is a
+save or a delete that did not finish.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+FORMAT = 1
+MANIFEST = "MANIFEST"
+STATE_FILE = "state.json"
+TENSOR_SUFFIX = ".safetensors"
+# The old copy of a step while a re-save of that step replaces it. Readers accept it as that step
+# when `step-XXXXXXXX` itself is absent or invalid, so a crash between the two renames of a
+# replace still leaves the step findable (see CheckpointManager._publish).
+ASIDE_SUFFIX = ".replaced"
+_NAME_RE = re.compile(r"step-(\d{8})(\.replaced)?")
+_GROUP_RE = re.compile(r"[A-Za-z0-9_]+")
+_FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+# 64 MiB pieces: large enough that per-call overhead is nil, small enough that hashing one piece
+# overlaps writing the next (see checkpoint._write_file).
+CHUNK_BYTES = 64 << 20
+# Host copies are split into pieces this size so a few threads share one large tensor evenly.
+COPY_CHUNK_BYTES = 16 << 20
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, or a folder is not a valid checkpoint."""
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    tensors: dict[str, dict[str, torch.Tensor]]  # {"model": {...}, "optim": {...}}, on CPU
+    state: dict                                   # state.json
+
+
+def step_name(step: int) -> str:
+    if not 0 <= step < 10**8:
+        raise CheckpointError(f"step {step} does not fit step-XXXXXXXX (0 <= step < 1e8)")
+    return f"step-{step:08d}"
+
+
+def parse_name(name: str) -> tuple[int, bool] | None:
+    """(step, is_aside) for `step-XXXXXXXX` or its `.replaced` aside; None for any other name."""
+    match = _NAME_RE.fullmatch(name)
+    return None if match is None else (int(match.group(1)), match.group(2) is not None)
+
+
+def check_group_name(group: str) -> None:
+    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
+        raise ValueError(f"tensor group {group!r} must match [A-Za-z0-9_]+ (it becomes a file name)")
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
+    """Yield the safetensors encoding of contiguous CPU tensors without building it in memory.
+
+    safetensors.torch.save() copies everything into one bytes object while holding the GIL
+    (3.6 s for 600 MB here, against 1.2 s to write it); streaming the tensors' own memory lets
+    write() and sha256 release the GIL and costs no second copy of the state.
+    """
+    # Largest element first, as safetensors itself orders them, so every offset stays aligned.
+    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, offset = {}, 0
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format allows trailing spaces; 8-byte aligned data
+    yield memoryview(struct.pack("<Q", len(blob)) + blob)
+    for name in names:
+        t = tensors[name]
+        if t.numel() == 0:
+            continue
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for start in range(0, len(raw), CHUNK_BYTES):
+            yield raw[start:start + CHUNK_BYTES]
+
+
+class HostBuffers:
+    """Host copies of the live tensors, reused from one save to the next.
+
+    A fresh 600 MB clone spends ~1.1 s faulting in new pages; copying into pages already mapped
+    takes ~0.02-0.04 s (2-core dev box). Reuse is safe because a snapshot starts only after the
+    previous writer has finished with the buffers (at most one save in flight).
+    """
+
+    def __init__(self, reuse: bool):
+        self._reuse = reuse
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def snapshot(self, tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
+        old, self._buffers = (self._buffers if self._reuse else {}), {}
+        out, pairs = {}, []
+        for group, named in tensors.items():
+            check_group_name(group)
+            out[group] = {}
+            for name, live in named.items():
+                if not isinstance(live, torch.Tensor) or not isinstance(name, str) or name == "__metadata__":
+                    raise TypeError(f"tensors[{group!r}][{name!r}] is {type(live).__name__}: each value must "
+                                    f"be a tensor under a str name (not __metadata__); put plain values in state")
+                buf = old.get((group, name))
+                if buf is None or buf.shape != live.shape or buf.dtype != live.dtype:
+                    # Pinned memory lets device-to-host copies run as DMA without a staging copy.
+                    buf = torch.empty(live.shape, dtype=live.dtype, pin_memory=live.is_cuda)
+                pairs.append((buf, live.detach()))
+                out[group][name] = self._buffers[(group, name)] = buf
+        self._copy(pairs)
+        return out
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        pieces, on_gpu = [], False
+        for buf, live in pairs:
+            if live.device.type == "cpu" and live.is_contiguous():
+                dst, src = _bytes_of(buf), _bytes_of(live)
+                pieces += [(dst[i:i + COPY_CHUNK_BYTES], src[i:i + COPY_CHUNK_BYTES])
+                           for i in range(0, len(src), COPY_CHUNK_BYTES)]
+            else:
+                buf.copy_(live, non_blocking=live.is_cuda)
+                on_gpu |= live.is_cuda
+        if pieces:
+            # Host-to-host copies on our own threads with numpy (which releases the GIL), not
+            # torch's copy_: one OpenMP region per tensor stalls 10-20x when another process
+            # holds the cores (0.08 s vs 0.2-1.9 s for 600 MB measured on a busy 2-core box).
+            if self._pool is None:
+                workers = min(4, os.cpu_count() or 1)
+                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dsslm-ckpt-copy")
+            list(self._pool.map(lambda piece: np.copyto(*piece), pieces))
+        if on_gpu:
+            # Non-blocking copies must land before save_async returns: the next optimizer step may
+            # run on another stream and the writer reads the buffers from another thread.
+            torch.cuda.synchronize()
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a flat uint8 array (no copy; any dtype, bf16 included)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def fsync_dir(path: Path) -> None:
+    """A rename or unlink is durable only once its directory is fsynced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def stat_key(folder: Path) -> tuple | None:
+    """What changes when any file of the folder changes: the cache key for verification."""
+    try:
+        with os.scandir(folder) as entries:
+            return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries))
+    except OSError:
+        return None
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_manifest(folder: Path) -> dict:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError("no MANIFEST (a save or a delete did not finish)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"unreadable MANIFEST: {exc}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict):
+        raise CheckpointError(f"MANIFEST is not format {FORMAT} with a files table")
+    for name, entry in files.items():
+        if (not _FILE_RE.fullmatch(name) or name == MANIFEST or not isinstance(entry, dict)
+                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(f"MANIFEST entry {name!r} is malformed")
+    return manifest
+
+
+def _check_files(folder: Path, manifest: dict) -> None:
+    files = manifest["files"]
+    present = {p.name for p in folder.iterdir()} - {MANIFEST}
+    if STATE_FILE not in files:
+        raise CheckpointError(f"MANIFEST does not list {STATE_FILE}")
+    extra, missing = sorted(present - files.keys()), sorted(files.keys() - present)
+    if extra:
+        raise CheckpointError(f"file {extra[0]} is not in MANIFEST")
+    if missing:
+        raise CheckpointError(f"file {missing[0]} is missing")
+    for name, entry in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{name} is not a regular file")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"{name} is {size} bytes, MANIFEST says {entry['size']}")
+        if _hash_file(path) != entry["sha256"]:
+            raise CheckpointError(f"{name} does not match its sha256 in MANIFEST")
+
+
+def verify(path) -> str | None:
+    """None if `path` is a valid checkpoint folder, else the reason. Hashes every file."""
+    folder = Path(path)
+    parsed = parse_name(folder.name)
+    if parsed is None:
+        return f"name {folder.name!r} is not step-XXXXXXXX"
+    if not folder.is_dir():
+        return "not a folder"
+    try:
+        manifest = read_manifest(folder)
+        if manifest.get("step") != parsed[0]:
+            return f"MANIFEST says step {manifest.get('step')}, the folder name says {parsed[0]}"
+        _check_files(folder, manifest)
+    except CheckpointError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return None
+
+
+def load_checkpoint(path) -> Checkpoint:
+    """Verify a folder against its MANIFEST and load it; CheckpointError naming the reason if not."""
+    folder = Path(path)
+    reason = verify(folder)
+    if reason is not None:
+        raise CheckpointError(f"{folder} is not a valid checkpoint: {reason}")
+    return load_verified(folder)
+
+
+def load_verified(folder: Path) -> Checkpoint:
+    """Load a folder the caller has just verified (so the hashing is not done twice)."""
+    try:
+        files = read_manifest(folder)["files"]
+        tensors = {name[:-len(TENSOR_SUFFIX)]: load_file(folder / name)
+                   for name in sorted(files) if name.endswith(TENSOR_SUFFIX)}
+        state = json.loads((folder / STATE_FILE).read_text())
+    except Exception as exc:  # a file that hashes right but fails to parse was written wrong
+        raise CheckpointError(f"{folder} verified but did not load: {exc}") from exc
+    return Checkpoint(step=parse_name(folder.name)[0], path=folder, tensors=tensors, state=state)
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """MANIFEST first: a crash half way leaves a folder every reader already ignores."""
+    manifest = folder / MANIFEST
+    if manifest.exists():
+        manifest.unlink()
+        fsync_dir(folder)
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    fsync_dir(folder.parent)

@@ -1,0 +1,461 @@
+"""dsslm.checkpoint: roundtrip, corruption, atomic publish, retention, async writer, crash drills."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from dsslm import checkpoint, ckpt_io
+from dsslm.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_tensors(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 32, generator=g)
+    return {"model": {"w": w, "b": torch.randn(32, generator=g).bfloat16(),
+                      "h": torch.randn(7, generator=g).half(), "ids": torch.arange(5), "scalar": torch.tensor(2.5)},
+            "optim": {"exp_avg.w": torch.randn(64, 32, generator=g), "exp_avg_sq.w": torch.rand(64, 32, generator=g)}}
+
+
+def state_for(step: int, tag: str = "") -> dict:
+    return {"step": step, "skip_list": [[10, 12]], "monitor": {"losses": [2.5, 2.25]}, "tag": tag}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern, so NaN payloads and -0.0 compare exactly."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_same_tensors(saved: dict, loaded: dict) -> None:
+    assert saved.keys() == loaded.keys()
+    for group in saved:
+        assert saved[group].keys() == loaded[group].keys()
+        for name, t in saved[group].items():
+            got = loaded[group][name]
+            assert got.dtype == t.dtype and got.shape == t.shape, name
+            assert torch.equal(bits(got), bits(t.contiguous())), name
+
+
+def file_hashes(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:08d}"
+
+
+def recorder():
+    events = []
+    return events, lambda event, **fields: events.append((event, fields))
+
+
+def run_script(body: str, run: Path) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(f"""
+        import os, sys, torch
+        from unittest import mock
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        from dsslm import checkpoint
+        from dsslm.checkpoint import CheckpointManager
+        run = Path({str(run)!r})
+        t = {{"model": {{"w": torch.full((256, 64), 1.0)}}, "optim": {{"m": torch.full((256, 64), 2.0)}}}}
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_roundtrip_is_bit_equal(tmp_path):
+    tensors = make_tensors()
+    tensors["model"]["odd"] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45])
+    tensors["model"]["strided"] = torch.randn(8, 6).t()  # non-contiguous source
+    state = state_for(7)
+    path = CheckpointManager(tmp_path).save(7, tensors, state)
+    assert path == ckpt(tmp_path, 7)
+    assert sorted(p.name for p in path.iterdir()) == ["MANIFEST", "model.safetensors", "optim.safetensors", "state.json"]
+    manifest = json.loads((path / "MANIFEST").read_text())
+    assert manifest["format"] == 1 and manifest["step"] == 7
+    assert manifest["files"] == {name: {"sha256": h, "size": (path / name).stat().st_size}
+                                 for name, h in file_hashes(path).items() if name != "MANIFEST"}
+    loaded = load_checkpoint(path)
+    assert loaded.step == 7 and loaded.state == state
+    assert_same_tensors(tensors, loaded.tensors)
+    # The streamed files are ordinary safetensors: the library reads them byte for byte alike.
+    with safetensors.safe_open(path / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(tensors["model"])
+    # Largest elements first keeps every tensor aligned in the file, as safetensors lays it out.
+    raw = (path / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    assert (8 + header_len) % 8 == 0
+    for name, entry in json.loads(raw[8:8 + header_len]).items():
+        assert entry["data_offsets"][0] % tensors["model"][name].element_size() == 0, name
+    assert CheckpointManager(tmp_path).load_latest().state == state
+
+
+def test_tied_tensors_save(tmp_path):
+    emb = torch.randn(10, 4)
+    tied = {"model": {"wte.weight": emb, "lm_head.weight": emb, "wte_t": emb.t(), "rows": emb[2:5]}}
+    with pytest.raises(RuntimeError):  # what the host copies protect against
+        safetensors.torch.save_file(tied["model"], tmp_path / "raw.safetensors")
+    CheckpointManager(tmp_path).save(1, tied, {"step": 1})
+    loaded = load_checkpoint(ckpt(tmp_path, 1)).tensors["model"]
+    assert torch.equal(loaded["wte.weight"], emb) and torch.equal(loaded["lm_head.weight"], emb)
+    assert torch.equal(loaded["wte_t"], emb.t()) and torch.equal(loaded["rows"], emb[2:5])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 8)
+
+
+@pytest.mark.parametrize("damage, reason", [(flip_byte, "sha256"), (truncate, "bytes")])
+def test_damaged_newest_is_passed_over(tmp_path, damage, reason):
+    warm_events, on_warm = recorder()
+    mgr = CheckpointManager(tmp_path, on_event=on_warm)
+    for step in (1, 2, 3):
+        mgr.save(step, make_tensors(step), state_for(step))
+    damage(ckpt(tmp_path, 3) / "model.safetensors")
+    cold_events, on_cold = recorder()
+    for reader, events in ((mgr, warm_events), (CheckpointManager(tmp_path, on_event=on_cold), cold_events)):
+        latest = reader.load_latest()
+        assert latest.step == 2 and latest.state == state_for(2)
+        assert_same_tensors(make_tensors(2), latest.tensors)
+        assert reader.valid_steps() == [1, 2]
+        passed = [f for e, f in events if e == "passed_over"]
+        assert len(passed) == 1 and passed[0]["checkpoint"] == "step-00000003"
+        assert reason in passed[0]["reason"] and "model.safetensors" in passed[0]["reason"]
+    assert ckpt(tmp_path, 3).is_dir()  # never deleted
+    with pytest.raises(CheckpointError, match=reason):
+        load_checkpoint(ckpt(tmp_path, 3))
+
+
+def test_loaders_rehash_even_when_the_cache_says_valid(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        mgr.save(step, make_tensors(step), state_for(step))
+    model_file = ckpt(tmp_path, 2) / "model.safetensors"
+    before = model_file.stat()
+    flip_byte(model_file)  # same size; restore the mtime so the stat-keyed cache cannot notice
+    os.utime(model_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert mgr.valid_steps() == [1, 2]  # cheap path: cached
+    assert mgr.load_latest().step == 1
+    assert mgr.latest_before(2).step == 1
+    assert mgr.valid_steps() == [1]  # the full hash updated the cache
+
+
+def test_valid_steps_is_cached_and_load_hashes_only_what_it_returns(tmp_path, monkeypatch):
+    hashed = []
+    real = ckpt_io._hash_file
+    monkeypatch.setattr(ckpt_io, "_hash_file", lambda p: hashed.append(p.parent.name) or real(p))
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        mgr.save(step, make_tensors(step), state_for(step))  # retention lists valid steps each time
+    assert mgr.valid_steps() == [1, 2, 3]
+    assert hashed == []  # published folders were hashed while written
+    assert mgr.load_latest().step == 3
+    assert set(hashed) == {"step-00000003"} and len(hashed) == 3  # model, optim, state
+
+
+def test_unfinished_and_foreign_folders_are_ignored_not_deleted(tmp_path):
+    events, on_event = recorder()
+    mgr = CheckpointManager(tmp_path, keep_last=1, on_event=on_event)
+    mgr.save(1, make_tensors(1), state_for(1))
+    no_manifest = ckpt(tmp_path, 5)
+    shutil.copytree(ckpt(tmp_path, 1), no_manifest)
+    (no_manifest / "MANIFEST").unlink()
+    tmp = tmp_path / "checkpoints" / ".tmp-step-00000006-999-abcd"
+    shutil.copytree(ckpt(tmp_path, 1), tmp)
+    odd = tmp_path / "checkpoints" / "step-12"
+    odd.mkdir()
+    assert mgr.valid_steps() == [1]
+    assert mgr.load_latest().step == 1
+    mgr.save(2, make_tensors(2), state_for(2))  # retention with keep_last=1 runs
+    assert mgr.valid_steps() == [2] and not ckpt(tmp_path, 1).exists()
+    assert no_manifest.is_dir() and tmp.is_dir() and odd.is_dir()
+    passed = {f["checkpoint"]: f["reason"] for e, f in events if e == "passed_over"}
+    assert passed.keys() == {"step-00000005", "step-12"}  # once each, temp folder silent
+    assert "MANIFEST" in passed["step-00000005"] and "step-XXXXXXXX" in passed["step-12"]
+    assert sum(e == "passed_over" for e, _ in events) == 2
+
+
+def test_extra_and_missing_files_invalidate(tmp_path):
+    path = CheckpointManager(tmp_path).save(1, make_tensors(), state_for(1))
+    (path / "notes.txt").write_text("x")
+    assert "notes.txt" in verify(path)
+    (path / "notes.txt").unlink()
+    assert verify(path) is None
+    copied = shutil.copytree(path, path.with_name("step-00000009"))  # a folder renamed by hand
+    assert "MANIFEST says step 1" in verify(copied)
+    manifest = json.loads((path / "MANIFEST").read_text())
+    del manifest["files"]["state.json"]
+    (path / "state.json").unlink()
+    (path / "MANIFEST").write_text(json.dumps(manifest))
+    assert "state.json" in verify(path)  # the contract requires it
+    other = CheckpointManager(tmp_path).save(2, make_tensors(), state_for(2))
+    (other / "optim.safetensors").unlink()
+    assert verify(other) == "file optim.safetensors is missing"
+
+
+def test_latest_before(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=10)
+    for step in (2, 4, 6):
+        mgr.save(step, make_tensors(step), state_for(step))
+    assert mgr.latest_before(5).step == 4
+    assert mgr.latest_before(4).step == 4
+    assert mgr.latest_before(100).step == 6
+    assert mgr.latest_before(1) is None
+    flip_byte(ckpt(tmp_path, 4) / "optim.safetensors")
+    assert mgr.latest_before(5).step == 2
+    assert CheckpointManager(tmp_path / "empty").load_latest() is None
+
+
+def test_retention_keeps_exactly_the_policy(tmp_path):
+    events, on_event = recorder()
+    mgr = CheckpointManager(tmp_path, keep_last=2, keep_every=5, on_event=on_event)
+    mgr.pin([3])
+    broken = ckpt(tmp_path, 1).with_name("step-00000000")  # invalid: retention must not touch it
+    broken.mkdir(parents=True)
+    for step in range(1, 13):
+        mgr.save(step, make_tensors(step), state_for(step))
+    assert mgr.valid_steps() == [3, 5, 10, 11, 12]
+    survivors = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert survivors == ["step-00000000"] + [f"step-{s:08d}" for s in (3, 5, 10, 11, 12)]
+    deleted = [int(f["checkpoint"][5:]) for e, f in events if e == "retention_delete"]
+    assert deleted == [1, 2, 4, 6, 7, 8, 9]
+    mgr.pin([10])  # replaces the pinned set: 3 is let go
+    assert mgr.apply_retention() == [3]
+    assert mgr.valid_steps() == [5, 10, 11, 12]
+    mgr.pin([])
+    assert CheckpointManager(tmp_path, keep_last=1).apply_retention() == [5, 10, 11]
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_writer_error_surfaces_in_training_thread(tmp_path, monkeypatch, err):
+    mgr = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        mgr.save(step, make_tensors(step), state_for(step))
+    before = {s: file_hashes(ckpt(tmp_path, s)) for s in (1, 2)}
+    real = checkpoint._write_file
+
+    def failing(path, chunks):
+        if ".tmp-step-00000003" in str(path) and path.name == "optim.safetensors":
+            raise OSError(err, os.strerror(err))
+        return real(path, chunks)
+
+    monkeypatch.setattr(checkpoint, "_write_file", failing)
+    mgr.save_async(3, make_tensors(3), state_for(3))  # returns: the failure is in the writer
+    with pytest.raises(CheckpointError) as info:
+        for _ in range(500):
+            mgr.check()
+            time.sleep(0.01)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == err
+    assert "step-00000003" in str(info.value)
+    mgr.check()  # raised once, not again
+    assert mgr.valid_steps() == [1, 2]
+    assert {s: file_hashes(ckpt(tmp_path, s)) for s in (1, 2)} == before
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001", "step-00000002"]
+    # A failure also reaches the next save_async, or wait(), when nobody polled check().
+    mgr.save_async(3, make_tensors(3), state_for(3))
+    with pytest.raises(CheckpointError):
+        mgr.save_async(4, make_tensors(4), state_for(4))
+    mgr.save_async(3, make_tensors(3), state_for(3))
+    with pytest.raises(CheckpointError):
+        mgr.wait()
+    monkeypatch.setattr(checkpoint, "_write_file", real)
+    mgr.save(4, make_tensors(4), state_for(4))
+    assert mgr.valid_steps() == [1, 2, 4]
+
+
+def test_snapshot_is_taken_before_save_async_returns(tmp_path, monkeypatch):
+    real = checkpoint._write_file
+    writer_threads = set()
+
+    def slow(path, chunks):
+        writer_threads.add(threading.current_thread().name)
+        time.sleep(0.3)
+        return real(path, chunks)
+
+    monkeypatch.setattr(checkpoint, "_write_file", slow)
+    events, on_event = recorder()
+    on_event_threads = set()
+    mgr = CheckpointManager(tmp_path, on_event=lambda e, **f: on_event_threads.add(threading.get_ident()) or on_event(e, **f))
+    tensors, state = make_tensors(1), state_for(1)
+    expected = {g: {n: t.clone() for n, t in d.items()} for g, d in tensors.items()}
+    expected_state = json.loads(json.dumps(state))
+    mgr.save_async(1, tensors, state)
+    for group in tensors.values():  # what the optimizer does on the next step
+        for t in group.values():
+            t.add_(1) if t.dtype != torch.bool else t.logical_not_()
+    state["skip_list"].append([99, 100])
+    state["monitor"]["losses"][0] = -1.0
+    mgr.wait()
+    loaded = load_checkpoint(ckpt(tmp_path, 1))
+    assert_same_tensors(expected, loaded.tensors)
+    assert loaded.state == expected_state
+    assert writer_threads == {"dsslm-ckpt-writer"}
+    assert [e for e, _ in events] == ["save"] and on_event_threads == {threading.get_ident()}
+
+
+def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
+    real = checkpoint._write_file
+    active, peak, lock = set(), [0], threading.Lock()
+
+    def tracked(path, chunks):
+        with lock:
+            active.add(path.parent.name)
+            peak[0] = max(peak[0], len(active))
+        time.sleep(0.05)
+        result = real(path, chunks)
+        if path.name == "MANIFEST":
+            with lock:
+                active.discard(path.parent.name)
+        return result
+
+    monkeypatch.setattr(checkpoint, "_write_file", tracked)
+    mgr = CheckpointManager(tmp_path, keep_last=10)
+    for step in range(1, 5):
+        mgr.save_async(step, make_tensors(step), state_for(step))
+        assert mgr.valid_steps() == list(range(1, step))  # the previous one is published
+    mgr.wait()
+    assert peak[0] == 1
+    assert mgr.valid_steps() == [1, 2, 3, 4]
+
+
+def test_crash_drill_mid_save_leaves_previous_checkpoints(tmp_path):
+    before = run_script("""
+        mgr = CheckpointManager(run, crash_in_save_step=3, crash_after_files=1)
+        mgr.save(1, t, {"step": 1}); mgr.save(2, t, {"step": 2})
+        mgr.save_async(3, t, {"step": 3})
+        mgr.wait()
+        print("survived")
+    """, tmp_path)
+    assert before.returncode == 137, before.stderr
+    assert "survived" not in before.stdout
+    temps = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp-step-00000003-")]
+    assert len(temps) == 1 and [p.name for p in temps[0].iterdir()] == ["model.safetensors"]
+    events, on_event = recorder()
+    mgr = CheckpointManager(tmp_path, on_event=on_event)
+    assert mgr.valid_steps() == [1, 2]
+    assert mgr.load_latest().step == 2
+    assert events == [] and temps[0].is_dir()  # the temp folder is neither reported nor removed
+    mgr.save(3, {"model": {"w": torch.ones(2)}}, {"step": 3})
+    assert mgr.valid_steps() == [1, 2, 3] and temps[0].is_dir()
+
+
+@pytest.mark.parametrize("crash_after, expect_tag", [("aside", "old"), ("new", "new")])
+def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_tag):
+    result = run_script(f"""
+        mgr = CheckpointManager(run)
+        mgr.save(4, t, {{"step": 4, "tag": "older"}})
+        mgr.save(5, t, {{"step": 5, "tag": "old"}})
+        real = checkpoint._rename
+        def crashing(src, dst):
+            real(src, dst)
+            crash = dst.name.endswith(".replaced") if {crash_after!r} == "aside" else src.name.startswith(".tmp")
+            if crash and "step-00000005" in dst.name:
+                os._exit(137)
+        t["model"]["w"].fill_(9.0)
+        with mock.patch.object(checkpoint, "_rename", crashing):
+            mgr.save(5, t, {{"step": 5, "tag": "new"}})
+    """, tmp_path)
+    assert result.returncode == 137, result.stderr
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "step-00000005.replaced" in names
+    assert ("step-00000005" in names) == (crash_after == "new")
+    mgr = CheckpointManager(tmp_path)  # settles the interrupted replace
+    latest = mgr.load_latest()
+    assert latest.step == 5 and latest.state["tag"] == expect_tag
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    temps = [".tmp"] if crash_after == "aside" else []  # the new copy never made it in; left alone
+    assert [n[:4] if n.startswith(".tmp-step-00000005-") else n for n in names] == temps + ["step-00000004", "step-00000005"]
+    assert mgr.save(5, make_tensors(), state_for(5, "again")) == ckpt(tmp_path, 5)
+    assert mgr.load_latest().state["tag"] == "again"
+
+
+def test_replace_keeps_the_step_readable_at_every_moment(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(5, make_tensors(1), state_for(5, "old"))
+    seen = []
+    real = checkpoint._rename
+
+    def observed(src, dst):
+        # The writer holds the manager's re-entrant lock here, so these reads see the mid-replace state.
+        before = mgr.latest_before(5)
+        real(src, dst)
+        after = mgr.latest_before(5)
+        seen.append((before.path.name, before.state["tag"], after.path.name, after.state["tag"]))
+
+    monkeypatch.setattr(checkpoint, "_rename", observed)
+    mgr.save(5, make_tensors(2), state_for(5, "new"))
+    assert seen == [("step-00000005", "old", "step-00000005.replaced", "old"),
+                    ("step-00000005.replaced", "old", "step-00000005", "new")]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
+
+
+def test_existing_invalid_folder_is_renamed_aside_not_deleted(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(4, make_tensors(1), state_for(4, "old"))
+    flip_byte(ckpt(tmp_path, 4) / "state.json")
+    mgr.save(4, make_tensors(2), state_for(4, "new"))
+    assert mgr.load_latest().state["tag"] == "new"
+    invalid = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-00000004.invalid-")]
+    assert len(invalid) == 1 and verify(invalid[0]) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_snapshot_of_cuda_tensors(tmp_path):
+    live = {"model": {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda").bfloat16()},
+            "optim": {"m": torch.rand(1024, 1024, device="cuda")}}
+    mgr = CheckpointManager(tmp_path)
+    for step in (1, 2):  # the second save reuses the pinned host buffers
+        expected = {g: {n: t.cpu() for n, t in d.items()} for g, d in live.items()}
+        mgr.save_async(step, live, {"step": step})
+        for group in live.values():
+            for t in group.values():
+                t.add_(1)  # queued on the device right away, as the next optimizer step would be
+        mgr.wait()
+        assert_same_tensors(expected, load_checkpoint(ckpt(tmp_path, step)).tensors)
+
+
+def test_bad_inputs_fail_in_the_caller(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(TypeError):
+        mgr.save_async(1, make_tensors(), {"x": object()})
+    with pytest.raises(TypeError, match="state"):
+        mgr.save_async(1, {"optim": {"step": 3.0}}, {})
+    with pytest.raises(ValueError, match="A-Za-z0-9_"):
+        mgr.save_async(1, {"../model": {}}, {})
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(tmp_path, keep_last=0)
+    mgr.wait()
+    assert mgr.valid_steps() == []
+
+
+def test_delete_removes_manifest_first(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(1, make_tensors(1), state_for(1))
+    unlinked = []
+    real_unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, *a, **k: unlinked.append(self.name) or real_unlink(self, *a, **k))
+    mgr.save(2, make_tensors(2), state_for(2))
+    assert unlinked[0] == "MANIFEST" and sorted(unlinked[1:]) == ["model.safetensors", "optim.safetensors", "state.json"]
+    assert mgr.valid_steps() == [2]

@@ -117,6 +117,7 @@ class MonitorCfg:
 class FaultsCfg:
     crash_at_step: int = -1     # hard exit (as if killed) when reaching this step, once per run.dir
     crash_rank: int = -1        # -1 = every rank
+    crash_mode: str = "sigkill"  # sigkill (a real kill) | raise (in-process abort, for launcher drills)
     crash_in_save: int = -1     # die inside the save of this step after writing files, before rename
     poison_batches: list = field(default_factory=list)  # [[start, end], ...] data-batch windows
     poison_rank: int = -1       # -1 = every rank's slice of a poisoned batch; else only this rank's
@@ -202,6 +203,7 @@ def validate(cfg: Config) -> None:
     _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
     _check_choice("engine.kind", e.kind, ("ddp", "zero", "fsdp"))
     _check_choice("engine.zero_stage", e.zero_stage, (1, 2, 3))
+    _check_choice("faults.crash_mode", cfg.faults.crash_mode, ("sigkill", "raise"))
     for key, value in (("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
                        ("model.n_heads", m.n_heads), ("model.seq_len", m.seq_len),
                        ("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),

@@ -5,7 +5,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dsslm.engine.base import Engine
 from dsslm.precision import autocast
@@ -21,9 +20,12 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     """
     logits = logits.float().flatten(0, 1)
     targets = targets.flatten()
-    ce_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     real = targets != IGNORE_INDEX
-    z_sum = torch.logsumexp(logits[real], dim=-1).pow(2).sum()
+    # One logsumexp serves both terms: cross-entropy is log Z minus the target's logit.
+    log_z = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ce_sum = torch.where(real, log_z - target_logit, 0.0).sum()
+    z_sum = torch.where(real, log_z.pow(2), 0.0).sum()
     return ce_sum, z_sum
 
 

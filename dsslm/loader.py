@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dsslm.data import load_manifest
+from dsslm.skiplist import merge_windows
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [batch, seq_len]
 
@@ -106,19 +107,6 @@ class Loader:
         if path not in self._maps:  # opened once, lazily: a rank touches only the shards it reads
             self._maps[path] = np.memmap(self.data_dir / path, dtype=self._dtype, mode="r")
         return self._maps[path]
-
-
-def merge_windows(skip_list: list) -> list[tuple[int, int]]:
-    """Sorted, disjoint [start, end) windows covering the same indices as `skip_list`."""
-    merged: list[list[int]] = []
-    for start, end in sorted((int(s), int(e)) for s, e in skip_list):
-        if not 0 <= start <= end:
-            raise ValueError(f"skip window [{start}, {end}) must have 0 <= start <= end; fix skip_list.json")
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        elif start < end:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
 
 
 def split_batch(batch: Batch, rank: int, world_size: int, grad_accum: int) -> list[Batch]:

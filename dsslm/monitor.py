@@ -24,7 +24,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable
+from typing import Callable
 
 from dsslm.config import MonitorCfg
 
@@ -175,16 +175,3 @@ def _same_region(step: int, window: list[int], past: dict, region_steps: int) ->
     past_start, past_end = past["window"]
     windows_touch = window[0] <= past_end and past_start <= window[1]
     return abs(step - past["step"]) < region_steps or windows_touch
-
-
-def merge_windows(skip_list: Iterable[Iterable[int]]) -> list[list[int]]:
-    """Sorted, merged half-open [start, end) windows; touching windows join, empty ones go."""
-    merged: list[list[int]] = []
-    for start, end in sorted((int(s), int(e)) for s, e in skip_list):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged

@@ -17,7 +17,8 @@ from dsslm.config import Config, to_dict
 from dsslm.engine.base import Engine
 from dsslm.loader import Loader
 from dsslm.metrics import Sinks
-from dsslm.monitor import SpikeMonitor, merge_windows, plan_rewind, rewind_record
+from dsslm.monitor import SpikeMonitor, plan_rewind, rewind_record
+from dsslm.skiplist import merge_windows
 from dsslm.optim import decay_start_step
 from dsslm.state import (STATE_FORMAT, RunState, check_fingerprint, read_recovery, rng_state,
                          seed_everything, set_rng_state, write_recovery)

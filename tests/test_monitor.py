@@ -6,7 +6,8 @@ import random
 import pytest
 
 from dsslm.config import MonitorCfg
-from dsslm.monitor import (RewindPlan, SpikeMonitor, Verdict, merge_windows, plan_rewind,
+from dsslm.skiplist import merge_windows
+from dsslm.monitor import (RewindPlan, SpikeMonitor, Verdict, plan_rewind,
                            rewind_record)
 
 

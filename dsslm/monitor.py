@@ -153,8 +153,12 @@ def plan_rewind(spike_start_step: int, spike_end_step: int, data_batch_of: Calla
     if spike_end_step < spike_start_step:
         raise ValueError(f"spike_end_step={spike_end_step} is before spike_start_step={spike_start_step}")
     window = [data_batch_of(spike_start_step), data_batch_of(spike_end_step) + 1]
-    same_region = any(_same_region(spike_start_step, window, past, cfg.region_steps)
-                      for past in rewind_history)
+    repeats = sum(_same_region(spike_start_step, window, past, cfg.region_steps) for past in rewind_history)
+    # Bad data comes in runs longer than the few batches the detector has seen (a corrupt file,
+    # a dedup failure): skip at least `skip_batches`, doubling each time the region spikes again,
+    # so a long bad region costs a few rewinds, not one per batch.
+    window[1] = max(window[1], window[0] + cfg.skip_batches * 2 ** repeats)
+    same_region = repeats > 0
     return RewindPlan(
         to_step=max(0, spike_start_step - cfg.rewind_margin_steps),
         window=window,

@@ -204,16 +204,16 @@ def batch_of(skip_list):
 
 
 def test_plan_rewind_without_skip_windows():
-    plan = plan_rewind(200, 202, batch_of([]), [], MonitorCfg())
+    plan = plan_rewind(200, 202, batch_of([]), [], MonitorCfg(skip_batches=1))
     assert plan == RewindPlan(to_step=195, window=[200, 203], lr_scale_factor=1.0, escalate=False)
 
 
 def test_plan_rewind_covers_batches_across_an_existing_skip_window():
-    skip = [[100, 110]]
-    assert plan_rewind(95, 97, batch_of(skip), [], MonitorCfg()).window == [95, 98]
+    skip, cfg = [[100, 110]], MonitorCfg(skip_batches=1)
+    assert plan_rewind(95, 97, batch_of(skip), [], cfg).window == [95, 98]
     # Steps 98..101 are fed batches 98, 99, 110, 111: the window covers all four.
-    assert plan_rewind(98, 101, batch_of(skip), [], MonitorCfg()).window == [98, 112]
-    assert plan_rewind(100, 100, batch_of(skip), [], MonitorCfg()).window == [110, 111]
+    assert plan_rewind(98, 101, batch_of(skip), [], cfg).window == [98, 112]
+    assert plan_rewind(100, 100, batch_of(skip), [], cfg).window == [110, 111]
     assert merge_windows(skip + [[98, 112]]) == [[98, 112]]
 
 
@@ -223,7 +223,7 @@ def test_plan_rewind_to_step_keeps_the_margin():
 
 
 def test_second_spike_in_the_same_region_backs_off_the_lr():
-    cfg = MonitorCfg(region_steps=50, lr_backoff=0.7)
+    cfg = MonitorCfg(region_steps=50, lr_backoff=0.7, skip_batches=1)
     first = plan_rewind(200, 202, batch_of([]), [], cfg)
     history = [rewind_record(200, first)]
     assert json.loads(json.dumps(history)) == history
@@ -257,3 +257,14 @@ def test_merge_windows():
 def test_verdicts_are_json_strings():
     assert json.dumps([Verdict.OK, Verdict.SKIP]) == '["ok", "skip_step"]'
     assert Verdict("rewind") is Verdict.REWIND and Verdict.ESCALATE == "escalate"
+
+
+def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
+    cfg = MonitorCfg(skip_batches=8, region_steps=50)
+    first = plan_rewind(300, 300, batch_of([]), [], cfg)
+    assert first.window == [300, 308]  # one bad batch seen, eight skipped
+    history = [rewind_record(300, first)]
+    again = plan_rewind(300, 300, batch_of([first.window]), history, cfg)
+    assert again.window == [308, 324] and again.lr_scale_factor == cfg.lr_backoff
+    far = plan_rewind(900, 902, batch_of([first.window]), history, cfg)
+    assert far.window == [908, 916]  # another region: back to the minimum

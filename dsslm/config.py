@@ -111,6 +111,7 @@ class MonitorCfg:
     max_rewinds: int = 4        # rewinds before escalating to a human (exit 3)
     lr_backoff: float = 0.7     # lr_scale factor when the same region spikes again
     region_steps: int = 50      # spikes closer than this to a past rewind count as the same region
+    skip_batches: int = 8       # a rewind skips at least this many data batches (doubling per repeat)
 
 
 @dataclass
@@ -229,6 +230,7 @@ def validate(cfg: Config) -> None:
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
     _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
     _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
+    _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")
     for window in cfg.faults.poison_batches:
         _check(isinstance(window, list) and len(window) == 2 and 0 <= window[0] < window[1],
                f"faults.poison_batches entry {window!r} must be [start, end] with 0 <= start < end")

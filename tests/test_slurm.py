@@ -1,0 +1,230 @@
+"""slurm/train.sbatch on a real one-node Slurm cluster (tests/slurm_cluster.py), 2 CPU ranks per job.
+
+First the launcher on its own, with a 30-line gloo stand-in for the trainer: SIGUSR1 to the batch
+shell and SIGTERM from `scontrol requeue` each reach every rank exactly once, the ranks save, the
+job comes back and resumes. Then dsslm.train itself: a run to the end, a `scontrol requeue`
+mid-run and a SIGUSR1 preemption, both of which must end with the uninterrupted run's losses,
+bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, PYTHON, read_jsonl
+from slurm_cluster import FINISHED_STATES, SlurmCluster, slurm_cluster  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SBATCH = ROOT / "slurm" / "train.sbatch"
+JOB_TIMEOUT_S = 240
+
+# Slow enough per step (about 40 ms on 2 ranks of 1 thread each) that a signal lands mid-run,
+# small enough that 120 steps plus two interpreter starts stay near 15 s.
+TOTAL_STEPS = 120
+CKPT_EVERY = 20
+RUN_ARGS = ["engine.kind=ddp", "train.precision=fp32", "model.d_model=64", "model.n_layers=2",
+            "model.n_heads=2", "model.seq_len=64", "train.micro_batch_size=8", "train.grad_accum=1",
+            f"train.total_steps={TOTAL_STEPS}", f"ckpt.every={CKPT_EVERY}", "ckpt.keep_last=100",
+            "optim.warmup_steps=10", "run.val_every=0", "run.tensorboard=false", "train.device=cpu"]
+
+PROBE = '''\
+"""Stand-in trainer: a gloo all-reduce loop that saves and exits 0 on SIGTERM/SIGUSR1."""
+import json, os, signal, sys, time
+from pathlib import Path
+got = []
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, lambda n, f: got.append(signal.Signals(n).name))
+import torch, torch.distributed as dist
+out, total = Path(os.environ["PROBE_DIR"]), int(os.environ["PROBE_STEPS"])
+save_s = float(os.environ.get("PROBE_SAVE_S", "0"))
+dist.init_process_group("gloo")
+rank, ckpt = dist.get_rank(), out / "step"
+step = int(ckpt.read_text()) if ckpt.exists() else 0
+def log(**rec):
+    with open(out / f"rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({**rec, "rank": rank, "restart": int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+                            "world": dist.get_world_size()}) + "\\n")
+log(event="start", step=step)
+while step < total:
+    flag = torch.tensor([1.0 if got else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one decision for every rank
+    if flag.item():
+        time.sleep(save_s)  # a save that takes a while: must not be cut short
+        if rank == 0:
+            ckpt.write_text(str(step))
+        dist.barrier()
+        log(event="saved", step=step, signals=got)
+        sys.exit(0)
+    time.sleep(0.1)
+    step += 1
+    if rank == 0 and step % 10 == 0:
+        ckpt.write_text(str(step))
+log(event="end", step=step, signals=got)
+'''
+
+
+def submit(cluster: SlurmCluster, out_dir: Path, args: list[str], env: dict[str, str]) -> int:
+    env = {"DSSLM_PYTHON": PYTHON, "DSSLM_NPROC_PER_NODE": "2", "DS_ACCELERATOR": "cpu", **env}
+    return cluster.sbatch(SBATCH, args, [f"--output={out_dir}/%x-%j.out"], env=env, cwd=ROOT)
+
+
+def job_log(out_dir: Path, job_id: int) -> str:
+    path = out_dir / f"dsslm-{job_id}.out"
+    return path.read_text() if path.exists() else "(no job log)"
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"no {what} within {timeout_s:.0f}s")
+
+
+def finish(cluster: SlurmCluster, out_dir: Path, job_id: int, restarts: int) -> dict[str, str]:
+    """Wait for the job to end; it must have COMPLETED with exit 0 after `restarts` requeues."""
+    try:
+        info = cluster.wait_state(job_id, FINISHED_STATES, JOB_TIMEOUT_S)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{job_log(out_dir, job_id)}") from None
+    log = job_log(out_dir, job_id)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", str(restarts)), log
+    return info
+
+
+def probe_records(probe_dir: Path) -> list[dict]:
+    return [r for path in sorted(probe_dir.glob("rank*.jsonl")) for r in read_jsonl(path)]
+
+
+def test_hello_job_runs_on_the_test_cluster(slurm_cluster, tmp_path):
+    script = tmp_path / "hello.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/hello-%j.out\nsrun hostname\n")
+    started = time.monotonic()
+    job_id = slurm_cluster.sbatch(script)
+    info = slurm_cluster.wait_state(job_id, FINISHED_STATES, 60)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0")
+    assert (tmp_path / f"hello-{job_id}.out").read_text().strip() == slurm_cluster.host
+    assert time.monotonic() - started < 30
+
+
+def test_signals_reach_each_rank_once_and_the_job_resumes(slurm_cluster, tmp_path):
+    """SIGUSR1 to the batch shell (a preemption notice), then `scontrol requeue` (SIGTERM to the
+    whole job, with a 3 s save), then a run to the end: three runs of one job id."""
+    (tmp_path / "gloo_probe.py").write_text(PROBE)
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    env = {"DSSLM_MODULE": "gloo_probe", "PYTHONPATH": str(tmp_path), "PROBE_DIR": str(probe_dir),
+           "PROBE_STEPS": "60", "PROBE_SAVE_S": "3"}
+    job_id = submit(slurm_cluster, tmp_path, [], env)
+
+    def started(restart: int) -> bool:
+        return sum(r["event"] == "start" and r["restart"] == restart for r in probe_records(probe_dir)) == 2
+
+    wait_for(lambda: started(0), 60, "first start of both ranks")
+    time.sleep(1)
+    slurm_cluster.client(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    slurm_cluster.wait_job(job_id, lambda j: j["Restarts"] == "1", 60)
+    wait_for(lambda: started(1), 60, "both ranks after the USR1 requeue")
+    time.sleep(1)
+    slurm_cluster.client(["scontrol", "requeue", str(job_id)])
+    finish(slurm_cluster, tmp_path, job_id, restarts=2)
+
+    records = probe_records(probe_dir)
+    log = job_log(tmp_path, job_id)
+    for restart, signal_name in ((0, "SIGUSR1"), (1, "SIGTERM")):
+        saved = [r for r in records if r["event"] == "saved" and r["restart"] == restart]
+        assert [r["signals"] for r in saved] == [[signal_name]] * 2, (records, log)
+        resumed = [r["step"] for r in records if r["event"] == "start" and r["restart"] == restart + 1]
+        assert resumed == [saved[0]["step"]] * 2 and resumed[0] > 0, (records, log)
+    ends = [r for r in records if r["event"] == "end"]
+    assert [(r["restart"], r["step"], r["signals"]) for r in ends] == [(2, 60, [])] * 2, (records, log)
+    assert all(r["world"] == 2 for r in records)
+    assert "requeueing job" in log and "SIGTERM: the job is ending" in log, log
+
+
+# dsslm.train under the launcher
+
+
+def last_loss_per_step(run_dir: Path) -> dict[int, float]:
+    """After a resume, steps after the checkpoint appear twice: the later record is the one kept."""
+    losses: dict[int, float] = {}
+    for record in read_jsonl(run_dir / "metrics.jsonl"):
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def events(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def steps_logged(run_dir: Path) -> int:
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    return records[-1]["step"] if records else 0
+
+
+def checkpoint_done(run_dir: Path, step: int) -> bool:
+    return (run_dir / "checkpoints" / f"step-{step:08d}" / "MANIFEST").exists()
+
+
+@pytest.fixture(scope="module")
+def reference_run(slurm_cluster, tmp_path_factory) -> Path:
+    """The uninterrupted job every interrupted one is compared with."""
+    out_dir = tmp_path_factory.mktemp("reference")
+    run_dir = out_dir / "run"
+    job_id = submit(slurm_cluster, out_dir, [f"run.dir={run_dir}", *RUN_ARGS], {})
+    finish(slurm_cluster, out_dir, job_id, restarts=0)
+    return run_dir
+
+
+def test_sbatch_trains_to_the_end(reference_run):
+    losses = last_loss_per_step(reference_run)
+    assert sorted(losses) == list(range(1, TOTAL_STEPS + 1))
+    names = [e["event"] for e in events(reference_run)]
+    assert names[0] == "start" and names[-1] == "end" and "resume" not in names, names
+    start = events(reference_run)[0]
+    assert start["world_size"] == 2 and start["engine"] == "ddp", start
+    assert checkpoint_done(reference_run, TOTAL_STEPS)
+
+
+def test_scontrol_requeue_resumes_bit_exact(slurm_cluster, reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm_cluster, tmp_path, [f"run.dir={run_dir}", *RUN_ARGS], {})
+    wait_for(lambda: checkpoint_done(run_dir, CKPT_EVERY), JOB_TIMEOUT_S, f"checkpoint at step {CKPT_EVERY}")
+    reached = steps_logged(run_dir)
+    assert reached < TOTAL_STEPS - 10, f"run reached step {reached} before the requeue: too fast to test"
+    slurm_cluster.client(["scontrol", "requeue", str(job_id)])
+    finish(slurm_cluster, tmp_path, job_id, restarts=1)
+
+    resumes = [e for e in events(run_dir) if e["event"] == "resume"]
+    assert len(resumes) == 1, events(run_dir)
+    assert [e["event"] for e in events(run_dir)][-1] == "end"
+    assert last_loss_per_step(run_dir) == last_loss_per_step(reference_run)
+
+
+def test_usr1_saves_at_the_step_reached_and_requeues(slurm_cluster, reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm_cluster, tmp_path, [f"run.dir={run_dir}", *RUN_ARGS], {})
+    # Past the first step the trainer's handlers are installed; before, SIGUSR1 would kill a rank.
+    wait_for(lambda: steps_logged(run_dir) >= 3, JOB_TIMEOUT_S, "third step")
+    slurm_cluster.client(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    slurm_cluster.wait_job(job_id, lambda j: j["Restarts"] == "1", 60)
+    # The first run is over: its save is the newest checkpoint, at the step it reached.
+    run_events = events(run_dir)
+    saved_step = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
+                     if (p / "MANIFEST").exists())
+    assert 3 <= saved_step < TOTAL_STEPS, run_events
+    assert steps_logged(run_dir) == saved_step, run_events
+    finish(slurm_cluster, tmp_path, job_id, restarts=1)
+
+    resumes = [e for e in events(run_dir) if e["event"] == "resume"]
+    assert len(resumes) == 1 and f"step-{saved_step:08d}" in json.dumps(resumes[0]), events(run_dir)
+    log = job_log(tmp_path, job_id)
+    assert "SIGUSR1: forwarding" in log and "requeueing job" in log, log
+    assert last_loss_per_step(run_dir) == last_loss_per_step(reference_run)

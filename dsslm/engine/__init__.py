@@ -5,10 +5,12 @@ from torch import nn
 
 from dsslm.config import Config
 from dsslm.engine.base import Engine, init_distributed
+from dsslm.engine.launch import announce, apply_launcher
 
 
 def build_engine(cfg: Config, model: nn.Module) -> Engine:
     """Wrap `model` (already built, identical on every rank) in the configured engine."""
+    announce(apply_launcher(cfg))  # accelerate launch --use_deepspeed / --use_fsdp pick the engine
     if cfg.engine.kind == "zero":
         from dsslm.engine.zero import ZeroEngine  # the only importer of deepspeed
         return ZeroEngine(cfg, model)

@@ -1,0 +1,117 @@
+"""Step time and memory per engine at 2 ranks on CPU (gloo), same model, same global batch.
+
+    python bench/bench_engines.py [--steps 20] [--d-model 128] [--layers 4] [--seq 64] [--batch 16]
+
+Each engine runs in fresh spawned processes (a clean peak RSS): build the model, wrap it, train
+`--warmup` untimed steps, then `--steps` timed ones. Reported per engine: median step time,
+tokens/s, peak RSS per rank (ru_maxrss, includes the Python/torch/DeepSpeed imports, shown
+separately as the RSS before the model was built), and the engine's own memory_report (bytes of
+parameters, gradients and optimizer state this rank holds, measured from its tensors).
+A bench, not a test: numbers on a shared 2-core machine are noisy; compare rows of one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ENGINES = [("ddp", 1, 1), ("ddp", 1, 2), ("zero", 1, 2), ("zero", 2, 2), ("zero", 3, 2), ("fsdp", 1, 2)]
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: argparse.Namespace, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    from dsslm.config import load
+    from dsslm.engine import build_engine
+    from dsslm.loss import accumulate
+    from dsslm.model import build_model
+    from dsslm.state import seed_everything
+    if kind == "zero":
+        import deepspeed  # noqa: F401  (import cost belongs to the baseline, not the engine)
+    base_rss = rss_mib()
+    cfg = load(None, [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
+                      f"model.n_heads={args.heads}", f"model.seq_len={args.seq}", "model.vocab_size=256",
+                      "train.precision=fp32", "train.device=cpu",
+                      f"engine.kind={kind}", f"engine.zero_stage={stage}",
+                      f"train.micro_batch_size={args.batch // world_size}"])
+    seed_everything(cfg.run.seed)
+    engine = build_engine(cfg, build_model(cfg.model))
+    gen = torch.Generator().manual_seed(0)
+    per_rank = args.batch // world_size
+    times = []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+        started = time.perf_counter()
+        accumulate(engine, [(mine[:, :-1], mine[:, 1:])], "fp32", cfg.train.z_loss, cfg.optim.clip)
+        engine.step(1e-3)
+        engine.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    memory = engine.memory_report()
+    engine.close()
+    out.put((rank, {"step_s": statistics.median(times), "base_rss": base_rss, "peak_rss": rss_mib(),
+                    "memory": memory, "n_params": engine.n_params}))
+
+
+def run(kind: str, stage: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, kind, stage, args, out))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(world_size)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over ranks")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    tokens = args.batch * args.seq
+    header = (f"{'engine':<8} {'ranks':>5} {'step ms':>8} {'tok/s':>8} {'RSS base':>9} {'RSS peak':>9} "
+              f"{'params':>9} {'master':>9} {'grads':>9} {'optim':>9}   (MiB; per rank, rank 0)")
+    rows = []
+    for kind, stage, world_size in ENGINES:
+        ranks = run(kind, stage, world_size, args)
+        r0 = ranks[0]
+        name = f"zero{stage}" if kind == "zero" else kind
+        mem = {k: v / 2**20 for k, v in r0["memory"].items()}
+        rows.append(f"{name:<8} {world_size:>5} {1000 * r0['step_s']:>8.1f} {tokens / r0['step_s']:>8.0f} "
+                    f"{r0['base_rss']:>9.0f} {max(r['peak_rss'] for r in ranks):>9.0f} {mem['param_bytes']:>9.2f} "
+                    f"{mem.get('master_bytes', 0):>9.2f} {mem['grad_bytes']:>9.2f} {mem['optim_bytes']:>9.2f}")
+        print(rows[-1] if len(rows) > 1 else f"{ranks[0]['n_params']:,} parameters, {tokens} tokens/step\n"
+              f"{header}\n{rows[-1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

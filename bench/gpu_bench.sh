@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Tokens/s, MFU and peak GPU memory per engine on an H200 node (bf16), for configs/125m.yaml
+# and configs/350m.yaml. Installs nothing: run it from the repository root with the project's
+# venv already set up (DSSLM_TORCH="torch==2.13.0" bash scripts/setup.sh on the GPU machine).
+#
+#   bash bench/gpu_bench.sh                 # every GPU on the machine, 30 steps per run
+#   STEPS=50 NGPU=1 ENGINES="ddp fsdp" CONFIGS=125m bash bench/gpu_bench.sh
+#   DEVICE=cpu NGPU=2 CONFIGS=tiny EXTRA="model.d_model=64" bash bench/gpu_bench.sh   # smoke test, no GPU
+#
+# Data: the embedded stdlib corpus (data.dir="", byte tokens, nothing to download) with the
+# model's vocabulary forced to 32768, so the lm_head matmul costs what it costs on real BPE data.
+# MFU = (6 N + 12 L d T) * tokens/s per GPU / 989e12  (H200 dense bf16 peak; N = parameters,
+# L layers, d width, T sequence length: the second term is attention's QK^T and AV, PaLM's form).
+# Results: a table on stdout and $OUT/gpu_bench.csv (or bench/gpu_bench.csv when OUT is unset);
+# each run's metrics/events stay under $OUT/runs/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+STEPS=${STEPS:-30}
+WARMUP=${WARMUP:-5}                      # steps left out of the medians (compile, allocator warm-up)
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+DEVICE=${DEVICE:-cuda}
+EXTRA=${EXTRA:-}                         # more dotted overrides for every run
+ENGINES=${ENGINES:-"ddp zero1 zero2 zero3 fsdp"}
+CONFIGS=${CONFIGS:-"125m 350m"}
+PEAK_FLOPS=${PEAK_FLOPS:-989e12}
+VOCAB=${VOCAB:-32768}
+OUTDIR=${OUT:-bench}
+mkdir -p "$OUTDIR/runs"
+CSV="$OUTDIR/gpu_bench.csv"
+[ "$NGPU" -ge 1 ] || { echo "gpu_bench: no GPU found (nvidia-smi -L); set NGPU" >&2; exit 2; }
+echo "config,engine,gpus,params,tokens_per_s_per_gpu,step_time_s,mfu,peak_mem_gib,status" > "$CSV"
+
+engine_overrides() {
+    case "$1" in
+        ddp) echo "engine.kind=ddp" ;;
+        zero1|zero2|zero3) echo "engine.kind=zero engine.zero_stage=${1#zero}" ;;
+        fsdp) echo "engine.kind=fsdp" ;;
+        *) echo "gpu_bench: unknown engine $1" >&2; return 1 ;;
+    esac
+}
+
+# Peak memory.used over all GPUs, sampled every 200 ms while a run lasts (includes the CUDA
+# context and allocator cache: what the job really takes from the card).
+watch_memory() {
+    local file=$1; : > "$file"
+    while true; do
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$file" 2>/dev/null
+        sleep 0.2
+    done
+}
+
+summarise() {  # run_dir config engine gpus peak_mib status
+    "$PY" - "$@" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+run_dir, config, engine, gpus, peak_mib, status = sys.argv[1:7]
+gpus = int(gpus)
+warmup, peak = int(sys.argv[7]), float(sys.argv[8])
+records = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+           if l.strip()] if (Path(run_dir) / "metrics.jsonl").exists() else []
+steps = [r for r in records if "step_time_s" in r][warmup:]
+events = Path(run_dir) / "events.jsonl"
+start = [e for e in (json.loads(l) for l in events.read_text().splitlines() if l.strip())
+         if e.get("event") == "start"] if events.exists() else []
+if not steps or not start:
+    print(f"{config},{engine},{gpus},,,,,{float(peak_mib) / 1024:.1f},{status}")
+    sys.exit(0)
+cfg = start[0]["config"]["model"]
+n = start[0]["n_params"]
+step_s = statistics.median(r["step_time_s"] for r in steps)
+tps_gpu = statistics.median(r["batch_tokens"] / r["step_time_s"] for r in steps) / gpus
+flops_per_token = 6 * n + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
+mfu = flops_per_token * tps_gpu / peak
+print(f"{config},{engine},{gpus},{n},{tps_gpu:.0f},{step_s:.3f},{mfu:.3f},{float(peak_mib) / 1024:.1f},{status}")
+EOF
+}
+
+for config in $CONFIGS; do
+    for engine in $ENGINES; do
+        run_dir="$OUTDIR/runs/$config-$engine"
+        rm -rf "$run_dir"
+        mem_file="$OUTDIR/runs/$config-$engine.mem"
+        watch_memory "$mem_file" & watcher=$!
+        # shellcheck disable=SC2046
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" -m dsslm.train \
+            --config "configs/$config.yaml" run.dir="$run_dir" "data.dir=''" model.vocab_size="$VOCAB" \
+            train.precision=bf16 train.device="$DEVICE" train.total_steps="$STEPS" optim.warmup_steps=2 \
+            optim.schedule=cosine run.val_every=0 run.tensorboard=false monitor.enabled=false \
+            ckpt.every=1000000 $(engine_overrides "$engine") $EXTRA > "$run_dir.log" 2>&1
+        rc=$?
+        kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null
+        peak_mib=$(sort -n "$mem_file" | tail -1); peak_mib=${peak_mib:-0}
+        status=ok; [ $rc -eq 0 ] || status="exit$rc(see $run_dir.log)"
+        summarise "$run_dir" "$config" "$engine" "$NGPU" "$peak_mib" "$status" "$WARMUP" "$PEAK_FLOPS" >> "$CSV"
+        tail -1 "$CSV"
+    done
+done
+echo
+column -s, -t < "$CSV"
+echo "results: $CSV"

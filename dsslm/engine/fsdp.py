@@ -1,0 +1,146 @@
+"""FSDP2: torch `fully_shard` on every transformer block and on the root, from outside the model.
+
+Parameters, gradients and AdamW moments are DTensors sharded on dim 0 across ranks. The same
+code runs on gloo (CPU tests) and nccl (GPU): only the device differs.
+
+- Mixed precision: under bf16 the blocks compute with bf16 copies of the fp32 shards and reduce
+  gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`); otherwise
+  params stay fp32 and autocast (the loop's) casts per op, as under DDP. fp16 uses the loop's
+  LossScaler exactly as DDP does.
+- The tied embedding (tok_emb.weight is lm_head.weight) lives in the root's parameter group, so
+  one shard serves both uses.
+- `no_sync()` = `set_requires_gradient_sync(False)`: gradients accumulate unsharded locally and
+  the final micro-batch reduce-scatters the sum once.
+- full_state / load_full_state go through torch.distributed.checkpoint.state_dict with
+  full_state_dict=True: fully_shard keeps parameter names, so keys are the unwrapped model's.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from dsslm.config import Config
+from dsslm.engine.base import Engine, storage_bytes
+from dsslm.engine.launch import ensure_process_group
+from dsslm.optim import build_adamw, set_lr
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def shard_model(model: nn.Module, precision: str) -> None:
+    """fully_shard each block, then the root (embedding, final norm, tied head)."""
+    if precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    # The root's parameters are needed again at the start of backward: keep them gathered.
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+
+
+class FSDPEngine(Engine):
+    name = "fsdp"
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        super().__init__(cfg, model)
+        ensure_process_group(self.device)  # fully_shard needs a group, even for one process
+        self.distributed = True
+        model.to(self.device)
+        shard_model(model, cfg.train.precision)
+        self.params = dict(model.named_parameters())  # fully_shard keeps the names
+        # Tied weights have two names (tok_emb.weight, lm_head.weight); checkpoints use the first.
+        canonical = {id(p): n for n, p in self.params.items()}
+        self.aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        self.optimizer = build_adamw(model, cfg.optim)
+        self._grad_bytes = 0
+
+    # --- the training step -------------------------------------------------------------------
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.module(inputs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.params.values() if p.grad is not None]
+        if self.scaler is not None:
+            for p in params:
+                p.grad.mul_(1.0 / self.scaler.scale)
+        self._grad_bytes = max(self._grad_bytes, storage_bytes([p.grad for p in params]))
+        # Each rank's shard norm is combined across ranks inside the DTensor: the global norm.
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        # Gradients dropped; AdamW's moments and step count untouched.
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- state -------------------------------------------------------------------------------
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Gathered on every rank's call (collectives); rank 0 gets the tensors, others empty dicts."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(self.module, options=options)
+        optim_full = get_optimizer_state_dict(self.module, self.optimizer, options=options)
+        optim_sd: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        if not self.is_main:
+            return {}, optim_sd
+        for name, state in optim_full.get("state", {}).items():
+            if not state:
+                continue
+            optim_sd["step"][name] = float(state["step"])
+            for key in MOMENTS:
+                optim_sd[key][name] = state[key].detach().float()
+        return {n: t.detach().float() for n, t in model_sd.items() if n in self.params}, optim_sd
+
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
+        """Every rank passes the full tensors (each loads the checkpoint); each keeps its shard."""
+        missing = sorted(set(self.params) - set(model_sd))
+        unexpected = sorted(set(model_sd) - set(self.params))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
+        options = StateDictOptions(full_state_dict=True)
+        full = {alias: model_sd[name].float() for alias, name in self.aliases.items()}
+        set_model_state_dict(self.module, full, options=options)
+        self.optimizer.state.clear()
+        if not optim_sd["step"]:
+            return
+        names = {id(p): n for n, p in self.params.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in self.optimizer.param_groups]
+        state = {name: {"step": torch.tensor(float(optim_sd["step"][name])),
+                        **{key: optim_sd[key][name].float() for key in MOMENTS}}
+                 for name in optim_sd["step"]}
+        set_optimizer_state_dict(self.module, self.optimizer, {"state": state, "param_groups": groups},
+                                 options=options)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of this rank's shards, measured from the local tensors."""
+        param_bytes = storage_bytes(list(self.params.values()))
+        optim_bytes = storage_bytes([t for state in self.optimizer.state.values() for t in state.values()
+                                     if torch.is_tensor(t)])
+        return {"param_bytes": param_bytes, "grad_bytes": self._grad_bytes, "optim_bytes": optim_bytes}

@@ -1,0 +1,372 @@
+"""DeepSpeed ZeRO stage 1, 2 or 3 behind the Engine protocol. The only module importing deepspeed.
+
+How the loop's step maps onto DeepSpeed:
+
+- The DeepSpeed config (`ds_configs/zero{stage}.json` or engine.ds_config) is a template: batch
+  size, gradient accumulation, clipping and precision are filled from dsslm's config; a value
+  written in the file that disagrees with it is a ConfigError, not a silent override.
+- Gradient accumulation: the loop already scales every micro-batch's loss by
+  world_size / global_tokens, so `backward` passes `scale_wrt_gas=False` (DeepSpeed would
+  otherwise divide by gradient_accumulation_steps again) and sets the accumulation boundary by
+  hand: False inside `no_sync()`, True for the final micro-batch, whose backward reduces.
+- `clip_grad_norm` reads the global norm the ZeRO optimizer will clip with, before `step()`,
+  so rank 0's spike monitor can veto the step. DeepSpeed clips inside `step()` with
+  `gradient_clipping` = optim.clip (same formula as torch's clip_grad_norm_).
+- `skip_step` drops the reduced gradients the way the ZeRO optimizer's own overflow branch does
+  (weights, moments and Adam's step untouched) and advances DeepSpeed's global/skipped counters
+  as an overflow would.
+- fp16: DeepSpeed's dynamic loss scaler is the only scaler. `engine.scaler` is a read-only view
+  of it (`DeepSpeedLossScale`): it tells the loop's judge() that a non-finite norm means "skip",
+  and `skip_step` then lets DeepSpeed's own `step()` take its overflow branch, which backs the
+  scale off once. No second scaler ever multiplies the loss, so nothing is skipped twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed probes for CUDA at import
+
+import deepspeed  # noqa: E402
+from deepspeed.runtime.utils import combine_grad_norm_groups  # noqa: E402
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
+from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer  # noqa: E402
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
+                             safe_set_full_fp32_param, safe_set_full_optimizer_state)
+
+from dsslm.config import Config, ConfigError  # noqa: E402
+from dsslm.engine.base import Engine, storage_bytes  # noqa: E402
+from dsslm.engine.launch import ensure_process_group  # noqa: E402
+from dsslm.optim import build_adamw  # noqa: E402
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+# DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
+warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
+                        category=FutureWarning)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def ds_config(cfg: Config, world_size: int) -> dict:
+    """The DeepSpeed config for this run: the template file with dsslm's own values filled in."""
+    default = DS_CONFIG_DIR / f"zero{cfg.engine.zero_stage}.json"
+    path = Path(cfg.engine.ds_config) if cfg.engine.ds_config else default
+    if not path.is_file():
+        raise ConfigError(f"engine.ds_config={str(path)!r}: no such file; leave it empty for "
+                          f"ds_configs/zero{{stage}}.json")
+    try:
+        conf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"engine.ds_config={str(path)!r} is not JSON: {err}") from None
+    for section in ("optimizer", "scheduler"):
+        if section in conf:
+            raise ConfigError(f"{path} has a {section!r} section; dsslm passes its own AdamW and learning "
+                              f"rate (optim.*): remove the section")
+    t = cfg.train
+    zero = conf.setdefault("zero_optimization", {})
+    owned = {  # dotted DeepSpeed key -> (its value for this run, the dsslm key it comes from)
+        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (t.grad_accum, "train.grad_accum"),
+        "train_batch_size": (t.micro_batch_size * t.grad_accum * world_size, "train.micro_batch_size"),
+        "gradient_clipping": (cfg.optim.clip, "optim.clip"),
+        "bf16.enabled": (t.precision == "bf16", "train.precision"),
+        "fp16.enabled": (t.precision == "fp16", "train.precision"),
+        "zero_optimization.stage": (cfg.engine.zero_stage, "engine.zero_stage"),
+    }
+    for dotted, (value, key) in owned.items():
+        *parents, leaf = dotted.split(".")
+        node = conf
+        for part in parents:
+            node = node.setdefault(part, {})
+        written = node.get(leaf, "auto")
+        if written != "auto" and written != value:
+            raise ConfigError(f"{path}: {dotted}={written!r} but {key} gives {value!r}; write \"auto\" "
+                              f"there (dsslm fills it) or change {key}")
+        node[leaf] = value
+    if zero["stage"] == 3:
+        # Parameter gathering stays inside DeepSpeed's forward hooks; never all-gather on save.
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", False)
+    return conf
+
+
+class DeepSpeedLossScale:
+    """engine.scaler under fp16: a view of DeepSpeed's dynamic loss scaler, never a second one.
+
+    `update()` only reports an overflow (a non-finite norm) so the loop skips the step; the scale
+    itself moves inside DeepSpeed's `step()` (growth) and overflow branch (backoff).
+    """
+
+    def __init__(self, optimizer: Any):
+        self._optimizer = optimizer
+        self.overflows = 0
+
+    @property
+    def _ds(self) -> Any:
+        return self._optimizer.loss_scaler
+
+    @property
+    def scale(self) -> float:
+        return float(self._ds.cur_scale)
+
+    def update(self, grad_norm: float) -> bool:
+        overflow = not math.isfinite(grad_norm)
+        self.overflows += int(overflow)
+        return overflow
+
+    def state_dict(self) -> dict:
+        # The first three keys are LossScaler's, so an fp16 checkpoint resumes under any engine.
+        clean = self._ds.cur_iter - self._ds.last_overflow_iter - 1
+        return {"scale": self.scale, "clean_steps": int(clean), "overflows": self.overflows,
+                "ds_cur_iter": int(self._ds.cur_iter), "ds_last_overflow_iter": int(self._ds.last_overflow_iter),
+                "ds_cur_hysteresis": int(self._ds.cur_hysteresis)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ds.cur_scale = float(state["scale"])
+        self.overflows = int(state.get("overflows", 0))
+        clean = int(state.get("clean_steps", 0))
+        self._ds.cur_iter = int(state.get("ds_cur_iter", clean))
+        self._ds.last_overflow_iter = int(state.get("ds_last_overflow_iter", self._ds.cur_iter - clean - 1))
+        self._ds.cur_hysteresis = int(state.get("ds_cur_hysteresis", self._ds.delayed_shift))
+
+
+class ZeroEngine(Engine):
+    name = "zero"
+
+    def __init__(self, cfg: Config, model: nn.Module):
+        super().__init__(cfg, model)
+        ensure_process_group(self.device)  # DeepSpeed needs a group, even for one process
+        self.distributed = True
+        self.stage = cfg.engine.zero_stage
+        self.name = f"zero{self.stage}"
+        self.params = dict(model.named_parameters())  # unwrapped names; DeepSpeed keeps the objects
+        self._check_stage()
+        model.to(self.device)
+        optimizer = build_adamw(model, cfg.optim)
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
+        if not isinstance(self.optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+            raise ConfigError(f"the DeepSpeed config made a {type(self.optimizer).__name__}, which dsslm does "
+                              f"not drive; remove data_types.grad_accum_dtype / offload settings from it")
+        self.scaler = DeepSpeedLossScale(self.optimizer) if cfg.train.precision == "fp16" else None
+        self._in_no_sync = False
+        self._last_norm = 0.0
+        self._grad_bytes = 0
+        self.ds.set_gradient_accumulation_boundary(True)
+
+    def _check_stage(self) -> None:
+        if self.cfg.train.precision == "fp16" and not deepspeed.get_accelerator().is_fp16_supported():
+            raise ConfigError(f"train.precision=fp16 with engine.kind=zero needs fp16 support in DeepSpeed's "
+                              f"{deepspeed.get_accelerator().device_name()} accelerator; use train.precision=bf16")
+
+    # --- the training step -------------------------------------------------------------------
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.ds(inputs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        # Not DeepSpeed's no_sync(), which refuses stages 2 and 3: the accumulation boundary is
+        # the switch every stage honours (stage 2/3 still reduce-scatter per bucket, into shards).
+        self._in_no_sync = True
+        self.ds.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+            self.ds.set_gradient_accumulation_boundary(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loss is already divided by the step's global token count: no division by GAS.
+        self.ds.backward(loss, scale_wrt_gas=False)
+        # Stage 1 holds full gradients between micro-batches, only its shard after the boundary.
+        self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
+        if self._in_no_sync:
+            self.ds.micro_steps += 1  # DeepSpeed counts micro-batches; step() counts the last one
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global pre-clip norm of the reduced gradients (a collective); DeepSpeed clips in step()."""
+        opt = self.optimizer
+        opt.clip_grad = max_norm
+        if self.stage == 3:
+            scaled = combine_grad_norm_groups(opt._get_norm_groups())
+        else:
+            scaled = opt.scaled_global_norm()
+        norm = float(scaled) / float(opt.loss_scale)
+        self._last_norm = norm if math.isfinite(norm) and norm >= 0 else float("inf")
+        self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
+        return self._last_norm
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.ds.step()
+
+    def skip_step(self) -> None:
+        if self.scaler is not None and not math.isfinite(self._last_norm):
+            # fp16 overflow: DeepSpeed's own step() sees it, drops the step and backs the scale off.
+            self.ds.step()
+            return
+        self._drop_gradients()
+        # What DeepSpeed's engine records for a step its optimizer dropped.
+        self.ds.global_steps += 1
+        self.ds.skipped_steps += 1
+        self.ds.global_samples += self.ds.train_batch_size()
+        self.ds.micro_steps += 1
+
+    def _drop_gradients(self) -> None:
+        """The ZeRO optimizer's overflow branch without the loss-scale update."""
+        opt = self.optimizer
+        if self.stage == 3:
+            opt._pre_step()
+            opt._partition_all_parameters()
+            opt._overflow_clean_up(opt.loss_scale)
+            return
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID
+        opt.zero_grad(set_to_none=True)
+        opt._release_preflattened_grad_buffers()
+        for key in list(opt.averaged_gradients):
+            opt.averaged_gradients[key] = None
+            opt.all_grad_tensors[key] = None
+
+    def train_mode(self, training: bool) -> None:
+        self.ds.train(training)
+
+    # --- state -------------------------------------------------------------------------------
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 master partitions: the tensors the inner AdamW steps."""
+        opt = self.optimizer
+        return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
+
+    def _partition_of(self, param: nn.Parameter) -> torch.Tensor:
+        opt = self.optimizer
+        if self.stage == 3:
+            return opt.fp32_partitioned_groups_flat[opt.grad_position[opt.get_param_id(param)][0]]
+        for i, group in enumerate(opt.bit16_groups):
+            if any(p is param for p in group):
+                return opt.single_partition_of_fp32_groups[i]
+        raise KeyError("parameter not managed by the ZeRO optimizer")
+
+    def _has_adam_state(self) -> bool:
+        inner = self.optimizer.optimizer.state
+        return all(len(inner.get(flat, {})) > 0 for flat in self._flat_partitions())
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Full fp32 weights and moments; every rank must call (gathers), rank 0 keeps them."""
+        keep = self.is_main
+        model_sd: dict[str, torch.Tensor] = {}
+        optim_sd: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, param in self.params.items():
+            full = safe_get_full_fp32_param(param)
+            if keep:
+                model_sd[name] = full.detach().float().cpu().clone()
+        if not self._has_adam_state():
+            return model_sd, optim_sd
+        self._link_moments()
+        inner = self.optimizer.optimizer.state
+        for name, param in self.params.items():
+            for key in MOMENTS:
+                full = safe_get_full_optimizer_state(param, key)
+                if keep:
+                    optim_sd[key][name] = full.detach().float().cpu().clone()
+            if keep:
+                optim_sd["step"][name] = float(inner[self._partition_of(param)]["step"])
+        return model_sd, optim_sd
+
+    def _link_moments(self) -> None:
+        """Point every parameter's optimizer-state fragment at the current AdamW state (stage 1/2).
+
+        DeepSpeed links lazily after its first optimizer step of group 0, when the later groups
+        have no state yet, and never again: relink before reading or writing moments.
+        """
+        if self.stage != 3:
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
+        missing = sorted(set(self.params) - set(model_sd))
+        unexpected = sorted(set(model_sd) - set(self.params))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
+        self._load_weights(model_sd)
+        self._load_moments(optim_sd)
+
+    @torch.no_grad()
+    def _load_weights(self, model_sd: dict[str, torch.Tensor]) -> None:
+        params = list(self.params.items())
+        # The working (bf16/fp16/fp32) copies first; stage 3 holds only a shard, so gather,
+        # write on every rank (identical values) and let rank 0's copy be re-partitioned.
+        gathered = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0)
+                    if self.stage == 3 else contextlib.nullcontext())
+        with gathered:
+            for name, param in params:
+                param.data.copy_(model_sd[name].to(param.device, param.dtype))
+        for name, param in params:  # then the fp32 master shards
+            safe_set_full_fp32_param(param, model_sd[name].to(self.device, torch.float32))
+
+    @torch.no_grad()
+    def _load_moments(self, optim_sd: dict[str, Any]) -> None:
+        inner = self.optimizer.optimizer.state
+        if not optim_sd["step"]:
+            for flat in self._flat_partitions():  # a checkpoint from before the first step
+                inner.pop(flat, None)
+            if self.stage != 3:
+                self.optimizer._hp_optimizer_states_linked = False
+            return
+        steps = self._group_steps(optim_sd["step"])
+        for flat in self._flat_partitions():
+            # torch AdamW's own layout; AdamW then finds the state and does not re-initialise it.
+            inner[flat] = {"step": torch.tensor(steps[id(flat)], dtype=torch.float32),
+                           "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        self._link_moments()
+        for name, param in self.params.items():
+            for key in MOMENTS:
+                safe_set_full_optimizer_state(param, optim_sd[key][name].to(self.device, torch.float32), key)
+
+    def _group_steps(self, steps_by_name: dict[str, float]) -> dict[int, float]:
+        """ZeRO keeps one Adam step count per flat group: every parameter in it must agree."""
+        out: dict[int, float] = {}
+        for name, param in self.params.items():
+            if name not in steps_by_name:
+                raise ValueError(f"checkpoint has no Adam step for {name}; it cannot seed a ZeRO optimizer")
+            flat = self._partition_of(param)
+            step = float(steps_by_name[name])
+            if out.setdefault(id(flat), step) != step:
+                raise ValueError(f"checkpoint's Adam step for {name} ({step}) differs from its group's "
+                                 f"({out[id(flat)]}); ZeRO keeps one count per parameter group")
+        return out
+
+    # --- accounting --------------------------------------------------------------------------
+    def _measure_grad_bytes(self) -> int:
+        opt = self.optimizer
+        tensors = [t for p in self.params.values() for t in (p.grad, getattr(p, "grad_accum", None))
+                   if t is not None]
+        for group in opt.averaged_gradients.values():
+            if group is not None:
+                tensors += [t for t in group if torch.is_tensor(t)]
+        if self.stage != 3 and getattr(opt, "grads_in_partition", None) is not None:
+            tensors.append(opt.grads_in_partition)
+        return storage_bytes(tensors)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, measured from the tensors (shared storage counted once)."""
+        if self.stage == 3:
+            working = [p.ds_tensor for p in self.params.values()]
+        else:
+            working = list(self.optimizer.bit16_groups_flat)
+        inner = self.optimizer.optimizer.state
+        optim = [t for flat in self._flat_partitions() for t in inner.get(flat, {}).values() if torch.is_tensor(t)]
+        return {"param_bytes": storage_bytes(working), "master_bytes": storage_bytes(self._flat_partitions()),
+                "grad_bytes": self._grad_bytes, "optim_bytes": storage_bytes(optim)}
+
+    def close(self) -> None:
+        self.ds.destroy()
+        super().close()
+

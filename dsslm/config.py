@@ -126,6 +126,20 @@ class FaultsCfg:
 
 
 @dataclass
+class ObserveCfg:
+    every: int = 50             # steps between diagnostics: logit maxima, norms, update ratio, memory (0 = off)
+    probe_sequences: int = 2    # sequences in the fixed probe batch (the first val sequences)
+    wandb: bool = False         # also log to Weights & Biases (pip install dsslm[wandb])
+    wandb_project: str = "dsslm"
+    wandb_mode: str = ""        # online | offline | "" = WANDB_MODE, else online
+    slow_fraction: float = 0.5  # alert when tokens/s stays below this fraction of its recent median
+    slow_window: int = 50       # steps in that median
+    slow_steps: int = 5         # consecutive slow steps before the alert (once per episode)
+    val_margin: float = 0.02    # alert when one domain's val loss is this fraction above its best...
+    val_evals: int = 2          # ...for this many evaluations in a row while the others fall
+
+
+@dataclass
 class Config:
     run: RunCfg = field(default_factory=RunCfg)
     data: DataCfg = field(default_factory=DataCfg)
@@ -136,6 +150,7 @@ class Config:
     engine: EngineCfg = field(default_factory=EngineCfg)
     monitor: MonitorCfg = field(default_factory=MonitorCfg)
     faults: FaultsCfg = field(default_factory=FaultsCfg)
+    observe: ObserveCfg = field(default_factory=ObserveCfg)
 
 
 # Keys that may change between a checkpoint and its resume without changing what the run
@@ -144,6 +159,7 @@ RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
     "run.tensorboard", "run.alert_command", "data.dir", "data.verify", "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
+    "observe",
 )
 
 
@@ -231,6 +247,9 @@ def validate(cfg: Config) -> None:
     _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
     _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
     _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")
+    _check(cfg.observe.every >= 0, f"observe.every={cfg.observe.every} must be >= 0 (0 = off)")
+    _check(0 < cfg.observe.slow_fraction < 1, f"observe.slow_fraction={cfg.observe.slow_fraction} must be in (0, 1)")
+    _check_choice("observe.wandb_mode", cfg.observe.wandb_mode, ("", "online", "offline"))
     for window in cfg.faults.poison_batches:
         _check(isinstance(window, list) and len(window) == 2 and 0 <= window[0] < window[1],
                f"faults.poison_batches entry {window!r} must be [start, end] with 0 <= start < end")

@@ -19,11 +19,12 @@ from dsslm.checkpoint import CheckpointManager
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.corpus import default_data_dir
 from dsslm.data import DataError, load_manifest, manifest_hash
+from dsslm.diagnostics import Diagnostics
 from dsslm.engine import build_engine
 from dsslm.loader import Loader
 from dsslm.loss import accumulate, token_losses
 from dsslm.metrics import Sinks
-from dsslm.model import build_model, count_params
+from dsslm.model import build_model
 from dsslm.monitor import SpikeMonitor, Verdict
 from dsslm.optim import lr_at
 from dsslm.persist import Escalation, Job, resume_or_init, rewind, save
@@ -55,7 +56,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, global_batch, manifest=manifest)
     run_dir = Path(cfg.run.dir)
-    sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command)
+    sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
+                  cfg.observe, to_dict(cfg))
     ckpts = CheckpointManager(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                               on_event=sinks.emit if engine.is_main else None,
                               crash_in_save_step=faults.crash_in_save_step(cfg.faults, run_dir, engine.is_main))
@@ -115,9 +117,11 @@ def train_step(job: Job, run: RunState, stop: StopFlag) -> tuple[Verdict, dict, 
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
+    # First thing: a preemption signal during setup or resume must not kill the process.
+    stop = StopFlag()
     job = setup(cfg, allow_drift)
     try:
-        return run_loop(job)
+        return run_loop(job, stop)
     except faults.DrillAbort:
         job.ckpts.wait()  # an in-process drill models a kill between saves, not a torn write
         raise
@@ -126,29 +130,35 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
         job.engine.close()
 
 
-def run_loop(job: Job) -> int:
+def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, engine, sinks = job.cfg, job.engine, job.sinks
     run = resume_or_init(job)
     sinks.emit("start", step=run.step, world_size=engine.world_size, engine=engine.name,
-               config_hash=job.fingerprint["config_hash"], n_params=count_params(engine.module),
+               config_hash=job.fingerprint["config_hash"], n_params=engine.n_params,
                clip=cfg.optim.clip, config=to_dict(cfg))
     if engine.is_main:
-        print(f"dsslm: {count_params(engine.module):,} parameters, {engine.name} on {engine.world_size} "
+        print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {job.loader.global_batch_size * cfg.model.seq_len:,} tokens/step, "
               f"starting at step {run.step}", flush=True)
-    stop = StopFlag()
+    diagnostics = Diagnostics(job)
+    first_step = run.step
     while run.step < cfg.train.total_steps:
         faults.maybe_crash(cfg.faults, run.step, engine.rank, job.run_dir)
+        before = diagnostics.snapshot(run.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
         verdict, record, stop_requested = train_step(job, run, stop)
         if verdict in (Verdict.REWIND, Verdict.ESCALATE):
-            sinks.log_step(timed(record, started, run))
+            sinks.log_step(diagnostics.observe(timed(record, started, run), before))
             run = rewind(job, run, run.step)
             continue
         account(run, verdict, record, job)
-        sinks.log_step(timed(record, started, run))
+        if run.step == first_step + 1:
+            report_memory(job, run.step)  # after one step: AdamW allocates its moments lazily
+        sinks.log_step(diagnostics.observe(timed(record, started, run), before))
         if cfg.run.val_every and run.step % cfg.run.val_every == 0:
-            sinks.metrics.write({"step": run.step, "val_loss": evaluate(job)})
+            val_loss = evaluate(job)
+            sinks.log_val({"step": run.step, "val_loss": val_loss})
+            diagnostics.check_val(run.step, val_loss)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, run, sync=True)
@@ -160,6 +170,15 @@ def run_loop(job: Job) -> int:
     job.ckpts.wait()
     sinks.emit("end", step=run.step, tokens=run.tokens, skipped_steps=run.skipped_steps)
     return EXIT_OK
+
+
+def report_memory(job: Job, step: int) -> None:
+    """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
+    per_rank = job.engine.all_gather(job.engine.memory_report())
+    job.sinks.emit("memory", step=step, per_rank=per_rank)
+    if job.engine.is_main:
+        mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}
+        print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
 
 
 def account(run: RunState, verdict: Verdict, record: dict, job: Job) -> None:

@@ -1,0 +1,251 @@
+"""Training diagnostics, measured from outside the model: MFU, logit maxima, norms, memory.
+
+`Diagnostics` is the loop's one object for them. Every step it adds `mfu` (when the GPU's peak
+is known) and feeds `metrics.Alerts`. Every `observe.every` steps it also adds, to that step's
+metrics record:
+
+- `param_norm`, `update_norm`, `update_ratio`: `{group: float}` over the layer groups
+  embeddings, attention, mlp, norms and head (head only when untied). The update is the change
+  made by this step's optimizer step: a `full_state()` snapshot before it, one after. Both
+  norms are of the weights before the update, so update_ratio = ||delta theta|| / ||theta||.
+- `max_attn_logit` (and `max_attn_logit_by_layer`): the largest pre-softmax score q.k/sqrt(d)
+  over the causal positions of a fixed probe batch (the first val sequences), recomputed from
+  the attention modules' own qkv / q_norm / k_norm outputs (forward hooks) and `apply_rope`.
+- `max_logit`: the largest |output logit| on the probe batch.
+- `peak_mem_bytes`: the largest over ranks of `torch.cuda.max_memory_allocated` on GPU, of the
+  process's max RSS on CPU.
+- `diagnostics_s`: what the measurement cost, outside `step_time_s`.
+
+Cost of a measured step: two `full_state()` calls (on sharded engines each is a full gather of
+weights and Adam moments, like a checkpoint's), one fp32 copy of the weights on the host, one
+no-grad forward of the probe batch. Nothing consumes RNG or touches the weights, so a run with
+diagnostics trains bit for bit like one without.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import resource
+import sys
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from dsslm.metrics import Alerts
+from dsslm.model import Attention, apply_rope
+from dsslm.precision import autocast
+
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s by torch.cuda.get_device_name(); first match
+# wins, so a more specific pattern comes before one it contains (H100 PCIe before H100).
+PEAK_BF16_FLOPS = (
+    (r"H100.*PCIe", 756e12), (r"H100 NVL", 835e12), (r"H100|H200|H800", 989e12), (r"\bH20\b", 148e12),
+    (r"B200", 2250e12), (r"B100", 1750e12), (r"A100|A800", 312e12),
+    (r"L40S", 362e12), (r"L40\b", 181e12), (r"\bL4\b", 121e12), (r"\bA10\b", 125e12),
+    (r"RTX A6000", 155e12), (r"RTX 4090", 165e12), (r"RTX 3090", 71e12),
+    (r"MI300X", 1307e12), (r"MI250X", 383e12),
+)
+GROUPS = ("embeddings", "attention", "mlp", "norms", "head", "other")
+SCORE_ROWS = 256  # query rows per block: B*H*256*T fp32 scores at a time, not B*H*T*T
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The bf16 dense peak of a GPU by name; None when it is not in the table (then no MFU)."""
+    return next((flops for pattern, flops in PEAK_BF16_FLOPS if re.search(pattern, device_name)), None)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the weight matmuls (2 forward, 4 backward per parameter)
+    plus 12*L*d*T for the attention scores and their weighted sum (PaLM, appendix B)."""
+    return 6 * n_params + 12 * n_layers * d_model * seq_len
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak: float, world_size: int) -> float:
+    """MFU: achieved model FLOP/s over the peak of every GPU in the job (tokens_per_s is global)."""
+    return flops_per_token * tokens_per_s / (peak * world_size)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # KiB on Linux, bytes on macOS
+
+
+# --- parameter and update norms ------------------------------------------------------------------
+def layer_group(name: str) -> str:
+    """The layer group of a parameter of dsslm.model.Transformer, by its name."""
+    parts = name.split(".")
+    if any(p.endswith("norm") for p in parts[:-1]):  # attn_norm, mlp_norm, q_norm, k_norm, final norm
+        return "norms"
+    if parts[0] == "tok_emb":
+        return "embeddings"
+    if parts[0] == "lm_head":  # present only when untied: full_state names a tied tensor once
+        return "head"
+    return "attention" if "attn" in parts else "mlp" if "mlp" in parts else "other"
+
+
+def update_stats(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Per layer group: L2 norm of the weights before, of the change, and their ratio (fp64 sums)."""
+    param_sq: dict[str, float] = {}
+    update_sq: dict[str, float] = {}
+    for name, new in after.items():
+        old = before[name].to(new.device)
+        group = layer_group(name)
+        param_sq[group] = param_sq.get(group, 0.0) + float(torch.linalg.vector_norm(old, dtype=torch.float64)) ** 2
+        delta = torch.linalg.vector_norm(new.float() - old.float(), dtype=torch.float64)
+        update_sq[group] = update_sq.get(group, 0.0) + float(delta) ** 2
+    groups = [g for g in GROUPS if g in param_sq]
+    param_norm = {g: math.sqrt(param_sq[g]) for g in groups}
+    update_norm = {g: math.sqrt(update_sq[g]) for g in groups}
+    ratio = {g: update_norm[g] / param_norm[g] if param_norm[g] > 0 else math.inf for g in groups}
+    return {"param_norm": param_norm, "update_norm": update_norm, "update_ratio": ratio}
+
+
+# --- attention logits ----------------------------------------------------------------------------
+def causal_max_score(q: torch.Tensor, k: torch.Tensor) -> float:
+    """max over batch, heads and causal (key <= query) positions of q.k / sqrt(head_dim)."""
+    q, k = q.float(), k.float()
+    seq = q.shape[-2]
+    keys = torch.arange(seq, device=q.device)
+    best = -math.inf
+    for start in range(0, seq, SCORE_ROWS):
+        scores = q[..., start:start + SCORE_ROWS, :] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        queries = torch.arange(start, start + scores.shape[-2], device=q.device)
+        scores.masked_fill_(keys[None, :] > queries[:, None], -math.inf)
+        best = max(best, float(scores.max()))
+    return best
+
+
+class _LayerProbe:
+    """Forward hooks on one Attention module: its rope tables (inputs), q/k (qkv output, or the
+    q_norm/k_norm outputs when QK-norm is on); the score maximum once the module has run."""
+
+    def __init__(self, attn: Attention):
+        self.attn, self.seen, self.max_score = attn, {}, -math.inf
+        self.handles = [attn.register_forward_pre_hook(self._inputs),
+                        attn.qkv.register_forward_hook(self._output("qkv")),
+                        attn.register_forward_hook(self._done)]
+        if attn.q_norm is not None:
+            self.handles += [attn.q_norm.register_forward_hook(self._output("q")),
+                             attn.k_norm.register_forward_hook(self._output("k"))]
+
+    def _inputs(self, module: nn.Module, args: tuple) -> None:
+        _, self.seen["cos"], self.seen["sin"] = args  # Attention.forward(x, cos, sin)
+
+    def _output(self, key: str):
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            self.seen[key] = out.detach()
+        return hook
+
+    def _done(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        qkv = self.seen["qkv"]
+        batch, seq, _ = qkv.shape
+        q, k, _ = qkv.view(batch, seq, 3, self.attn.n_heads, self.attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.seen.get("q", q), self.seen.get("k", k)
+        cos, sin = self.seen["cos"], self.seen["sin"]
+        self.max_score = max(self.max_score, causal_max_score(apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
+        self.seen.clear()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def attention_score_probe(model: nn.Module) -> Iterator[list[_LayerProbe]]:
+    """Hooks every Attention module of `model` for the forward passes inside the block."""
+    probes = [_LayerProbe(m) for m in model.modules() if isinstance(m, Attention)]
+    try:
+        yield probes
+    finally:
+        for probe in probes:
+            probe.remove()
+
+
+# --- the loop's object ---------------------------------------------------------------------------
+class Diagnostics:
+    """MFU and alerts every step, the measurements above every `observe.every` steps.
+
+    `snapshot` and `observe` run on every rank (full_state, the probe forward and the memory
+    gather are collectives); only rank 0's sinks write.
+    """
+
+    def __init__(self, job: Any):
+        self.cfg, self.engine, self.sinks = job.cfg, job.engine, job.sinks
+        self.every = job.cfg.observe.every
+        self.alerts = Alerts.from_config(job.cfg.observe)
+        model = job.cfg.model
+        self.flops_per_token = flops_per_token(self.engine.n_params, model.n_layers, model.d_model, model.seq_len)
+        self.peak_flops = peak_flops(self.engine.device)
+        self.probe = probe_batch(job.loader, job.cfg.observe.probe_sequences) if self.every else None
+        self.snapshot_s = 0.0
+
+    def snapshot(self, step: int) -> dict[str, torch.Tensor] | None:
+        """The weights before the optimizer step that makes step `step + 1`, when it is measured."""
+        if not self.every or (step + 1) % self.every:
+            return None
+        started = time.perf_counter()
+        model_sd, _ = self.engine.full_state()
+        # A copy on the host: DDP hands back the live parameters (the step would change our
+        # "before" in place), and a device copy would show up in peak memory.
+        before = {name: t.detach().to("cpu", copy=True) for name, t in model_sd.items()}
+        self.snapshot_s = time.perf_counter() - started
+        return before
+
+    def observe(self, record: dict, before: dict[str, torch.Tensor] | None) -> dict:
+        """`record` plus this step's diagnostics; emits the alerts it raises."""
+        record = dict(record)
+        if self.peak_flops:
+            record["mfu"] = model_flops_utilization(self.flops_per_token, record["tokens_per_s"],
+                                                    self.peak_flops, self.engine.world_size)
+        if before is not None and record["verdict"] == "ok":  # the verdict is the same on every rank
+            record.update(self.measure(before))
+        for alert in self.alerts.check_step(record["loss"], record["gnorm"], record["tokens_per_s"],
+                                            applied=record["verdict"] == "ok"):
+            self.sinks.emit("alert", step=record["step"], **alert)
+        return record
+
+    def check_val(self, step: int, val_loss: dict[str, float]) -> None:
+        for alert in self.alerts.check_val(val_loss):
+            self.sinks.emit("alert", step=step, **alert)
+
+    def measure(self, before: dict[str, torch.Tensor]) -> dict:
+        started = time.perf_counter()
+        # First, before the probe forward and the comparison allocate anything.
+        peak_mem = max(self.engine.all_gather(peak_memory_bytes(self.engine.device)))
+        after, _ = self.engine.full_state()
+        out: dict[str, Any] = update_stats(before, after) if self.engine.is_main else {}
+        del after
+        scores, max_logit = self.probe_logits()
+        out.update(max_attn_logit=max(scores), max_attn_logit_by_layer={str(i): s for i, s in enumerate(scores)},
+                   max_logit=max_logit, peak_mem_bytes=peak_mem,
+                   diagnostics_s=self.snapshot_s + time.perf_counter() - started)
+        return out
+
+    @torch.no_grad()
+    def probe_logits(self) -> tuple[list[float], float]:
+        """Per-layer max attention score and max |logit| on the probe batch (eval mode: no dropout)."""
+        engine = self.engine
+        engine.train_mode(False)
+        try:
+            with attention_score_probe(engine.module) as probes:
+                with autocast(self.cfg.train.precision, engine.device):
+                    logits = engine.forward(self.probe.to(engine.device))
+            return [p.max_score for p in probes], float(logits.float().abs().max())
+        finally:
+            engine.train_mode(True)
+
+
+def probe_batch(loader: Any, sequences: int) -> torch.Tensor:
+    """The first val sequences of the first domain (fixed, seed-independent), else the first
+    training batch's, for a corpus prepared without a val split."""
+    batches = loader.val_batches(loader.domains[0], 1, max(1, sequences))
+    inputs = batches[0][0] if batches else loader.global_batch(0)[0]
+    return inputs[:max(1, sequences)]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.config import Config
+from dsslm.optim import set_lr
 from dsslm.precision import LossScaler
 
 
@@ -136,6 +137,44 @@ class Engine(abc.ABC):
             if not isinstance(value, (bool, int, float, str, torch.device, Config, type(None))):
                 delattr(self, name)
         gc.collect()
+
+
+class TorchAdamWEngine(Engine):
+    """Shared verbs of the engines that drive a torch AdamW themselves (DDP, FSDP)."""
+
+    optimizer: torch.optim.Optimizer
+    params: dict[str, nn.Parameter]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
+
+    def unscaled_grads(self) -> list[nn.Parameter]:
+        """The parameters that have gradients, their gradients divided by the fp16 loss scale."""
+        params = [p for p in self.params.values() if p.grad is not None]
+        if self.scaler is not None:
+            for p in params:
+                p.grad.mul_(1.0 / self.scaler.scale)
+        return params
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        # Dropping the gradients is the whole skip: AdamW's state (moments, step) is untouched.
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def check_names(params: dict, model_sd: dict) -> None:
+    """A checkpoint must name exactly this model's parameters."""
+    missing = sorted(set(params) - set(model_sd))
+    unexpected = sorted(set(model_sd) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
 
 
 def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:

@@ -9,11 +9,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.config import Config
-from dsslm.engine.base import Engine, adam_state_by_name, load_adam_state
-from dsslm.optim import build_adamw, set_lr
+from dsslm.engine.base import TorchAdamWEngine, adam_state_by_name, check_names, load_adam_state
+from dsslm.optim import build_adamw
 
 
-class DDPEngine(Engine):
+class DDPEngine(TorchAdamWEngine):
     name = "ddp"
 
     def __init__(self, cfg: Config, model: nn.Module):
@@ -36,39 +36,18 @@ class DDPEngine(Engine):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.wrapped.no_sync() if self.distributed else contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            loss = loss * self.scaler.scale
-        loss.backward()
-
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for p in self.params.values() if p.grad is not None]
-        if self.scaler is not None:
-            for p in params:
-                p.grad.mul_(1.0 / self.scaler.scale)
+        params = self.unscaled_grads()
         # foreach=False keeps the reduction order fixed, so equal gradients give equal norms.
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
         return float(norm)
-
-    def step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self) -> None:
-        # Dropping the gradients is the whole skip: AdamW's state (moments, step) is untouched.
-        self.optimizer.zero_grad(set_to_none=True)
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model_sd = {n: p.detach().float() for n, p in self.params.items()}
         return model_sd, adam_state_by_name(self.optimizer, self.names)
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
-        missing = sorted(set(self.params) - set(model_sd))
-        unexpected = sorted(set(model_sd) - set(self.params))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
+        check_names(self.params, model_sd)
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(model_sd[name].to(param.dtype))

@@ -28,9 +28,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsslm.config import Config
-from dsslm.engine.base import Engine, storage_bytes
+from dsslm.engine.base import TorchAdamWEngine, check_names, storage_bytes
 from dsslm.engine.launch import ensure_process_group
-from dsslm.optim import build_adamw, set_lr
+from dsslm.optim import build_adamw
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -47,7 +47,7 @@ def shard_model(model: nn.Module, precision: str) -> None:
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
 
 
-class FSDPEngine(Engine):
+class FSDPEngine(TorchAdamWEngine):
     name = "fsdp"
 
     def __init__(self, cfg: Config, model: nn.Module):
@@ -75,29 +75,12 @@ class FSDPEngine(Engine):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            loss = loss * self.scaler.scale
-        loss.backward()
-
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for p in self.params.values() if p.grad is not None]
-        if self.scaler is not None:
-            for p in params:
-                p.grad.mul_(1.0 / self.scaler.scale)
+        params = self.unscaled_grads()
         self._grad_bytes = max(self._grad_bytes, storage_bytes([p.grad for p in params]))
         # Each rank's shard norm is combined across ranks inside the DTensor: the global norm.
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-    def step(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self) -> None:
-        # Gradients dropped; AdamW's moments and step count untouched.
-        self.optimizer.zero_grad(set_to_none=True)
 
     # --- state -------------------------------------------------------------------------------
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -118,11 +101,7 @@ class FSDPEngine(Engine):
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
         """Every rank passes the full tensors (each loads the checkpoint); each keeps its shard."""
-        missing = sorted(set(self.params) - set(model_sd))
-        unexpected = sorted(set(model_sd) - set(self.params))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
+        check_names(self.params, model_sd)
         options = StateDictOptions(full_state_dict=True)
         full = {alias: model_sd[name].float() for alias, name in self.aliases.items()}
         set_model_state_dict(self.module, full, options=options)

@@ -44,7 +44,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_fp32_param, safe_set_full_optimizer_state)
 
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import Engine, storage_bytes  # noqa: E402
+from dsslm.engine.base import Engine, check_names, storage_bytes  # noqa: E402
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 
@@ -290,11 +290,7 @@ class ZeroEngine(Engine):
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
-        missing = sorted(set(self.params) - set(model_sd))
-        unexpected = sorted(set(model_sd) - set(self.params))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit this model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
+        check_names(self.params, model_sd)
         self._load_weights(model_sd)
         self._load_moments(optim_sd)
 

@@ -64,6 +64,7 @@ class TrainCfg:
     grad_accum: int = 1
     precision: str = "fp32"     # bf16 | fp16 | fp32
     z_loss: float = 1e-4
+    loss_scale_init: float = 65536.0  # fp16 only: the dynamic loss scaler's starting scale
     device: str = "auto"        # auto | cpu | cuda
 
 
@@ -244,6 +245,7 @@ def validate(cfg: Config) -> None:
     _check(o.clip > 0, f"optim.clip={o.clip} must be > 0 (a huge value disables clipping)")
     _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
+    _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
     _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
     _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
     _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")

@@ -65,15 +65,19 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     return Job(cfg, run_dir, engine, loader, ckpts, SpikeMonitor(cfg.monitor), sinks, prints, allow_drift)
 
 
-def judge(job: Job, step: int, loss: float, gnorm: float) -> Verdict:
-    """One verdict for every rank: fp16 overflow is the scaler's skip; spikes are rank 0's call."""
+def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
+    """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
+    rank 0's call, broadcast."""
     scaler = job.engine.scaler
     if scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
-        return Verdict.SKIP
+        return Verdict.SKIP, f"fp16_overflow (loss scale now {scaler.scale:g})"
     if not job.cfg.monitor.enabled:
-        return Verdict.OK
-    verdict = job.monitor.check(step, loss, gnorm) if job.engine.is_main else None
-    return Verdict(job.engine.broadcast(verdict.value if verdict is not None else None))
+        return Verdict.OK, ""
+    decided = None
+    if job.engine.is_main:
+        decided = (job.monitor.check(step, loss, gnorm).value, job.monitor.last_reason)
+    value, reason = job.engine.broadcast(decided)
+    return Verdict(value), reason if value != Verdict.OK.value else ""
 
 
 @torch.no_grad()
@@ -105,14 +109,14 @@ def train_step(job: Job, run: RunState, stop: StopFlag) -> tuple[Verdict, dict, 
     batches = faults.poison(batches, data_batch, cfg.faults, cfg.run.seed, cfg.model.vocab_size, engine.rank)
     result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip,
                         faults.is_nan_step(cfg.faults, run.step, engine.rank, job.run_dir), stop.requested)
-    verdict = judge(job, run.step, result.loss, result.gnorm)
+    verdict, reason = judge(job, run.step, result.loss, result.gnorm)
     if verdict is Verdict.OK:
         engine.step(lr)
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = {"step": run.step + 1, "loss": result.loss, "gnorm": result.gnorm, "lr": lr,
               "lr_scale": run.lr_scale, "data_batch": data_batch, "verdict": verdict.value,
-              "batch_tokens": result.tokens}
+              "batch_tokens": result.tokens, **({"reason": reason} if reason else {})}
     return verdict, record, result.stop_requested
 
 
@@ -188,7 +192,7 @@ def account(run: RunState, verdict: Verdict, record: dict, job: Job) -> None:
     if verdict is Verdict.SKIP:
         run.skipped_steps += 1
         job.sinks.emit("skip", step=run.step, loss=record["loss"], gnorm=record["gnorm"],
-                       data_batch=record["data_batch"])
+                       data_batch=record["data_batch"], reason=record.get("reason", ""))
 
 
 def timed(record: dict, started: float, run: RunState) -> dict:

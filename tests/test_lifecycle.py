@@ -106,6 +106,14 @@ def test_alert_command_receives_rewind_event_as_json(tmp_path):
     alerts = [json.loads(line) for line in sink.read_text().splitlines()]
     rewinds = [a for a in alerts if a["event"] == "rewind"]
     assert len(rewinds) == 1 and rewinds[0]["step"] == 70 and "window" in rewinds[0]
+    # The report reads this real run (a rewind, repeated steps) and draws it.
+    from dsslm.report import main as report
+    assert report([str(tmp_path / "run")]) == 0
+    for name in ("loss.png", "lr.png", "gnorm.png", "throughput.png", "summary.md"):
+        assert (tmp_path / "run" / "report" / name).stat().st_size > 0
+    lines = (tmp_path / "run" / "report" / "summary.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| skips | rewinds |"))
+    assert lines[header + 2].split("|")[2].strip() == "1"  # one rewind counted
 
 
 @pytest.mark.slow

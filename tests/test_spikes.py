@@ -102,3 +102,27 @@ def test_two_ranks_only_rank1_poisoned_act_together(tmp_path):
     assert proc.returncode == 0
     assert len(events(tmp_path, "rewind")) == 1
     assert events(tmp_path, "end")[0]["step"] == 100
+
+
+def test_monitor_state_survives_resume_and_forgetting_it_is_seen(tmp_path, monkeypatch):
+    """Kill at 67, resume from 65, poison at 70: the restored monitor skips it exactly as the
+    uninterrupted run did; a monitor that forgot its history (min_history not reached) lets the
+    poisoned update through, so the equality check can fail."""
+    from dsslm import monitor as monitor_module
+    from dsslm.faults import DrillAbort
+    from helpers import losses_by_step
+    poison = ["faults.poison_batches=[[70,71]]", "monitor.hard_loss_z=1e9", "train.total_steps=76"]
+    ref = tmp_path / "ref"
+    assert train(cfg(ref, *poison)) == 0
+    assert [e["step"] for e in events(ref, "skip")] == [71]
+    results = {}
+    for name in ("restored", "forgotten"):
+        run_dir = tmp_path / name
+        with pytest.raises(DrillAbort):
+            train(cfg(run_dir, *poison, "faults.crash_at_step=67", "faults.crash_mode=raise"))
+        if name == "forgotten":
+            monkeypatch.setattr(monitor_module.SpikeMonitor, "load_state_dict", lambda self, state: None)
+        assert train(cfg(run_dir, *poison)) == 0
+        results[name] = losses_by_step(run_dir)
+    assert results["restored"] == losses_by_step(ref)
+    assert results["forgotten"][72] != losses_by_step(ref)[72]

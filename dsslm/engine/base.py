@@ -57,7 +57,7 @@ class Engine(abc.ABC):
         self.is_main = self.rank == 0
         self.module = model  # the unwrapped model: parameter names for checkpoints come from it
         self.n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
-        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
+        self.scaler = LossScaler(cfg.train.loss_scale_init) if cfg.train.precision == "fp16" else None
 
     # --- the training step -------------------------------------------------------------------
     @abc.abstractmethod

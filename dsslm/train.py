@@ -20,7 +20,7 @@ from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.corpus import default_data_dir
 from dsslm.data import DataError, load_manifest, manifest_hash
 from dsslm.diagnostics import Diagnostics
-from dsslm.engine import build_engine
+from dsslm.engine import Engine, build_engine
 from dsslm.loader import Loader
 from dsslm.loss import accumulate, token_losses
 from dsslm.metrics import Sinks
@@ -48,11 +48,12 @@ class StopFlag:
 
 def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
-    manifest = load_manifest(data_dir, verify=cfg.data.verify)
+    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
     engine = build_engine(cfg, model)
+    verify_data_once(engine, data_dir, cfg.data.verify)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, global_batch, manifest=manifest)
     run_dir = Path(cfg.run.dir)
@@ -63,6 +64,19 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
                               crash_in_save_step=faults.crash_in_save_step(cfg.faults, run_dir, engine.is_main))
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     return Job(cfg, run_dir, engine, loader, ckpts, SpikeMonitor(cfg.monitor), sinks, prints, allow_drift)
+
+
+def verify_data_once(engine: Engine, data_dir: Path, verify: bool) -> None:
+    """Rank 0 hashes every shard and tells the others: one read of the corpus per job, not per rank."""
+    problem = None
+    if verify and engine.is_main:
+        try:
+            load_manifest(data_dir, verify=True)
+        except DataError as err:
+            problem = str(err)
+    problem = engine.broadcast(problem)
+    if problem:
+        raise DataError(problem)
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:

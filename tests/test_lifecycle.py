@@ -123,3 +123,19 @@ def test_resume_drill_command_passes(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "PASS" in proc.stdout and "largest per-step loss difference: 0" in proc.stdout
+
+
+def test_corrupted_shard_refused_with_exit_2_and_nothing_written(tmp_path, capsys):
+    from dsslm.data import main as prepare
+    from dsslm.train import main
+    (tmp_path / "a.txt").write_text("a line of text to train on\n" * 300)
+    assert prepare(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d")]) == 0
+    shard = next((tmp_path / "d").rglob("train-*.bin"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    rc = main([f"run.dir={tmp_path / 'run'}", f"data.dir={tmp_path / 'd'}", *TINY, "train.total_steps=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and shard.name in err[0]
+    assert not (tmp_path / "run").exists()

@@ -135,7 +135,7 @@ def test_corrupted_shard_refused_with_exit_2_and_nothing_written(tmp_path, capsy
     data[100] ^= 0x01
     shard.write_bytes(bytes(data))
     capsys.readouterr()
-    rc = main([f"run.dir={tmp_path / 'run'}", f"data.dir={tmp_path / 'd'}", *TINY, "train.total_steps=3"])
+    rc = main([f"run.dir={tmp_path / 'run'}", f"data.dir={tmp_path / 'd'}", *TINY, "train.total_steps=10"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and shard.name in err[0]
     assert not (tmp_path / "run").exists()

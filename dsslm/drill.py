@@ -45,10 +45,14 @@ def run_subprocess(config: str | None, overrides: list[str], nproc: int) -> int:
 
 
 def run_inprocess(config: str | None, overrides: list[str]) -> int:
+    from dsslm.engine.base import init_distributed, pick_device
     from dsslm.faults import DrillAbort
     from dsslm.train import train
+    cfg = load(config, overrides)
+    # One process group for all three jobs: re-creating a destroyed one on torchrun's store hangs.
+    init_distributed(pick_device(cfg))
     try:
-        return train(load(config, overrides))
+        return train(cfg)
     except DrillAbort:
         return 137
 
@@ -96,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     mode = "raise" if in_launcher else "sigkill"
     killed = run(common + [f"run.dir={cut_dir}", f"faults.crash_at_step={kill_at}", f"faults.crash_mode={mode}"])
     resumed = run(common + [f"run.dir={cut_dir}"])
+    if in_launcher:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
     text, worst = verdict(losses(ref_dir), losses(cut_dir))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"dsslm drill resume: {steps} steps, checkpoint every {every}, killed at step {kill_at} "

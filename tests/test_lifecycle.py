@@ -10,7 +10,7 @@ import pytest
 
 from dsslm.config import load
 from dsslm.train import train
-from helpers import PYTHON, ROOT, TINY, events, losses_by_step, read_jsonl, run_train, train_cmd
+from helpers import PYTHON, ROOT, TINY, events, free_port, losses_by_step, read_jsonl, run_train, train_cmd
 
 BASE = ["train.total_steps=60", "ckpt.every=25", "ckpt.keep_last=5"]
 
@@ -139,3 +139,14 @@ def test_corrupted_shard_refused_with_exit_2_and_nothing_written(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and shard.name in err[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_resume_drill_under_torchrun_runs_in_process_on_two_ranks(tmp_path):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "dsslm.drill", "resume", "--workdir", str(tmp_path), *TINY,
+           "train.micro_batch_size=2", "train.total_steps=20"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PASS" in proc.stdout and "(exit 137)" in proc.stdout

@@ -50,6 +50,8 @@ class Engine(abc.ABC):
     def __init__(self, cfg: Config, model: nn.Module):
         self.cfg = cfg
         self.device = pick_device(cfg)
+        # A group someone else made (the resume drill runs several jobs in one) outlives us.
+        self.owns_group = not dist.is_initialized()
         init_distributed(self.device)
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -129,7 +131,8 @@ class Engine(abc.ABC):
         if self.distributed and dist.is_initialized():
             if sys.exc_info()[0] is None:
                 dist.barrier()  # leave together; not while an exception unwinds (the peer may not come)
-            dist.destroy_process_group()
+            if self.owns_group:
+                dist.destroy_process_group()
         # Free the model, optimizer and wrappers now, not at interpreter exit: gloo work objects
         # they keep alive hold tensors whose release at finalization aborts the process ("terminate
         # called without an active exception", ~1 run in 5 on the non-zero rank without this).

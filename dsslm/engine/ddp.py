@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -23,10 +24,13 @@ class DDPEngine(TorchAdamWEngine):
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
         if self.distributed:
-            # Buffers here are RoPE tables computed from the config: nothing to broadcast.
-            self.wrapped: nn.Module = DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False)
+            # Buffers here are RoPE tables computed from the config: nothing to broadcast, ever
+            # (torch 2.13 deprecates the flag in favour of one that still syncs at init).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+                self.wrapped: nn.Module = DistributedDataParallel(
+                    model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    broadcast_buffers=False)
         else:
             self.wrapped = model
 

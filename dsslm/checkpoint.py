@@ -33,8 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
+from dsslm.durable import fsync_dir
 from dsslm.ckpt_io import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
-                           CheckpointError, HostBuffers, fsync_dir, load_checkpoint,
+                           CheckpointError, HostBuffers, load_checkpoint,
                            load_verified, parse_name, remove_checkpoint, safetensors_chunks,
                            stat_key, step_name, verify)
 

@@ -22,6 +22,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from dsslm.durable import fsync_dir
 from safetensors.torch import load_file
 
 FORMAT = 1
@@ -167,15 +169,6 @@ class HostBuffers:
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
     """The tensor's memory as a flat uint8 array (no copy; any dtype, bf16 included)."""
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def fsync_dir(path: Path) -> None:
-    """A rename or unlink is durable only once its directory is fsynced."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def stat_key(folder: Path) -> tuple | None:

@@ -28,6 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
+from dsslm.durable import fsync_dir, write_json_atomic
 from dsslm.tokenizer import TOKENIZER_FILE, ByteTokenizer, file_sha256, load_tokenizer, train_bpe
 
 MANIFEST_FILE = "manifest.json"
@@ -387,7 +388,7 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
             spec = {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok.sha256}
             manifest = {"format": FORMAT, "tokenizer": spec, "dtype": dtype, "domains": {}}
         manifest["domains"] = dict(sorted({**manifest["domains"], domain: entry}.items()))
-        _write_json_atomic(out / MANIFEST_FILE, manifest)
+        write_json_atomic(out / MANIFEST_FILE, manifest, indent=1)
         return manifest
     except BaseException:
         for path in reversed(undo):
@@ -447,32 +448,11 @@ def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, sh
     if not train_entries:
         inputs = " ".join(str(s.path) for s in sources)
         raise DataError(f"--input {inputs} holds no text; give files with text in them")
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, out / domain)
     undo.append(out / domain)
-    _fsync_dir(out)
+    fsync_dir(out)
     return {"train": train_entries, "val": val_entries}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from dsslm.config import ConfigError, Config, config_hash, drift, hashed_items
+from dsslm.durable import write_json_atomic
 
 STATE_FORMAT = 1
 
@@ -125,10 +125,5 @@ def read_recovery(run_dir: Path) -> dict:
 
 def write_recovery(run_dir: Path, run: RunState) -> None:
     """Atomically replace skip_list.json: the one record of bad data that any resume merges."""
-    path = recovery_path(run_dir)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump({"skip_list": run.skip_list, "rewinds": run.rewinds, "lr_scale": run.lr_scale}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(recovery_path(run_dir),
+                      {"skip_list": run.skip_list, "rewinds": run.rewinds, "lr_scale": run.lr_scale})

@@ -22,13 +22,12 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from dsslm.durable import fsync_dir, write_json_atomic
+from dsslm.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
 from dsslm.tokenizer import TOKENIZER_FILE, ByteTokenizer, file_sha256, load_tokenizer, train_bpe
 
 MANIFEST_FILE = "manifest.json"
@@ -36,17 +35,8 @@ FORMAT = 1
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
 MAX_BLOCK_TOKENS = 8192
 MIN_BLOCK_TOKENS = 64
-READ_CHUNK_BYTES = 1 << 20  # the text reader's chunk: bounds memory on a single huge file
-WHOLE_FILE_BYTES = 8 << 20  # text files up to this size are read whole, as one row
-ENCODE_BATCH_CHARS = 1 << 21  # text handed to the tokenizer at once
 DEFAULT_VOCAB_SIZE = 8192
-JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
-COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-class DataError(ValueError):
-    """Bad input, or a DATA_DIR that does not verify; the message says what to fix."""
 
 
 def load_manifest(data_dir: str | Path, verify: bool = True) -> dict:
@@ -98,180 +88,6 @@ def manifest_hash(manifest: dict) -> str:
 
 def tokenizer_hash(manifest: dict) -> str:
     return manifest["tokenizer"]["sha256"]
-
-
-@dataclass(frozen=True)
-class Source:
-    path: Path
-    kind: str  # "text" | "json" | "parquet" | "saved" (a save_to_disk folder)
-
-
-def find_sources(inputs: list[str | Path]) -> list[Source]:
-    """Every input file in a deterministic order: as given, folders walked recursively by name."""
-    sources: list[Source] = []
-    for given in inputs:
-        path = Path(given)
-        _check_readable(path)
-        sources += _walk(path) if path.is_dir() else [Source(path, _kind_of(path))]
-    if not sources:
-        raise DataError(f"--input {' '.join(map(str, inputs))} holds no files; "
-                        "point it at text, JSONL, Parquet or a save_to_disk folder")
-    return sources
-
-
-def _check_readable(path: Path) -> None:
-    if not path.exists():
-        raise DataError(f"--input {path} does not exist; fix the path")
-    if not os.access(path, os.R_OK):
-        raise DataError(f"--input {path} is not readable; fix its permissions")
-
-
-def _walk(folder: Path) -> list[Source]:
-    if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
-        return [Source(folder, "saved")]
-    found: list[Source] = []
-    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
-        if entry.name.startswith(".") or entry.name == "__pycache__":
-            continue
-        _check_readable(entry)
-        if entry.is_dir():
-            found += _walk(entry)
-        elif entry.is_file() and not (_kind_of(entry) == "text" and _looks_binary(entry)):
-            found.append(Source(entry, _kind_of(entry)))
-    return found
-
-
-def _kind_of(path: Path) -> str:
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in COMPRESSION_SUFFIXES:
-        suffixes.pop()  # datasets decompresses on the fly
-    last = suffixes[-1] if suffixes else ""
-    return "json" if last in JSON_SUFFIXES else "parquet" if last == ".parquet" else "text"
-
-
-def _looks_binary(path: Path) -> bool:
-    # Inside folders, skip images, archives and compiled files: a NUL byte never occurs in text.
-    if path.suffix.lower() in COMPRESSION_SUFFIXES:
-        return False
-    with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
-
-
-def _input_bytes(sources: list[Source]) -> int:
-    total = 0
-    for s in sources:
-        files = [s.path] if s.path.is_file() else [p for p in s.path.rglob("*") if p.is_file()]
-        total += sum(p.stat().st_size for p in files)
-    return total
-
-
-def iter_pieces(sources: list[Source], text_field: str) -> Iterator[str | None]:
-    """The text of `sources` in order, in pieces; None marks the end of a document (where EOS goes)."""
-    for kind, group in _group(sources):
-        try:
-            if kind == "text":
-                yield from _document_pieces(group)
-            elif kind == "big_text":
-                yield from _line_pieces(group[0].path)
-            else:
-                yield from _record_pieces(kind, group, text_field)
-        except DataError:
-            raise
-        except Exception as e:  # datasets/pyarrow raise many types for one malformed file
-            raise DataError(f"cannot read {_names(group)} ({type(e).__name__}: {e}); fix or remove that file") from e
-
-
-def _group(sources: list[Source]) -> list[tuple[str, list[Source]]]:
-    # One `datasets` call per run of same-kind files: each call costs 0.2-3 s where the network
-    # is down (it pings the Hub's download counter), which per file would dominate a code corpus.
-    groups: list[tuple[str, list[Source]]] = []
-    for source in sources:
-        kind = source.kind
-        if kind == "text" and source.path.stat().st_size > WHOLE_FILE_BYTES:
-            kind = "big_text"
-        if groups and kind == groups[-1][0] and kind in ("text", "json", "parquet"):
-            groups[-1][1].append(source)
-        else:
-            groups.append((kind, [source]))
-    return groups
-
-
-def _names(group: list[Source]) -> str:
-    return str(group[0].path) + (f" (or one of {len(group) - 1} more inputs)" if len(group) > 1 else "")
-
-
-def _document_pieces(group: list[Source]) -> Iterator[str | None]:
-    import datasets
-
-    ds = datasets.load_dataset("text", data_files=[str(s.path) for s in group], split="train", streaming=True,
-                               sample_by="document", encoding_errors="replace")
-    for table in ds.with_format("arrow").iter(batch_size=1):
-        text = table.column("text")[0].as_py()
-        if text:  # an empty file is no document, so it gets no EOS
-            yield text
-            yield None
-
-
-def _line_pieces(path: Path) -> Iterator[str | None]:
-    # A big file is read in 1 MB chunks of whole lines, so one huge file cannot exhaust memory.
-    import datasets
-
-    ds = datasets.load_dataset("text", data_files=[str(path)], split="train", streaming=True, keep_linebreaks=True,
-                               chunksize=READ_CHUNK_BYTES, encoding_errors="replace")
-    has_text = False
-    for table in ds.with_format("arrow").iter(batch_size=4096):
-        piece = "".join(table.column("text").to_pylist())
-        if piece:
-            has_text = True
-            yield piece
-    if has_text:
-        yield None
-
-
-def _record_pieces(kind: str, group: list[Source], text_field: str) -> Iterator[str | None]:
-    for ds in _open_records(kind, group):
-        for table in ds.with_format("arrow").iter(batch_size=1024):
-            if text_field not in table.column_names:
-                raise DataError(f"{_names(group)} has no field {text_field!r} (it has "
-                                f"{', '.join(table.column_names)}); pass --text-field NAME")
-            for text in table.column(text_field).to_pylist():
-                if text is None or text == "":
-                    continue
-                if not isinstance(text, str):
-                    raise DataError(f"field {text_field!r} of {_names(group)} holds {type(text).__name__}, "
-                                    "not text; pass --text-field NAME")
-                yield text
-                yield None
-
-
-def _open_records(kind: str, group: list[Source]) -> list:
-    import datasets
-
-    if kind == "saved":
-        ds = datasets.load_from_disk(str(group[0].path))
-        # A DatasetDict contributes every split, by name: our own val split is cut later.
-        return [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
-    return [datasets.load_dataset(kind, data_files=[str(s.path) for s in group], split="train", streaming=True)]
-
-
-def iter_token_arrays(sources: list[Source], tok, text_field: str) -> Iterator[np.ndarray]:
-    """Token ids of every document in input order, EOS after each, in arrays of bounded size."""
-    pieces: list[str | None] = []
-    chars = 0
-    for piece in iter_pieces(sources, text_field):
-        pieces.append(piece)
-        chars += len(piece) if piece else 0
-        if chars >= ENCODE_BATCH_CHARS or len(pieces) >= 8192:
-            yield _encode(tok, pieces)
-            pieces, chars = [], 0
-    if pieces:
-        yield _encode(tok, pieces)
-
-
-def _encode(tok, pieces: list[str | None]) -> np.ndarray:
-    encoded = iter(tok.encode_batch([p for p in pieces if p is not None]))
-    eos = np.array([tok.eos_id], dtype=np.uint32)
-    return np.concatenate([eos if p is None else next(encoded) for p in pieces]).astype(np.uint32, copy=False)
 
 
 class ShardWriter:
@@ -358,7 +174,7 @@ class SplitRouter:
 
 
 def _block_tokens(sources: list[Source], kind: str) -> int:
-    n_bytes = _input_bytes(sources)
+    n_bytes = input_bytes(sources)
     est_tokens = n_bytes if kind == "byte" else n_bytes // 4  # BPE averages ~4 bytes a token
     # About 1000 blocks: f=0.01 then gives ~10 val blocks spread over the stream.
     return int(min(MAX_BLOCK_TOKENS, max(MIN_BLOCK_TOKENS, est_tokens // 1000)))

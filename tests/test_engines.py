@@ -110,14 +110,6 @@ def assert_close_curves(curve, ref, rel: float) -> None:
 
 
 def tensors(tree):
-    if isinstance(tree, dict):
-        return {k: tensors(v) for k, v in tree.items()}
-    return torch.from_numpy(tree.copy()) if hasattr(tree, "dtype") and not isinstance(tree, float) else tree
-
-
-
-
-def tensors(tree):
     """The inverse of plain(): numpy arrays back to tensors."""
     if isinstance(tree, dict):
         return {k: tensors(v) for k, v in tree.items()}

@@ -16,8 +16,8 @@ metrics record:
   process's max RSS on CPU.
 - `diagnostics_s`: what the measurement cost, outside `step_time_s`.
 
-Cost of a measured step: two `full_state()` calls (on sharded engines each is a full gather of
-weights and Adam moments, like a checkpoint's), one fp32 copy of the weights on the host, one
+Cost of a measured step: two weights-only `full_state(with_optim=False)` calls (on sharded engines
+each a full gather of the fp32 weights, 4 B/param, a third of a checkpoint's), one fp32 copy of the weights on the host, one
 no-grad forward of the probe batch. Nothing consumes RNG or touches the weights, so a run with
 diagnostics trains bit for bit like one without.
 """
@@ -192,7 +192,7 @@ class Diagnostics:
         if not self.every or (step + 1) % self.every:
             return None
         started = time.perf_counter()
-        model_sd, _ = self.engine.full_state()
+        model_sd, _ = self.engine.full_state(with_optim=False)
         # A copy on the host: DDP hands back the live parameters (the step would change our
         # "before" in place), and a device copy would show up in peak memory.
         before = {name: t.detach().to("cpu", copy=True) for name, t in model_sd.items()}
@@ -220,7 +220,7 @@ class Diagnostics:
         started = time.perf_counter()
         # First, before the probe forward and the comparison allocate anything.
         peak_mem = max(self.engine.all_gather(peak_memory_bytes(self.engine.device)))
-        after, _ = self.engine.full_state()
+        after, _ = self.engine.full_state(with_optim=False)
         out: dict[str, Any] = update_stats(before, after) if self.engine.is_main else {}
         del after
         scores, max_logit = self.probe_logits()

@@ -90,7 +90,7 @@ class Engine(abc.ABC):
 
     # --- state -------------------------------------------------------------------------------
     @abc.abstractmethod
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         ...
 
     @abc.abstractmethod

@@ -46,8 +46,10 @@ class DDPEngine(TorchAdamWEngine):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
         return float(norm)
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model_sd = {n: p.detach().float() for n, p in self.params.items()}
+        if not with_optim:
+            return model_sd, {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
         return model_sd, adam_state_by_name(self.optimizer, self.names)
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:

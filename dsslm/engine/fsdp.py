@@ -83,11 +83,11 @@ class FSDPEngine(TorchAdamWEngine):
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     # --- state -------------------------------------------------------------------------------
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Gathered on every rank's call (collectives); rank 0 gets the tensors, others empty dicts."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(self.module, options=options)
-        optim_full = get_optimizer_state_dict(self.module, self.optimizer, options=options)
+        optim_full = get_optimizer_state_dict(self.module, self.optimizer, options=options) if with_optim else {}
         optim_sd: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
         if not self.is_main:
             return {}, optim_sd

@@ -257,7 +257,7 @@ class ZeroEngine(Engine):
         inner = self.optimizer.optimizer.state
         return all(len(inner.get(flat, {})) > 0 for flat in self._flat_partitions())
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Full fp32 weights and moments; every rank must call (gathers), rank 0 keeps them."""
         keep = self.is_main
         model_sd: dict[str, torch.Tensor] = {}
@@ -266,7 +266,7 @@ class ZeroEngine(Engine):
             full = safe_get_full_fp32_param(param)
             if keep:
                 model_sd[name] = full.detach().float().cpu().clone()
-        if not self._has_adam_state():
+        if not with_optim or not self._has_adam_state():
             return model_sd, optim_sd
         self._link_moments()
         inner = self.optimizer.optimizer.state

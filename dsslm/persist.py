@@ -63,10 +63,11 @@ def pin_for_recovery(job: Job, step: int) -> None:
     """Keep the checkpoint a rewind starting now would need, and the one before a WSD decay."""
     m = job.cfg.monitor
     horizon = step - m.rewind_margin_steps - m.max_skips - 1
-    pins = [s for s in job.ckpts.valid_steps() if s <= horizon][-1:]
+    valid = job.ckpts.valid_steps()
+    pins = [s for s in valid if s <= horizon][-1:]
     decay_start = decay_start_step(job.cfg)
     if decay_start is not None:
-        pins += [s for s in job.ckpts.valid_steps() if s <= decay_start][-1:]
+        pins += [s for s in valid if s <= decay_start][-1:]
     job.ckpts.pin(pins)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dsslm.checkpoint import CheckpointManager  # noqa: E402
+from dsslm.ckpt.store import CheckpointManager  # noqa: E402
 
 D_MODEL = 1024
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from dsslm.config import load
-from dsslm.corpus import default_data_dir
-from dsslm.loader import Loader
+from dsslm.data.corpus import default_data_dir
+from dsslm.data.loader import Loader
 from dsslm.model import build_model
 from dsslm.optim import build_adamw
 from dsslm.train import train

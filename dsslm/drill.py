@@ -46,7 +46,7 @@ def run_subprocess(config: str | None, overrides: list[str], nproc: int) -> int:
 
 def run_inprocess(config: str | None, overrides: list[str]) -> int:
     from dsslm.engine.base import init_distributed, pick_device
-    from dsslm.faults import DrillAbort
+    from dsslm.recovery.faults import DrillAbort
     from dsslm.train import train
     cfg = load(config, overrides)
     # One process group for all three jobs: re-creating a destroyed one on torchrun's store hangs.

@@ -14,22 +14,22 @@ from pathlib import Path
 
 import torch
 
-from dsslm import faults
-from dsslm.checkpoint import CheckpointManager
+from dsslm.recovery import faults
+from dsslm.ckpt.store import CheckpointManager
 from dsslm.config import Config, ConfigError, load, to_dict
-from dsslm.corpus import default_data_dir
-from dsslm.data import DataError, load_manifest, manifest_hash
-from dsslm.diagnostics import Diagnostics
+from dsslm.data.corpus import default_data_dir
+from dsslm.data.prepare import DataError, load_manifest, manifest_hash
+from dsslm.observe.diagnostics import Diagnostics
 from dsslm.engine import Engine, build_engine
-from dsslm.loader import Loader
+from dsslm.data.loader import Loader
 from dsslm.loss import accumulate, token_losses
-from dsslm.metrics import Sinks
+from dsslm.observe.sinks import Sinks
 from dsslm.model import build_model
-from dsslm.monitor import SpikeMonitor, Verdict
+from dsslm.recovery.monitor import SpikeMonitor, Verdict
 from dsslm.optim import lr_at
-from dsslm.persist import Escalation, Job, resume_or_init, rewind, save
+from dsslm.ckpt.resume import Escalation, Job, resume_or_init, rewind, save
 from dsslm.precision import autocast
-from dsslm.state import RunState, fingerprint, seed_everything
+from dsslm.ckpt.train_state import RunState, fingerprint, seed_everything
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED = 0, 2, 3
 

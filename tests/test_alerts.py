@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from dsslm.config import load
-from dsslm.metrics import Alerts
+from dsslm.observe.sinks import Alerts
 from dsslm.train import train
 from helpers import TINY, events, read_jsonl
 

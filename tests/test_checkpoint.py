@@ -17,8 +17,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from dsslm import checkpoint, ckpt_io
-from dsslm.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, verify
+from dsslm.ckpt import format as ckpt_io, store as checkpoint
+from dsslm.ckpt.store import CheckpointError, CheckpointManager, load_checkpoint, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,8 +69,8 @@ def run_script(body: str, run: Path) -> subprocess.CompletedProcess:
         from unittest import mock
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
-        from dsslm import checkpoint
-        from dsslm.checkpoint import CheckpointManager
+        from dsslm.ckpt import store as checkpoint
+        from dsslm.ckpt.store import CheckpointManager
         run = Path({str(run)!r})
         t = {{"model": {{"w": torch.full((256, 64), 1.0)}}, "optim": {{"m": torch.full((256, 64), 2.0)}}}}
     """) + textwrap.dedent(body)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsslm.data import DataError, load_manifest, main, manifest_hash, prepare
-from dsslm.tokenizer import ByteTokenizer, load_tokenizer
+from dsslm.data.prepare import DataError, load_manifest, main, manifest_hash, prepare
+from dsslm.data.tokenizer import ByteTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "héllo wörld, 日本語 🙂\n\tdef f(x):\n        return x * 2\n"
@@ -214,7 +214,7 @@ def test_cli_runs_as_a_module(tmp_path):
 
 RSS_SCRIPT = """
 import resource, sys
-from dsslm.data import prepare, quiet_datasets
+from dsslm.data.prepare import prepare, quiet_datasets
 quiet_datasets()
 prepare([sys.argv[1]], sys.argv[2] + "/warm", val_fraction=0.01)  # load datasets' machinery first
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -239,7 +239,7 @@ def test_prepare_streams_in_bounded_memory(tmp_path):
         == n_blocks * len(block) + 1
 
 
-CORPUS_SCRIPT = "from dsslm.corpus import default_data_dir; print(default_data_dir())"
+CORPUS_SCRIPT = "from dsslm.data.corpus import default_data_dir; print(default_data_dir())"
 
 
 @pytest.mark.slow
@@ -251,7 +251,7 @@ def test_default_corpus_builds_once_when_two_processes_race(tmp_path, monkeypatc
     assert all(p.returncode == 0 for p in procs)
     assert outs[0] == outs[1] == str(tmp_path / "stdlib-v1")
     assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v1"]  # the loser's copy is gone
-    from dsslm.corpus import default_data_dir
+    from dsslm.data.corpus import default_data_dir
 
     manifest = load_manifest(default_data_dir())
     assert "code" in manifest["domains"] and manifest["tokenizer"]["kind"] == "byte"

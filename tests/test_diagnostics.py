@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsslm.checkpoint import CheckpointManager
+from dsslm.ckpt.store import CheckpointManager
 from dsslm.config import ConfigError, ObserveCfg, load
-from dsslm.data import prepare
-from dsslm.diagnostics import (Diagnostics, attention_score_probe, flops_per_token, model_flops_utilization,
+from dsslm.data.prepare import prepare
+from dsslm.observe.diagnostics import (Diagnostics, attention_score_probe, flops_per_token, model_flops_utilization,
                                peak_flops_of, update_stats)
 from dsslm.engine import build_engine
-from dsslm.loader import Loader
-from dsslm.metrics import Sinks
+from dsslm.data.loader import Loader
+from dsslm.observe.sinks import Sinks
 from dsslm.model import build_model
 from dsslm.train import train
 from helpers import TINY, read_jsonl, run_train
@@ -86,7 +86,7 @@ def test_peak_table_and_mfu_by_hand(data_dir, monkeypatch):
     assert flops_per_token(1000, 2, 32, 16) == 6000 + 12288
     assert model_flops_utilization(18288, 1e6, 989e12, 2) == pytest.approx(18288e6 / 1978e12)
 
-    monkeypatch.setattr("dsslm.diagnostics.peak_flops", lambda device: 1e12)
+    monkeypatch.setattr("dsslm.observe.diagnostics.peak_flops", lambda device: 1e12)
     job = tiny_job(data_dir, "observe.every=0")
     record = {"step": 1, "loss": 5.0, "gnorm": 1.0, "tokens_per_s": 2000.0, "verdict": "ok"}
     n, m = job.engine.n_params, job.cfg.model

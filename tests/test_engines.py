@@ -55,7 +55,7 @@ def micro_batches(step: int, rank: int, world_size: int, grad_accum: int) -> lis
 def build(cfg):
     from dsslm.engine import build_engine
     from dsslm.model import build_model
-    from dsslm.state import seed_everything
+    from dsslm.ckpt.train_state import seed_everything
     seed_everything(cfg.run.seed)
     return build_engine(cfg, build_model(cfg.model))
 

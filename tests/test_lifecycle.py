@@ -126,7 +126,7 @@ def test_resume_drill_command_passes(tmp_path):
 
 
 def test_corrupted_shard_refused_with_exit_2_and_nothing_written(tmp_path, capsys):
-    from dsslm.data import main as prepare
+    from dsslm.data.prepare import main as prepare
     from dsslm.train import main
     (tmp_path / "a.txt").write_text("a line of text to train on\n" * 300)
     assert prepare(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d")]) == 0

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from dsslm.data import load_manifest, prepare
-from dsslm.loader import Loader, split_batch
-from dsslm.skiplist import merge_windows
+from dsslm.data.prepare import load_manifest, prepare
+from dsslm.data.loader import Loader, split_batch
+from dsslm.data.skiplist import merge_windows
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN, BATCH = 16, 8
@@ -66,7 +66,7 @@ def test_an_epoch_visits_every_chunk_once(data_dir):
 
 
 def test_same_batch_in_a_fresh_process(data_dir):
-    script = ("import hashlib, sys; from dsslm.loader import Loader; "
+    script = ("import hashlib, sys; from dsslm.data.loader import Loader; "
               f"x, y = Loader(sys.argv[1], {SEQ_LEN}, 1234, {BATCH}).micro_batches(37, [[3, 5]], 0, 1, 1)[0]; "
               "print(hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest())")
     proc = subprocess.run([sys.executable, "-c", script, str(data_dir)], cwd=ROOT, capture_output=True, text=True,

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from dsslm.config import MonitorCfg
-from dsslm.skiplist import merge_windows
-from dsslm.monitor import (RewindPlan, SpikeMonitor, Verdict, plan_rewind,
+from dsslm.data.skiplist import merge_windows
+from dsslm.recovery.monitor import (RewindPlan, SpikeMonitor, Verdict, plan_rewind,
                            rewind_record)
 
 

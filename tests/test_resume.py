@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsslm import persist
+from dsslm.ckpt import resume as persist
 from dsslm.config import load
-from dsslm.faults import DrillAbort
+from dsslm.recovery.faults import DrillAbort
 from dsslm.train import train
 from helpers import TINY, events, losses_by_step, read_jsonl, run_train
 
@@ -94,7 +94,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_tmp_and_manifestless_ignored(r
 
 
 def test_resume_refuses_other_data_or_tokenizer(reference, tmp_path, capsys):
-    from dsslm.data import main as prepare
+    from dsslm.data.prepare import main as prepare
     from dsslm.train import main
     other = tmp_path / "other"
     (tmp_path / "t.txt").write_text("some other text entirely " * 400)

@@ -108,8 +108,8 @@ def test_monitor_state_survives_resume_and_forgetting_it_is_seen(tmp_path, monke
     """Kill at 67, resume from 65, poison at 70: the restored monitor skips it exactly as the
     uninterrupted run did; a monitor that forgot its history (min_history not reached) lets the
     poisoned update through, so the equality check can fail."""
-    from dsslm import monitor as monitor_module
-    from dsslm.faults import DrillAbort
+    from dsslm.recovery import monitor as monitor_module
+    from dsslm.recovery.faults import DrillAbort
     from helpers import losses_by_step
     poison = ["faults.poison_batches=[[70,71]]", "monitor.hard_loss_z=1e9", "train.total_steps=76"]
     ref = tmp_path / "ref"

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsslm.data import load_manifest
-from dsslm.skiplist import merge_windows
+from dsslm.data.prepare import load_manifest
+from dsslm.data.skiplist import merge_windows
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [batch, seq_len]
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dsslm.durable import fsync_dir
-from dsslm.ckpt_io import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
+from dsslm.ckpt.format import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
                            CheckpointError, HostBuffers, load_checkpoint,
                            load_verified, parse_name, remove_checkpoint, safetensors_chunks,
                            stat_key, step_name, verify)
@@ -78,7 +78,7 @@ class CheckpointManager:
     crash_in_save_step / crash_after_files: fault drill. The save of that step hard-exits the
     process (os._exit(137), as if SIGKILLed) once `crash_after_files` files are in its temp folder
     (MANIFEST counts; 0 dies before the first). It fires every time: arming it once per run is
-    the caller's (dsslm.faults).
+    the caller's (dsslm.recovery.faults).
     """
 
     def __init__(self, run_dir, keep_last: int = 3, keep_every: int = 0,

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dsslm.metrics import Alerts
+from dsslm.observe.sinks import Alerts
 from dsslm.model import Attention, apply_rope
 from dsslm.precision import autocast
 

@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from dsslm.checkpoint import Checkpoint, CheckpointManager, load_checkpoint
+from dsslm.ckpt.store import Checkpoint, CheckpointManager, load_checkpoint
 from dsslm.config import Config, to_dict
 from dsslm.engine.base import Engine
-from dsslm.loader import Loader
-from dsslm.metrics import Sinks
-from dsslm.monitor import SpikeMonitor, plan_rewind, rewind_record
-from dsslm.skiplist import merge_windows
+from dsslm.data.loader import Loader
+from dsslm.observe.sinks import Sinks
+from dsslm.recovery.monitor import SpikeMonitor, plan_rewind, rewind_record
+from dsslm.data.skiplist import merge_windows
 from dsslm.optim import decay_start_step
-from dsslm.state import (STATE_FORMAT, RunState, check_fingerprint, read_recovery, rng_state,
+from dsslm.ckpt.train_state import (STATE_FORMAT, RunState, check_fingerprint, read_recovery, rng_state,
                          seed_everything, set_rng_state, write_recovery)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

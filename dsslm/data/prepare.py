@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from dsslm.durable import fsync_dir, write_json_atomic
-from dsslm.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
-from dsslm.tokenizer import TOKENIZER_FILE, ByteTokenizer, file_sha256, load_tokenizer, train_bpe
+from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
+from dsslm.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, file_sha256, load_tokenizer, train_bpe
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1

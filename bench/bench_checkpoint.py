@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dsslm.ckpt.store import CheckpointManager  # noqa: E402
+from dsslm.ckpt.store import CheckpointStore  # noqa: E402
 
 D_MODEL = 1024
 
@@ -57,7 +57,7 @@ def train_step(a: torch.Tensor, b: torch.Tensor) -> None:
         a = a @ b
 
 
-def async_run(mgr: CheckpointManager, step: int, tensors: dict, a, b) -> tuple[float, float, float]:
+def async_run(mgr: CheckpointStore, step: int, tensors: dict, a, b) -> tuple[float, float, float]:
     """(stall_s inside save_async, mean step time while saving, mean step time before)."""
     before = []
     for _ in range(10):
@@ -79,7 +79,7 @@ def async_run(mgr: CheckpointManager, step: int, tensors: dict, a, b) -> tuple[f
     return stall, statistics.mean(during or [0.0]), statistics.mean(before)
 
 
-def measure_saves(mgr: CheckpointManager, tensors: dict, run: Path, repeats: int, size_mb: float) -> None:
+def measure_saves(mgr: CheckpointStore, tensors: dict, run: Path, repeats: int, size_mb: float) -> None:
     """(a) sync save, (b) async stall, (c) save vs plain write; interleaved, so each repeat's
     figures see the same disk and CPU weather."""
     start = time.perf_counter()
@@ -120,12 +120,12 @@ def main() -> None:
     run = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     print(f"{n_params / 1e6:.1f}M params, {size_mb:.0f} MB to save (model + 2 fp32 moments), run dir {run}, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (other work skews every figure)")
-    mgr = CheckpointManager(run, keep_last=2)
+    mgr = CheckpointStore(run, keep_last=2)
     measure_saves(mgr, tensors, run, args.repeats, size_mb)
     loads = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        ckpt = CheckpointManager(run).load_latest()  # fresh manager: full verify + load
+        ckpt = CheckpointStore(run).load_latest()  # fresh manager: full verify + load
         loads.append(time.perf_counter() - start)
         del ckpt
     print(f"resume: load_latest (sha256 verify + load_file) median {statistics.median(loads):.2f} s "

@@ -40,7 +40,7 @@ def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: a
     from dsslm.engine import build_engine
     from dsslm.loss import accumulate
     from dsslm.model import build_model
-    from dsslm.ckpt.train_state import seed_everything
+    from dsslm.rng import seed_everything
     if kind == "zero":
         import deepspeed  # noqa: F401  (import cost belongs to the baseline, not the engine)
     base_rss = rss_mib()

@@ -13,28 +13,26 @@ and the kill is an abort at the same step on every rank (no torn writes: the cra
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from dsslm.config import ConfigError, load
+from dsslm.engine.base import init_distributed, pick_device
+from dsslm.engine.launch import in_launcher, is_first_process, leave_process_group
+from dsslm.observe.sinks import read_jsonl
+from dsslm.recovery.faults import DrillAbort
 
 DEFAULT_STEPS = 40
 EXACT, CLOSE = 0.0, 1e-3  # max |loss difference| for the PASS and the "close" verdicts
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    out: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if "loss" in record:
-                out[record["step"]] = record["loss"]  # a resumed step's last record wins
-    return out
+    """Each step's loss as finally trained: a resumed step's last record wins (a torn last line,
+    left by the kill, is skipped)."""
+    records, _ = read_jsonl(run_dir / "metrics.jsonl")
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
 
 
 def run_subprocess(config: str | None, overrides: list[str], nproc: int) -> int:
@@ -45,8 +43,6 @@ def run_subprocess(config: str | None, overrides: list[str], nproc: int) -> int:
 
 
 def run_inprocess(config: str | None, overrides: list[str]) -> int:
-    from dsslm.engine.base import init_distributed, pick_device
-    from dsslm.recovery.faults import DrillAbort
     from dsslm.train import train
     cfg = load(config, overrides)
     # One process group for all three jobs: re-creating a destroyed one on torchrun's store hangs.
@@ -79,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=0, help="step to kill at (default: 60%% of the run)")
     parser.add_argument("--workdir", default="", help="where to put the two runs (default: a temp dir)")
     args, overrides = parser.parse_known_args(argv)
-    in_launcher = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched = in_launcher()
     try:
         cfg = load(args.config, overrides)
     except ConfigError as err:
@@ -91,21 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     every = max(1, min(cfg.ckpt.every, kill_at // 2))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dsslm-drill-"))
     common = [*overrides, f"train.total_steps={steps}", f"ckpt.every={every}"]
-    run = (lambda o: run_inprocess(args.config, o)) if in_launcher else \
+    run = (lambda o: run_inprocess(args.config, o)) if launched else \
         (lambda o: run_subprocess(args.config, o, args.nproc))
     ref_dir, cut_dir = workdir / "uninterrupted", workdir / "killed-and-resumed"
     if run(common + [f"run.dir={ref_dir}"]) != 0:
         print("dsslm drill: the uninterrupted run failed; fix that first", file=sys.stderr)
         return 1
-    mode = "raise" if in_launcher else "sigkill"
+    mode = "raise" if launched else "sigkill"
     killed = run(common + [f"run.dir={cut_dir}", f"faults.crash_at_step={kill_at}", f"faults.crash_mode={mode}"])
     resumed = run(common + [f"run.dir={cut_dir}"])
-    if in_launcher:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if launched:
+        leave_process_group()
     text, worst = verdict(losses(ref_dir), losses(cut_dir))
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_first_process():
         print(f"dsslm drill resume: {steps} steps, checkpoint every {every}, killed at step {kill_at} "
               f"(exit {killed}), resumed (exit {resumed}); runs in {workdir}")
         print(f"largest per-step loss difference: {worst:.3g}")

@@ -33,18 +33,20 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 class StepResult:
     loss: float         # mean cross-entropy per real target token, over every rank
     gnorm: float        # global gradient norm before clipping
-    tokens: int         # real target tokens in the step, over every rank
+    batch_tokens: int   # real target tokens in the step, over every rank
     stop_requested: bool  # any rank received SIGTERM/SIGUSR1
 
 
 def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
-               z_loss: float, clip: float, poison_loss: bool = False,
-               stop_requested: bool = False) -> StepResult:
+               z_loss: float, clip: float, stop_requested: bool = False,
+               loss_multiplier: float = 1.0) -> StepResult:
     """Forward and backward every micro-batch, then clip: the gradient is that of the step's
     summed token loss divided by its total real-token count, whatever the micro-batch split.
 
     A mean of per-micro-batch means would weight a token in a short micro-batch more than one
     in a long one; dividing every micro-batch's sum by the global count avoids that.
+    `loss_multiplier` scales the last micro-batch's loss and reported sum on this rank: 1 in
+    training, NaN (or a large factor) when a fault drill strikes.
     """
     local_tokens = sum(int((t != IGNORE_INDEX).sum()) for _, t in micro_batches)
     tokens = int(engine.all_reduce_sum(torch.tensor([float(local_tokens)]))[0])
@@ -60,14 +62,13 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
                 logits = engine.forward(inputs)
             ce_sum, z_sum = token_losses(logits, targets)
             loss = (ce_sum + z_loss * z_sum) * scale
-            if poison_loss and i == last:
-                loss = loss * float("nan")  # fault drill: a non-finite loss at this step
-                ce_sum = ce_sum * float("nan")
+            if loss_multiplier != 1.0 and i == last:
+                loss, ce_sum = loss * loss_multiplier, ce_sum * loss_multiplier
             engine.backward(loss)
         ce_total += ce_sum.detach().double().cpu()
     gnorm = engine.clip_grad_norm(clip)
     # One collective carries the loss sum and every rank's stop flag.
     reduced = engine.all_reduce_sum(torch.tensor([float(ce_total), float(stop_requested)],
                                                  dtype=torch.float64))
-    return StepResult(loss=float(reduced[0]) / max(tokens, 1), gnorm=gnorm, tokens=tokens,
+    return StepResult(loss=float(reduced[0]) / max(tokens, 1), gnorm=gnorm, batch_tokens=tokens,
                       stop_requested=bool(reduced[1] > 0))

@@ -2,34 +2,40 @@
 
 The same entry point under plain python, torchrun, accelerate launch and srun. Exit codes:
 0 finished (or saved on SIGTERM/SIGUSR1), 2 bad input or config, 3 escalated to a human.
+
+`step` everywhere is the number of optimizer steps completed: the record of the step whose
+update was just applied carries the same number as the checkpoint taken right after it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dsslm.recovery import faults
-from dsslm.ckpt.store import CheckpointManager
+from dsslm.ckpt.resume import Checkpointer, DataPosition, RngStreams, Stateful
+from dsslm.ckpt.store import CheckpointStore
+from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
+from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.corpus import default_data_dir
-from dsslm.data.prepare import DataError, load_manifest, manifest_hash
-from dsslm.observe.diagnostics import Diagnostics
 from dsslm.engine import Engine, build_engine
-from dsslm.data.loader import Loader
 from dsslm.loss import accumulate, token_losses
-from dsslm.observe.sinks import Sinks
 from dsslm.model import build_model
-from dsslm.recovery.monitor import SpikeMonitor, Verdict
+from dsslm.observe.diagnostics import Diagnostics
+from dsslm.observe.sinks import Sinks
 from dsslm.optim import lr_at
-from dsslm.ckpt.resume import Escalation, Job, resume_or_init, rewind, save
 from dsslm.precision import autocast
-from dsslm.ckpt.train_state import RunState, fingerprint, seed_everything
+from dsslm.recovery.faults import DrillAbort, Drills
+from dsslm.recovery.monitor import SpikeMonitor, Verdict
+from dsslm.recovery.rewind import Escalation, Rewinder, recovery_pins
+from dsslm.rng import seed_everything
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED = 0, 2, 3
 
@@ -46,52 +52,84 @@ class StopFlag:
         self.requested = True
 
 
+@dataclass
+class Job:
+    """Everything the loop's verbs share for one run."""
+    cfg: Config
+    run_dir: Path
+    engine: Engine
+    loader: Loader
+    store: CheckpointStore
+    checkpointer: Checkpointer   # save / restore over the table of stateful parts
+    state: TrainState            # the table's "train" part: the loop mutates it in place
+    monitor: SpikeMonitor
+    rewinder: Rewinder
+    drills: Drills
+    sinks: Sinks
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl: the step whose update was just applied (or refused)."""
+    step: int
+    loss: float
+    gnorm: float                 # global, before clipping
+    lr: float
+    lr_scale: float
+    verdict: str                 # ok | skip_step | rewind
+    data_batch: int
+    batch_tokens: int            # real target tokens in this step
+    reason: str = ""
+    tokens: int = 0              # tokens_seen after this step: the running total (the contract's name)
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    clip_frac: float = 0.0
+
+    def to_json(self) -> dict:
+        record = dataclasses.asdict(self)
+        if not self.reason:
+            del record["reason"]
+        return record
+
+
 def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model)
-    engine = build_engine(cfg, model)
-    verify_data_once(engine, data_dir, cfg.data.verify)
+    engine = build_engine(cfg, build_model(cfg.model))
+    if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
+        engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, global_batch, manifest=manifest)
     run_dir = Path(cfg.run.dir)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
-    ckpts = CheckpointManager(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
-                              on_event=sinks.emit if engine.is_main else None,
-                              crash_in_save_step=faults.crash_in_save_step(cfg.faults, run_dir, engine.is_main))
+    store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
+                            on_event=sinks.emit if engine.is_main else None)
+    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size)
+    drills.arm(store)
+    state, monitor = TrainState(), SpikeMonitor(cfg.monitor)
+    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state),
+                                  "data": DataPosition(loader.data_batch_index, state)}
+    if engine.scaler is not None:
+        parts["scaler"] = engine.scaler
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
-    return Job(cfg, run_dir, engine, loader, ckpts, SpikeMonitor(cfg.monitor), sinks, prints, allow_drift)
-
-
-def verify_data_once(engine: Engine, data_dir: Path, verify: bool) -> None:
-    """Rank 0 hashes every shard and tells the others: one read of the corpus per job, not per rank."""
-    problem = None
-    if verify and engine.is_main:
-        try:
-            load_manifest(data_dir, verify=True)
-        except DataError as err:
-            problem = str(err)
-    problem = engine.broadcast(problem)
-    if problem:
-        raise DataError(problem)
+    checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
+    rewinder = Rewinder(cfg, engine, checkpointer, monitor, loader.data_batch_index, run_dir, sinks.emit)
+    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks)
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
     """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
-    rank 0's call, broadcast."""
+    rank 0's call, followed by all."""
     scaler = job.engine.scaler
     if scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
         return Verdict.SKIP, f"fp16_overflow (loss scale now {scaler.scale:g})"
     if not job.cfg.monitor.enabled:
         return Verdict.OK, ""
-    decided = None
-    if job.engine.is_main:
-        decided = (job.monitor.check(step, loss, gnorm).value, job.monitor.last_reason)
-    value, reason = job.engine.broadcast(decided)
-    return Verdict(value), reason if value != Verdict.OK.value else ""
+    verdict, reason = job.engine.decide(lambda: (job.monitor.check(step, loss, gnorm), job.monitor.last_reason))
+    return verdict, reason if verdict is not Verdict.OK else ""
 
 
 @torch.no_grad()
@@ -114,23 +152,24 @@ def evaluate(job: Job) -> dict[str, float]:
     return out
 
 
-def train_step(job: Job, run: RunState, stop: StopFlag) -> tuple[Verdict, dict, bool]:
-    cfg, engine = job.cfg, job.engine
-    lr = lr_at(run.step, cfg) * run.lr_scale
-    data_batch = job.loader.data_batch_index(run.step, run.skip_list)
-    batches = job.loader.micro_batches(run.step, run.skip_list, engine.rank, engine.world_size,
+def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, bool]:
+    """Forward, backward and the verdict for the step that makes `state.step + 1`."""
+    cfg, engine, state = job.cfg, job.engine, job.state
+    step = state.step + 1
+    lr = lr_at(state.step, cfg) * state.lr_scale
+    data_batch = job.loader.data_batch_index(state.step, state.skip_list)
+    batches = job.loader.micro_batches(state.step, state.skip_list, engine.rank, engine.world_size,
                                        cfg.train.grad_accum)
-    batches = faults.poison(batches, data_batch, cfg.faults, cfg.run.seed, cfg.model.vocab_size, engine.rank)
-    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip,
-                        faults.is_nan_step(cfg.faults, run.step, engine.rank, job.run_dir), stop.requested)
-    verdict, reason = judge(job, run.step, result.loss, result.gnorm)
+    batches = job.drills.poison(batches, data_batch)
+    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
+                        job.drills.loss_multiplier(step))
+    verdict, reason = judge(job, step, result.loss, result.gnorm)
     if verdict is Verdict.OK:
         engine.step(lr)
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
-    record = {"step": run.step + 1, "loss": result.loss, "gnorm": result.gnorm, "lr": lr,
-              "lr_scale": run.lr_scale, "data_batch": data_batch, "verdict": verdict.value,
-              "batch_tokens": result.tokens, **({"reason": reason} if reason else {})}
+    record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
+                        verdict=verdict.value, data_batch=data_batch, batch_tokens=result.batch_tokens, reason=reason)
     return verdict, record, result.stop_requested
 
 
@@ -140,80 +179,95 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
     job = setup(cfg, allow_drift)
     try:
         return run_loop(job, stop)
-    except faults.DrillAbort:
-        job.ckpts.wait()  # an in-process drill models a kill between saves, not a torn write
+    except DrillAbort:
+        job.store.wait()  # an in-process drill models a kill between saves, not a torn write
         raise
     finally:
         job.sinks.close()
         job.engine.close()
 
 
-def run_loop(job: Job, stop: StopFlag) -> int:
-    cfg, engine, sinks = job.cfg, job.engine, job.sinks
-    run = resume_or_init(job)
-    sinks.emit("start", step=run.step, world_size=engine.world_size, engine=engine.name,
-               config_hash=job.fingerprint["config_hash"], n_params=engine.n_params,
-               clip=cfg.optim.clip, config=to_dict(cfg))
+def start(job: Job) -> None:
+    """Resume, branch or start fresh; fold in the run-level skip list; say so."""
+    cfg, engine = job.cfg, job.engine
+    job.checkpointer.resume_or_init()
+    job.rewinder.merge_run_file(job.state)
+    job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
+                   config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
+                   clip=cfg.optim.clip, config=to_dict(cfg))
     if engine.is_main:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {job.loader.global_batch_size * cfg.model.seq_len:,} tokens/step, "
-              f"starting at step {run.step}", flush=True)
-    diagnostics = Diagnostics(job)
-    first_step = run.step
-    while run.step < cfg.train.total_steps:
-        faults.maybe_crash(cfg.faults, run.step, engine.rank, job.run_dir)
-        before = diagnostics.snapshot(run.step)  # weights before the update, on measured steps only
+              f"starting at step {job.state.step}", flush=True)
+
+
+def run_loop(job: Job, stop: StopFlag) -> int:
+    cfg, sinks, state = job.cfg, job.sinks, job.state
+    start(job)
+    diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
+    first_step = state.step
+    while state.step < cfg.train.total_steps:
+        job.drills.maybe_crash(state.step)
+        before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
-        verdict, record, stop_requested = train_step(job, run, stop)
-        if verdict in (Verdict.REWIND, Verdict.ESCALATE):
-            sinks.log_step(diagnostics.observe(timed(record, started, run), before))
-            run = rewind(job, run, run.step)
+        verdict, record, stop_requested = train_step(job, stop)
+        if verdict is Verdict.REWIND:
+            sinks.log_step(diagnostics.observe(timed(record, started, state), before))
+            job.rewinder.rewind(state, record.step)
             continue
-        account(run, verdict, record, job)
-        if run.step == first_step + 1:
-            report_memory(job, run.step)  # after one step: AdamW allocates its moments lazily
-        sinks.log_step(diagnostics.observe(timed(record, started, run), before))
-        if cfg.run.val_every and run.step % cfg.run.val_every == 0:
+        account(job, verdict, record)
+        if state.step == first_step + 1:
+            report_memory(job)  # after one step: AdamW allocates its moments lazily
+        sinks.log_step(diagnostics.observe(timed(record, started, state), before))
+        if cfg.run.val_every and state.step % cfg.run.val_every == 0:
             val_loss = evaluate(job)
-            sinks.log_val({"step": run.step, "val_loss": val_loss})
-            diagnostics.check_val(run.step, val_loss)
+            sinks.log_val({"step": state.step, "val_loss": val_loss})
+            diagnostics.check_val(state.step, val_loss)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
-            save(job, run, sync=True)
-            sinks.emit("preempt_save", step=run.step)
+            save(job, sync=True)
+            sinks.emit("preempt_save", step=state.step)
             return EXIT_OK
-        if run.step % cfg.ckpt.every == 0 or run.step == cfg.train.total_steps:
-            save(job, run)
-        job.ckpts.check()
-    job.ckpts.wait()
-    sinks.emit("end", step=run.step, tokens=run.tokens, skipped_steps=run.skipped_steps)
+        if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
+            save(job)
+        job.store.check()
+    job.store.wait()
+    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps)
     return EXIT_OK
 
 
-def report_memory(job: Job, step: int) -> None:
+def save(job: Job, sync: bool = False) -> None:
+    """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes)."""
+    if job.engine.is_main:
+        job.store.pin(recovery_pins(job.state.step, job.store.valid_steps(), job.cfg))
+    job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
+
+
+def report_memory(job: Job) -> None:
     """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
     per_rank = job.engine.all_gather(job.engine.memory_report())
-    job.sinks.emit("memory", step=step, per_rank=per_rank)
+    job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
     if job.engine.is_main:
         mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}
         print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
 
 
-def account(run: RunState, verdict: Verdict, record: dict, job: Job) -> None:
-    run.step += 1
-    run.tokens += record["batch_tokens"]
-    run.clipped_steps += int(record["gnorm"] > job.cfg.optim.clip)
+def account(job: Job, verdict: Verdict, record: StepRecord) -> None:
+    state = job.state
+    state.step += 1
+    state.tokens_seen += record.batch_tokens
+    state.clipped_steps += int(record.gnorm > job.cfg.optim.clip)
     if verdict is Verdict.SKIP:
-        run.skipped_steps += 1
-        job.sinks.emit("skip", step=run.step, loss=record["loss"], gnorm=record["gnorm"],
-                       data_batch=record["data_batch"], reason=record.get("reason", ""))
+        state.skipped_steps += 1
+        job.sinks.emit("skip", step=state.step, loss=record.loss, gnorm=record.gnorm,
+                       data_batch=record.data_batch, reason=record.reason)
 
 
-def timed(record: dict, started: float, run: RunState) -> dict:
+def timed(record: StepRecord, started: float, state: TrainState) -> dict:
     step_time_s = time.perf_counter() - started
-    return {**record, "tokens": run.tokens, "step_time_s": step_time_s,
-            "tokens_per_s": record["batch_tokens"] / max(step_time_s, 1e-9),
-            "clip_frac": run.clipped_steps / max(run.step, 1)}
+    return dataclasses.replace(record, tokens=state.tokens_seen, step_time_s=step_time_s,
+                               tokens_per_s=record.batch_tokens / max(step_time_s, 1e-9),
+                               clip_frac=state.clipped_steps / max(state.step, 1)).to_json()
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -1,15 +1,21 @@
-"""Shared test helpers: run a function on N gloo ranks, run dsslm.train in a subprocess."""
+"""The one helpers module (`from helpers import ...`): the tiny config, the 2-process gloo harness
+that returns each rank's result, dsslm.train in a subprocess, and readers of a run's files."""
 from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from dsslm.config import Config, load
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -18,6 +24,11 @@ PYTHON = sys.executable
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         "train.micro_batch_size=4", "train.precision=fp32", "run.val_every=0", "run.tensorboard=false",
         "optim.warmup_steps=5", "train.device=cpu"]
+
+
+def tiny_cfg(run_dir: Path, *overrides: str) -> Config:
+    """The tiny test config for a run in `run_dir`, with dotted overrides applied last."""
+    return load(None, [f"run.dir={run_dir}", *TINY, *overrides])
 
 
 def free_port() -> int:
@@ -29,15 +40,19 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
-    result = fn(rank, world_size, *args)
-    out.put((rank, result))
+    try:
+        out.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+        raise
 
 
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout_s: int = 300) -> list:
     """Run fn(rank, world_size, *args) on `world_size` spawned processes; return results by rank.
 
     fn must be importable (module level) and may create its own process group through the
-    environment set here (dsslm engines do).
+    environment set here (dsslm engines do). A rank that raises or dies fails the call at once,
+    with its traceback, instead of leaving the others to time out.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -46,12 +61,30 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    for _ in procs:
-        rank, value = out.get(timeout=timeout_s)
-        results[rank] = value
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, value = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise AssertionError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before returning")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result "
+                                         f"within {timeout_s}s")
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} raised:\n{value}")
+            results[rank] = value
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
     return [results[r] for r in range(world_size)]
 
 

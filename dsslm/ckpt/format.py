@@ -1,7 +1,8 @@
-"""Checkpoint I/O primitives: host snapshot, folder naming, safetensors streaming, MANIFEST, verify, load.
+"""The on-disk checkpoint format: folder naming, safetensors streaming, MANIFEST, verify, load.
 
-`checkpoint.py` holds the policy (async writer, atomic publish, retention); this module holds
-the mechanics, and everything a reader needs, so a tool can verify or load a folder without a manager.
+`store.py` holds the policy (async writer, atomic publish, retention); this module holds the
+mechanics and everything a reader needs, so a tool (export, eval) can verify or load a folder
+without a store.
 
 A folder `step-XXXXXXXX/` holds `<group>.safetensors` per tensor group, `state.json`, and
 `MANIFEST` = {"format": 1, "step": N, "files": {name: {"sha256": hex, "size": int}}} covering
@@ -15,12 +16,10 @@ import json
 import os
 import re
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from dsslm.durable import fsync_dir
@@ -38,10 +37,8 @@ _NAME_RE = re.compile(r"step-(\d{8})(\.replaced)?")
 _GROUP_RE = re.compile(r"[A-Za-z0-9_]+")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # 64 MiB pieces: large enough that per-call overhead is nil, small enough that hashing one piece
-# overlaps writing the next (see checkpoint._write_file).
+# overlaps writing the next (see store._write_file).
 CHUNK_BYTES = 64 << 20
-# Host copies are split into pieces this size so a few threads share one large tensor evenly.
-COPY_CHUNK_BYTES = 16 << 20
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -108,67 +105,6 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         for start in range(0, len(raw), CHUNK_BYTES):
             yield raw[start:start + CHUNK_BYTES]
-
-
-class HostBuffers:
-    """Host copies of the live tensors, reused from one save to the next.
-
-    A fresh 600 MB clone spends ~1.1 s faulting in new pages; copying into pages already mapped
-    takes ~0.02-0.04 s (2-core dev box). Reuse is safe because a snapshot starts only after the
-    previous writer has finished with the buffers (at most one save in flight).
-    """
-
-    def __init__(self, reuse: bool):
-        self._reuse = reuse
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self._pool: ThreadPoolExecutor | None = None
-
-    def snapshot(self, tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
-        old, self._buffers = (self._buffers if self._reuse else {}), {}
-        out, pairs = {}, []
-        for group, named in tensors.items():
-            check_group_name(group)
-            out[group] = {}
-            for name, live in named.items():
-                if not isinstance(live, torch.Tensor) or not isinstance(name, str) or name == "__metadata__":
-                    raise TypeError(f"tensors[{group!r}][{name!r}] is {type(live).__name__}: each value must "
-                                    f"be a tensor under a str name (not __metadata__); put plain values in state")
-                buf = old.get((group, name))
-                if buf is None or buf.shape != live.shape or buf.dtype != live.dtype:
-                    # Pinned memory lets device-to-host copies run as DMA without a staging copy.
-                    buf = torch.empty(live.shape, dtype=live.dtype, pin_memory=live.is_cuda)
-                pairs.append((buf, live.detach()))
-                out[group][name] = self._buffers[(group, name)] = buf
-        self._copy(pairs)
-        return out
-
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        pieces, on_gpu = [], False
-        for buf, live in pairs:
-            if live.device.type == "cpu" and live.is_contiguous():
-                dst, src = _bytes_of(buf), _bytes_of(live)
-                pieces += [(dst[i:i + COPY_CHUNK_BYTES], src[i:i + COPY_CHUNK_BYTES])
-                           for i in range(0, len(src), COPY_CHUNK_BYTES)]
-            else:
-                buf.copy_(live, non_blocking=live.is_cuda)
-                on_gpu |= live.is_cuda
-        if pieces:
-            # Host-to-host copies on our own threads with numpy (which releases the GIL), not
-            # torch's copy_: one OpenMP region per tensor stalls 10-20x when another process
-            # holds the cores (0.08 s vs 0.2-1.9 s for 600 MB measured on a busy 2-core box).
-            if self._pool is None:
-                workers = min(4, os.cpu_count() or 1)
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dsslm-ckpt-copy")
-            list(self._pool.map(lambda piece: np.copyto(*piece), pieces))
-        if on_gpu:
-            # Non-blocking copies must land before save_async returns: the next optimizer step may
-            # run on another stream and the writer reads the buffers from another thread.
-            torch.cuda.synchronize()
-
-
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """The tensor's memory as a flat uint8 array (no copy; any dtype, bf16 included)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def stat_key(folder: Path) -> tuple | None:

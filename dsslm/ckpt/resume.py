@@ -1,195 +1,309 @@
-"""The loop's checkpoint verbs: save, resume_or_init, rewind.
+"""save / restore / resume_or_init / branch, over one table of stateful parts.
 
-The checkpoint adapter: every engine hands over full fp32 tensors keyed by parameter name
-(`engine.full_state`), every rank's RNG is gathered, and rank 0 writes one atomic folder. Loading
-goes the other way on every rank, so a ZeRO checkpoint resumes under FSDP, DDP or one process.
+What goes into a checkpoint and what comes out of it is one table, name -> object with
+`state_dict()` / `load_state_dict()` / `state_schema`, built once by the loop:
+
+    parts = {"train": TrainState, "monitor": SpikeMonitor, "rng": RngStreams, "data": DataPosition,
+             "scaler": LossScaler (fp16 only)}
+
+A save writes `state.json` = {"schema": 2, "step", "skip_list", <every part's state_dict()>,
+"world_size", "engine", "fingerprint", "config"} next to the engine's full tensors (weights by
+parameter name, and the AdamW state in `engine.base.OptimState`'s layout); a restore hands every
+part its own entry back. `step` and `skip_list` at the top are the contract's copies of the train
+part's, for scripts. Before anything is loaded, a checkpoint is checked against the table (every
+field's type and range), against the model (every tensor's name, shape and dtype) and for
+consistency; one that fails is passed over like a hash mismatch. Every engine hands over the
+same full tensors, so a ZeRO checkpoint resumes under FSDP, DDP or one process.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 
-from dsslm.ckpt.store import Checkpoint, CheckpointManager, load_checkpoint
-from dsslm.config import Config, to_dict
-from dsslm.engine.base import Engine
-from dsslm.data.loader import Loader
-from dsslm.observe.sinks import Sinks
-from dsslm.recovery.monitor import SpikeMonitor, plan_rewind, rewind_record
-from dsslm.data.skiplist import merge_windows
-from dsslm.optim import decay_start_step
-from dsslm.ckpt.train_state import (STATE_FORMAT, RunState, check_fingerprint, read_recovery, rng_state,
-                         seed_everything, set_rng_state, write_recovery)
+from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, load_checkpoint, load_verified
+from dsslm.ckpt.schema import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, check
+from dsslm.ckpt.store import CheckpointStore
+from dsslm.ckpt.train_state import FINGERPRINT_SCHEMA, TrainState, check_fingerprint
+from dsslm.config import Config, ConfigError, to_dict
+from dsslm.engine.base import MOMENTS, Engine, OptimState
+from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-class Escalation(RuntimeError):
-    """The spike policy ran out of rewinds: a human must look (exit code 3)."""
+SCHEMA_VERSION = 2
+HEADER = ("schema", "step", "skip_list", "world_size", "engine", "fingerprint", "config")
+TENSOR_GROUPS = ("model", "optim")
 
 
-@dataclass
-class Job:
-    """Everything the loop's verbs share for one run."""
-    cfg: Config
-    run_dir: Path
-    engine: Engine
-    loader: Loader
-    ckpts: CheckpointManager
-    monitor: SpikeMonitor
-    sinks: Sinks
-    fingerprint: dict
-    allow_drift: tuple[str, ...] = ()
+class Stateful(Protocol):
+    state_schema: Spec
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
 
 
-def flatten_optim(optim_sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    flat = {f"{m}/{name}": t for m in MOMENTS for name, t in optim_sd[m].items()}
-    # Adam's step count per parameter, fp64 so counts past 2^24 stay exact.
-    flat.update({f"step/{name}": torch.tensor([s], dtype=torch.float64) for name, s in optim_sd["step"].items()})
-    return flat
+class RngStreams:
+    """Every rank's random streams: gathered to rank 0 on save, handed back by rank on load."""
+
+    def __init__(self, engine: Engine, seed: int, train: TrainState):
+        self.engine, self.seed, self.train = engine, seed, train
+        self.state_schema = _RngList()
+
+    def state_dict(self) -> list[dict]:
+        return self.engine.all_gather(rng_state())  # a collective: every rank saves
+
+    def load_state_dict(self, rngs: list[dict]) -> None:
+        if len(rngs) == self.engine.world_size:
+            set_rng_state(rngs[self.engine.rank])
+        else:
+            # Another world size: per-rank streams cannot map one to one; derive fresh ones.
+            seed_everything(self.seed + 7919 * self.engine.rank + self.train.step)
 
 
-def unflatten_optim(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    out: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for key, tensor in flat.items():
-        kind, name = key.split("/", 1)
-        out[kind][name] = float(tensor.item()) if kind == "step" else tensor
-    return out
+class _RngList(Spec):
+    def check(self, value: Any, path: str) -> None:
+        ListOf(Json(), max_len=1 << 16).check(value, path)
+        if not value:
+            raise StateError(f"{path}: no rank's random state")
+        for i, one in enumerate(value):
+            check_rng_state(one, f"{path}[{i}]")
 
 
-def pin_for_recovery(job: Job, step: int) -> None:
-    """Keep the checkpoint a rewind starting now would need, and the one before a WSD decay."""
-    m = job.cfg.monitor
-    horizon = step - m.rewind_margin_steps - m.max_skips - 1
-    valid = job.ckpts.valid_steps()
-    pins = [s for s in valid if s <= horizon][-1:]
-    decay_start = decay_start_step(job.cfg)
-    if decay_start is not None:
-        pins += [s for s in valid if s <= decay_start][-1:]
-    job.ckpts.pin(pins)
+class DataPosition:
+    """Where the data stream stands after `train.step` steps: the next data batch to feed.
+
+    A pure function of the train part (step and skip list), so restoring it sets nothing; it is
+    saved so a reader (and the check on load) can see the stream's position without a loader."""
+
+    state_schema = Fields(next_data_batch=Int(0, 2**62))
+
+    def __init__(self, data_batch_of: Callable[[int, list], int], train: TrainState):
+        self.data_batch_of, self.train = data_batch_of, train
+
+    def state_dict(self) -> dict:
+        return {"next_data_batch": self.data_batch_of(self.train.step, self.train.skip_list)}
+
+    def load_state_dict(self, state: dict) -> None:
+        return  # derived from the train part; `consistent` checked it before loading
+
+    def consistent(self, state: dict, train: dict) -> bool:
+        return state["next_data_batch"] == self.data_batch_of(train["step"], train["skip_list"])
 
 
-def save(job: Job, run: RunState, sync: bool = False) -> None:
-    """Snapshot on every rank (sharded engines gather collectively); rank 0 writes."""
-    model_sd, optim_sd = job.engine.full_state()
-    rngs = job.engine.all_gather(rng_state())
-    if not job.engine.is_main:
-        return
-    scaler = job.engine.scaler.state_dict() if job.engine.scaler is not None else None
-    state = {"format": STATE_FORMAT, "step": run.step, "skip_list": run.skip_list,
-             "run": run.to_dict(), "monitor": job.monitor.state_dict(), "scaler": scaler,
-             "rng": rngs, "world_size": job.engine.world_size, "engine": job.engine.name,
-             "loader": {"next_data_batch": job.loader.data_batch_index(run.step, run.skip_list)},
-             "fingerprint": job.fingerprint, "config": to_dict(job.cfg)}
-    pin_for_recovery(job, run.step)
-    tensors = {"model": model_sd, "optim": flatten_optim(optim_sd)}
-    if sync or not job.cfg.ckpt.async_save:
-        job.ckpts.save(run.step, tensors, state)
-    else:
-        job.ckpts.save_async(run.step, tensors, state)
+class Checkpointer:
+    """The loop's checkpoint verbs over the table of parts (every rank holds one)."""
+
+    def __init__(self, engine: Engine, store: CheckpointStore, parts: dict[str, Stateful], fingerprint: dict,
+                 cfg: Config, emit: Callable[..., Any], allow_drift: tuple[str, ...] = ()):
+        if "train" not in parts or next(iter(parts)) != "train":
+            raise ValueError("the part table must start with 'train': later parts read its step on load")
+        clash = set(parts) & set(HEADER)
+        if clash:
+            raise ValueError(f"part names {sorted(clash)} clash with state.json's header")
+        self.engine, self.store, self.parts = engine, store, parts
+        self.fingerprint, self.cfg, self.emit, self.allow_drift = fingerprint, cfg, emit, allow_drift
+        self.config = to_dict(cfg)
+
+    @property
+    def train(self) -> TrainState:
+        return self.parts["train"]  # type: ignore[return-value]
+
+    # --- save -------------------------------------------------------------------------------
+    def save(self, sync: bool = False, async_save: bool = True) -> None:
+        """Snapshot on every rank (sharded engines gather, RNG is gathered); rank 0 writes."""
+        model_sd, optim = self.engine.full_state()
+        parts = {name: part.state_dict() for name, part in self.parts.items()}  # collectives inside
+        if not self.engine.is_main:
+            return
+        state = {"schema": SCHEMA_VERSION, "step": self.train.step, "skip_list": self.train.skip_list,
+                 **parts, "world_size": self.engine.world_size, "engine": self.engine.name,
+                 "fingerprint": self.fingerprint, "config": self.config}
+        tensors = {"model": model_sd, "optim": optim.to_tensors()}
+        if sync or not async_save:
+            self.store.save(self.train.step, tensors, state)
+        else:
+            self.store.save_async(self.train.step, tensors, state)
+
+    # --- checks before anything is loaded ----------------------------------------------------
+    def accept(self, ckpt: Checkpoint, parent: bool = False) -> dict[str, Any]:
+        """Check a loaded checkpoint before anything of it is used; returns the allowed drift.
+
+        StateError / CheckpointError name what is malformed (the store passes such a folder
+        over); ResumeRefused says the checkpoint is well formed but from another run (another
+        config, data or tokenizer), which is refused outright: passing over every checkpoint of a
+        changed run would start it afresh and, by retention, delete what it had saved.
+        `parent`: a branch's parent, whose schedule, length and data may differ on purpose.
+        Upgrades an old state.json in place."""
+        ckpt.state = upgrade_state(ckpt.state)
+        self.check_state(ckpt.state)
+        saved = ckpt.state["fingerprint"]
+        allowed = self.allow_drift
+        where = f"checkpoint {ckpt.path.name}"
+        if parent:
+            allowed += tuple(k for k in saved["config_items"] if not k.startswith("model.")) + ("data", "global_batch_size")
+            where = f"parent checkpoint {ckpt.path}"
+        drifted = check_fingerprint(saved, self.fingerprint, self.cfg, where, allowed)
+        self.check_tensors(ckpt.tensors)
+        return drifted
+
+    def check_state(self, state: Any) -> None:
+        header = Fields(open=True, schema=Int(SCHEMA_VERSION, SCHEMA_VERSION), step=Int(0, MAX_STEP),
+                        skip_list=Json(), world_size=Int(1, 1 << 20), engine=Str(64),
+                        fingerprint=FINGERPRINT_SCHEMA, config=MapOf(Json()))
+        check(state, header, "state")
+        missing = [name for name in self.parts if name not in state]
+        extra = sorted(set(state) - set(HEADER) - set(self.parts))
+        if missing or extra:
+            field = f"state.{(missing or extra)[0]}"
+            raise StateError(f"{field}: {'missing' if missing else 'not a part of this run'} (the parts are "
+                             f"{', '.join(self.parts)})")
+        for name, part in self.parts.items():
+            check(state[name], part.state_schema, f"state.{name}")
+        train = state["train"]
+        if state["step"] != train["step"] or state["skip_list"] != train["skip_list"]:
+            raise StateError("state.step / state.skip_list: differ from state.train's copies")
+        if len(state["rng"]) != state["world_size"]:
+            raise StateError(f"state.rng: {len(state['rng'])} ranks' streams for world_size {state['world_size']}")
+        data = self.parts.get("data")
+        if isinstance(data, DataPosition) and not data.consistent(state["data"], train):
+            raise StateError("state.data.next_data_batch: does not follow from state.train's step and skip_list")
+
+    def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Every tensor's name, shape and dtype against this model, before any is loaded: a
+        broadcastable wrong shape would otherwise load silently."""
+        if sorted(tensors) != sorted(TENSOR_GROUPS):
+            raise CheckpointError(f"tensor files are {sorted(tensors)}, expected {list(TENSOR_GROUPS)}")
+        shapes = self.engine.param_shapes
+        _check_table("model", tensors["model"], shapes, exact=True)
+        try:
+            optim = OptimState.from_tensors(tensors["optim"])
+        except ValueError as exc:
+            raise CheckpointError(f"optim: {exc}") from None
+        for kind in MOMENTS:
+            _check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
+            if set(getattr(optim, kind)) != set(optim.step):
+                raise CheckpointError(f"optim: {kind} and step name different parameters")
+        for key, tensor in tensors["optim"].items():
+            if key.startswith("step/") and (tensor.shape != (1,) or tensor.dtype != torch.float64):
+                raise CheckpointError(f"optim {key}: shape {tuple(tensor.shape)} {tensor.dtype}, expected (1,) float64")
+        for name, step in optim.step.items():
+            if not 0 <= step <= MAX_STEP or step != int(step):
+                raise CheckpointError(f"optim step/{name}: {step} is not a step count")
+
+    # --- restore ----------------------------------------------------------------------------
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Load weights, optimizer and every part from an accepted checkpoint, on every rank."""
+        self.engine.load_full_state(ckpt.tensors["model"], OptimState.from_tensors(ckpt.tensors["optim"]))
+        for name, part in self.parts.items():
+            part.load_state_dict(ckpt.state[name])
+
+    def latest(self, before_step: int = MAX_STEP) -> Checkpoint | None:
+        """Rank 0 picks the newest valid, accepted checkpoint at or before `before_step`; every
+        rank loads that same folder (hashed once, on rank 0)."""
+        picked: list[Checkpoint] = []
+
+        def pick() -> str | None:
+            ckpt = self.store.latest_before(before_step, self.accept)
+            picked.append(ckpt)
+            return None if ckpt is None else str(ckpt.path)
+
+        path = self.engine.decide(pick)
+        if path is None:
+            return None
+        return picked[0] if picked else self.open(Path(path), verified=True)
+
+    def open(self, path: Path, verified: bool = False, parent: bool = False) -> Checkpoint:
+        """A folder named by the user or chosen by rank 0: verified (unless it just was), accepted."""
+        try:
+            ckpt = load_verified(path) if verified else load_checkpoint(path)
+            self.accept(ckpt, parent)
+        except (CheckpointError, StateError) as exc:
+            raise CheckpointError(f"{path} cannot be used: {exc}") from None
+        return ckpt
+
+    def saved_train_states(self) -> list[dict]:
+        """The train part of every valid checkpoint's state.json that passes its checks (rank 0)."""
+        out = []
+        for path in self.store.valid_paths():
+            try:
+                state = upgrade_state(json.loads((path / STATE_FILE).read_text()))
+                check(state["train"], self.train.state_schema, "state.train")
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not one to rebuild from; reading it for a resume reports why
+            out.append(state["train"])
+        return out
+
+    def resume_or_init(self) -> str:
+        """Continue from this run's newest checkpoint, else branch from `run.init_from`, else start
+        at step 0. Returns which: "resume", "branch" or "fresh"."""
+        ckpt = self.latest()
+        if ckpt is not None:
+            allowed = self.accept(ckpt)  # pure and cheap: again on every rank, for the event
+            self.restore(ckpt)
+            self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed)
+            return "resume"
+        if self.cfg.run.init_from:
+            self.branch(Path(self.cfg.run.init_from))
+            return "branch"
+        return "fresh"
+
+    def branch(self, path: Path) -> None:
+        """Start from another run's checkpoint (a WSD cooldown, an extension), recording lineage.
+
+        Schedule, length and data may differ on purpose; the tokenizer and model shape may not.
+        """
+        opened: list[Checkpoint] = []
+
+        def open_parent() -> None:
+            if not path.is_dir():
+                raise ConfigError(f"run.init_from={path}: no such folder; name a checkpoint folder "
+                                  f"(RUN_DIR/checkpoints/step-XXXXXXXX)")
+            try:
+                opened.append(self.open(path, parent=True))
+            except CheckpointError as exc:
+                raise ConfigError(f"run.init_from={path}: {exc}; name a checkpoint folder that verifies") from None
+
+        self.engine.decide(open_parent)  # hashed on rank 0; refused there means refused on every rank
+        parent_ckpt = opened[0] if opened else self.open(path, verified=True, parent=True)
+        drifted = self.accept(parent_ckpt, parent=True)
+        self.restore(parent_ckpt)
+        self.train.lineage = self.train.lineage + [{"run_dir": str(path.parent.parent), "step": self.train.step,
+                                                    "checkpoint": str(path)}]
+        self.emit("branch", step=self.train.step, parent=str(path), drift=drifted)
 
 
-def restore(job: Job, ckpt: Checkpoint) -> RunState:
-    """Load weights, moments, RNG, monitor and scaler from `ckpt`, merged with the run-level
-    recovery file so a known bad window is never replayed, whatever checkpoint we came from."""
-    job.engine.load_full_state(ckpt.tensors["model"], unflatten_optim(ckpt.tensors["optim"]))
-    state = ckpt.state
-    run = RunState.from_dict(state["run"])
-    recovery = read_recovery(job.run_dir)
-    run.skip_list = merge_windows(run.skip_list + recovery["skip_list"])
-    seen = {r["step"] for r in run.rewinds}
-    run.rewinds += [r for r in recovery["rewinds"] if r["step"] not in seen]
-    if recovery["lr_scale"] is not None:
-        run.lr_scale = min(run.lr_scale, recovery["lr_scale"])
-    job.monitor.load_state_dict(state["monitor"])
-    if job.engine.scaler is not None and state.get("scaler"):
-        job.engine.scaler.load_state_dict(state["scaler"])
-    rngs = state["rng"]
-    if len(rngs) == job.engine.world_size:
-        set_rng_state(rngs[job.engine.rank])
-    else:
-        # Another world size: per-rank streams cannot map one to one; derive fresh ones.
-        seed_everything(job.cfg.run.seed + 7919 * job.engine.rank + run.step)
-    return run
+def _check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:
+    unknown = sorted(set(tensors) - set(shapes))
+    missing = sorted(set(shapes) - set(tensors)) if exact else []
+    if unknown or missing:
+        what = f"unknown parameter {unknown[0]!r}" if unknown else f"no tensor for {missing[0]!r}"
+        raise CheckpointError(f"{group}: {what}; check model.* against the checkpoint's config")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32:
+            raise CheckpointError(f"{group} {name}: shape {tuple(tensor.shape)} {tensor.dtype}, this model has "
+                                  f"{shapes[name]} float32")
 
 
-def _choose(job: Job) -> Checkpoint | None:
-    """Rank 0 picks the newest valid checkpoint; every rank loads that same folder."""
-    latest = job.ckpts.load_latest() if job.engine.is_main else None
-    path = job.engine.broadcast(str(latest.path) if latest is not None else None)
-    if path is None:
-        return None
-    return latest if latest is not None else load_checkpoint(path)
-
-
-def resume_or_init(job: Job) -> RunState:
-    ckpt = _choose(job)
-    if ckpt is not None:
-        allowed = check_fingerprint(ckpt.state["fingerprint"], job.fingerprint, job.cfg,
-                                    f"checkpoint {ckpt.path.name}", job.allow_drift)
-        run = restore(job, ckpt)
-        job.sinks.emit("resume", step=run.step, checkpoint=str(ckpt.path), drift=allowed)
-        return run
-    if job.cfg.run.init_from:
-        return branch(job, Path(job.cfg.run.init_from))
-    run = RunState()
-    recovery = read_recovery(job.run_dir)
-    run.skip_list = merge_windows(recovery["skip_list"])
-    return run
-
-
-def branch(job: Job, path: Path) -> RunState:
-    """Start from another run's checkpoint (a WSD cooldown, an extension), recording lineage.
-
-    Schedule, length and data may differ on purpose; the tokenizer and model shape may not.
-    """
-    parent = load_checkpoint(path)
-    allowed = tuple(k for k in parent.state["fingerprint"]["config_items"] if not k.startswith("model."))
-    drifted = check_fingerprint(parent.state["fingerprint"], job.fingerprint, job.cfg,
-                                f"parent checkpoint {path}", allowed + ("data", "global_batch_size")
-                                + job.allow_drift)
-    run = restore(job, parent)
-    run.lineage = run.lineage + [{"run_dir": str(path.parent.parent), "step": run.step,
-                                  "checkpoint": str(path)}]
-    job.sinks.emit("branch", step=run.step, parent=str(path), drift=drifted)
-    return run
-
-
-def rewind(job: Job, run: RunState, spike_step: int) -> RunState:
-    """Go back to a checkpoint from before the spike and never feed its data window again."""
-    # The monitor lives on rank 0: it plans, every rank follows the same plan.
-    decided = None
-    if job.engine.is_main:
-        spike_start = job.monitor.spike_start if job.monitor.spike_start is not None else spike_step
-        plan = plan_rewind(spike_start, spike_step, lambda s: job.loader.data_batch_index(s, run.skip_list),
-                           run.rewinds, job.cfg.monitor)
-        decided = (plan, rewind_record(spike_start, plan), job.monitor.last_reason)
-    plan, record, reason = job.engine.broadcast(decided)
-    if plan.escalate:
-        job.sinks.emit("escalation", step=spike_step, rewinds=len(run.rewinds), window=plan.window)
-        raise Escalation(f"spike at step {spike_step} after {len(run.rewinds)} rewinds; "
-                         f"see {job.run_dir / 'events.jsonl'}")
-    job.ckpts.wait()
-    target = job.ckpts.latest_before(plan.to_step) if job.engine.is_main else None
-    path = job.engine.broadcast(str(target.path) if target is not None else None)
-    if path is None:
-        job.sinks.emit("escalation", step=spike_step, reason="no checkpoint before the spike")
-        raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {plan.to_step}")
-    ckpt = target if target is not None else load_checkpoint(path)
-    history = run.rewinds + [record]
-    lr_scale = run.lr_scale * plan.lr_scale_factor
-    skip_list = merge_windows(run.skip_list + [plan.window])
-    new = restore(job, ckpt)
-    new.skip_list = merge_windows(new.skip_list + skip_list)
-    new.rewinds, new.lr_scale = history, min(new.lr_scale, lr_scale)
-    new.skipped_steps, new.clipped_steps = run.skipped_steps, run.clipped_steps
-    if job.engine.is_main:
-        write_recovery(job.run_dir, new)
-    job.monitor.reset_streak()
-    job.sinks.emit("rewind", step=spike_step, to_step=new.step, window=plan.window,
-                   checkpoint=str(ckpt.path), reason=reason)
-    if plan.lr_scale_factor != 1.0:
-        job.sinks.emit("lr_scale", step=new.step, old=run.lr_scale, new=new.lr_scale)
-    return new
+def upgrade_state(state: Any) -> Any:
+    """state.json of schema 1 (before the step vocabulary was one) in today's layout; anything
+    else is returned unchanged for the checks to judge."""
+    if not isinstance(state, dict) or state.get("format") != 1 or "schema" in state:
+        return state
+    try:
+        old = dict(state)
+        train = dict(old.pop("run"))
+        train["tokens_seen"] = train.pop("tokens")
+        # Schema 1 counted a spike by its 0-based step index; now by the step count.
+        train["rewinds"] = [{**r, "step": r["step"] + 1} for r in train["rewinds"]]
+        monitor = dict(old["monitor"])
+        if monitor.get("spike_start") is not None:
+            monitor["spike_start"] += 1
+        new = {k: v for k, v in old.items() if k not in ("format", "loader", "scaler")}
+        new.update(schema=SCHEMA_VERSION, train=train, monitor=monitor, data=old.get("loader"))
+        if old.get("scaler") is not None:
+            new["scaler"] = old["scaler"]
+        return new
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise StateError(f"state (schema 1): cannot be read ({type(exc).__name__}: {exc})") from None

@@ -1,14 +1,14 @@
 """Checkpoint store: host snapshot, one background writer, atomic publish, retention, newest-valid reads.
 
-    mgr = CheckpointManager(run_dir, keep_last=3, keep_every=1000, on_event=log_event)
-    ckpt = mgr.load_latest()                      # newest folder that verifies, or None
+    store = CheckpointStore(run_dir, keep_last=3, keep_every=1000, on_event=log_event)
+    ckpt = store.load_latest(accept)              # newest folder that verifies and `accept`s, or None
     ...
-    mgr.check()                                   # each step: a failed background save raises here
-    mgr.save_async(step, {"model": model_sd, "optim": optim_sd}, {"step": step, "skip_list": ...})
+    store.check()                                 # each step: a failed background save raises here
+    store.save_async(step, {"model": model_sd, "optim": optim_flat}, {"step": step, "skip_list": ...})
     ...
-    mgr.wait()                                    # before exit
+    store.wait()                                  # before exit
 
-Layout and file format live in `ckpt_io.py`. The rules this module keeps:
+Layout and file format live in `format.py`. The rules this module keeps:
 - `save_async` returns once every tensor is copied to host memory; the optimizer may then change
   the live tensors. The writer thread streams the copies to `.tmp-step-XXXXXXXX-<pid>-<hex>/`,
   fsyncs each file, writes MANIFEST last, fsyncs the folder and renames it into place.
@@ -16,7 +16,9 @@ Layout and file format live in `ckpt_io.py`. The rules this module keeps:
   next `check()`, `wait()` or `save_async()` in the training thread.
 - on_event is only ever called from the training thread: events the writer produces are queued
   and delivered by the next call into the manager, so a non-thread-safe logger is fine.
-- Folders that do not verify are passed over (one `passed_over` event each) and never deleted.
+- Folders that do not verify, or whose contents the caller's `accept` refuses (a state.json
+  field out of range, a tensor of the wrong shape), are passed over (one `passed_over` event
+  each) and never deleted.
 """
 from __future__ import annotations
 
@@ -35,11 +37,14 @@ from typing import Callable, Iterable
 
 from dsslm.durable import fsync_dir
 from dsslm.ckpt.format import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
-                           CheckpointError, HostBuffers, load_checkpoint,
-                           load_verified, parse_name, remove_checkpoint, safetensors_chunks,
-                           stat_key, step_name, verify)
+                               CheckpointError, load_checkpoint, load_verified, parse_name, remove_checkpoint,
+                               safetensors_chunks, stat_key, step_name, verify)
+from dsslm.ckpt.schema import StateError
+from dsslm.ckpt.snapshot import HostBuffers
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointManager", "load_checkpoint", "verify"]
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "load_checkpoint", "verify"]
+# A check of a loaded checkpoint's contents: raises CheckpointError or StateError saying why not.
+Accept = Callable[[Checkpoint], None]
 
 # Below this a chunk is hashed inline: handing it to the hashing thread costs more than it saves.
 _INLINE_HASH_BYTES = 1 << 20
@@ -72,19 +77,11 @@ def _rename(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
-class CheckpointManager:
-    """Saves and finds checkpoints under `run_dir/checkpoints/`. Call it from one training thread.
-
-    crash_in_save_step / crash_after_files: fault drill. The save of that step hard-exits the
-    process (os._exit(137), as if SIGKILLed) once `crash_after_files` files are in its temp folder
-    (MANIFEST counts; 0 dies before the first). It fires every time: arming it once per run is
-    the caller's (dsslm.recovery.faults).
-    """
+class CheckpointStore:
+    """Saves and finds checkpoints under `run_dir/checkpoints/`. Call it from one training thread."""
 
     def __init__(self, run_dir, keep_last: int = 3, keep_every: int = 0,
-                 on_event: Callable[..., None] | None = None,
-                 crash_in_save_step: int = -1, crash_after_files: int = 1,
-                 reuse_host_buffers: bool = True):
+                 on_event: Callable[..., None] | None = None, reuse_host_buffers: bool = True):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} would delete the checkpoint just saved; set ckpt.keep_last >= 1")
         if keep_every < 0:
@@ -93,12 +90,13 @@ class CheckpointManager:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.keep_last, self.keep_every = keep_last, keep_every
         self._on_event = on_event
-        self._crash_in_save_step, self._crash_after_files = crash_in_save_step, crash_after_files
+        self._crash_in_save_step, self._crash_after_files = -1, 1
         self._buffers = HostBuffers(reuse_host_buffers)
         # Guards every rename, delete and read of checkpoint folders (writer vs training thread).
         self._lock = threading.RLock()
         self._verified: dict[str, tuple[tuple, str | None]] = {}  # name -> (stat_key, reason)
         self._reported: set[str] = set()
+        self._refused: set[str] = set()  # verified, but their contents were refused on load
         self._pinned: set[int] = set()
         self._events: collections.deque = collections.deque()
         self._jobs: queue.Queue = queue.Queue()
@@ -111,6 +109,12 @@ class CheckpointManager:
             for step, paths in self._scan().items():
                 if any(p.name.endswith(ASIDE_SUFFIX) for p in paths):
                     self._settle_aside(step)
+
+    def die_in_save(self, step: int, after_files: int = 1) -> None:
+        """Fault drill: the save of `step` hard-exits the process (os._exit(137), as if SIGKILLed)
+        once `after_files` files are in its temp folder (MANIFEST counts; 0 dies before the
+        first). It fires every time: arming it once per run is the caller's (recovery.faults)."""
+        self._crash_in_save_step, self._crash_after_files = step, after_files
 
     # Training-thread API.
 
@@ -166,11 +170,22 @@ class CheckpointManager:
         with self._lock:
             return sorted(self._valid_paths())
 
-    def load_latest(self) -> Checkpoint | None:
-        return self.latest_before(10**8)
+    def valid_paths(self) -> list[Path]:
+        """The valid folders, oldest first (verification cached per folder file stats)."""
+        self._flush_events()
+        with self._lock:
+            valid = self._valid_paths()
+            return [valid[s] for s in sorted(valid)]
 
-    def latest_before(self, step: int) -> Checkpoint | None:
-        """Newest valid checkpoint with ckpt.step <= step, re-hashed in full before it is loaded."""
+    def load_latest(self, accept: Accept | None = None) -> Checkpoint | None:
+        return self.latest_before(10**8, accept)
+
+    def latest_before(self, step: int, accept: Accept | None = None) -> Checkpoint | None:
+        """Newest valid checkpoint with ckpt.step <= step, re-hashed in full before it is loaded.
+
+        `accept(ckpt)` checks what the hashes cannot (anyone who can write the folder can also
+        rewrite its MANIFEST): a folder it refuses is passed over like a hash mismatch, and the
+        next older one is tried."""
         self._flush_events()
         with self._lock:
             found = self._scan()
@@ -179,8 +194,12 @@ class CheckpointManager:
                 if path is None:
                     continue
                 try:
-                    return load_verified(path)
-                except CheckpointError as exc:
+                    ckpt = load_verified(path)
+                    if accept is not None:
+                        accept(ckpt)
+                    return ckpt
+                except (CheckpointError, StateError) as exc:  # malformed; a refused resume propagates
+                    self._refused.add(path.name)
                     self._pass_over(path.name, str(exc))
         return None
 
@@ -268,13 +287,14 @@ class CheckpointManager:
         moment; `_settle_aside` (next save of the step, or the next manager) finishes a replace
         that died half way. Linux renameat2(RENAME_EXCHANGE) would swap atomically, but os does
         not expose it and not every filesystem has it; two renames plus a reader rule work on all.
-        An existing invalid folder is renamed to `.invalid-<time>` for a person to look at.
+        An existing invalid folder (hashes, or contents refused on load) is renamed to
+        `.invalid-<time>` for a person to look at.
         """
         final = self.ckpt_dir / step_name(step)
         self._settle_aside(step)
         if final.exists():
             reason = verify(final)  # full hash: deciding what to delete deserves more than the cache
-            if reason is None:
+            if reason is None and final.name not in self._refused:
                 _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
             else:
                 stamp = time.strftime("%Y%m%dT%H%M%S")
@@ -283,6 +303,7 @@ class CheckpointManager:
         _rename(tmp, final)
         fsync_dir(self.ckpt_dir)
         self._verified[final.name] = (stat_key(final), None)  # every byte was hashed as written
+        self._refused.discard(final.name)
         self._settle_aside(step)
         return final
 
@@ -320,9 +341,11 @@ class CheckpointManager:
         return dict(found)
 
     def _valid_paths(self) -> dict[int, Path]:
+        """step -> its valid folder; a folder whose contents were refused counts as neither valid
+        (retention must not keep it instead of a good one) nor deletable."""
         found = self._scan()
         valid = {step: self._resolve(paths, rehash=False) for step, paths in found.items()}
-        return {step: path for step, path in valid.items() if path is not None}
+        return {step: path for step, path in valid.items() if path is not None and path.name not in self._refused}
 
     def _resolve(self, paths: list[Path], rehash: bool) -> Path | None:
         """The first valid candidate; reports the invalid ones it passes over."""

@@ -1,89 +1,58 @@
-"""What a checkpoint carries besides tensors, and how it is gathered from and given back to ranks.
+"""The loop's own state between steps (`TrainState`), the fingerprint a resume is checked against,
+and the refusal of a resume that would not continue the same run.
 
-Everything here is JSON: the training step, the skip list, lr_scale, rewind history, scaler and
-monitor state, every rank's RNG, and the fingerprint a resume is checked against.
+Steps are counted as everywhere in dsslm: `step` is the number of optimizer steps completed, so
+the record of a step's update and the checkpoint taken right after it carry the same number.
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
-import json
-import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from dsslm.ckpt.schema import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Str, Window)
+from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
 
-from dsslm.config import ConfigError, Config, config_hash, drift, hashed_items
-from dsslm.durable import write_json_atomic
-
-STATE_FORMAT = 1
+# A rewind carried out (recovery.rewind.rewind_record): the first spike step, the data window it
+# skipped, the checkpoint step it went back to and the lr_scale factor it applied.
+REWIND_RECORD = Fields(optional=("verdict",), open=True, step=Int(0, MAX_STEP), window=Window(),
+                       to_step=Int(0, MAX_STEP), lr_scale_factor=Float(0.0, 1.0))
 
 
 @dataclass
-class RunState:
+class TrainState:
+    """What the loop carries from one step to the next, and restores from a checkpoint."""
     step: int = 0                    # optimizer steps completed
-    tokens: int = 0                  # real target tokens trained on (all ranks)
-    skip_list: list = field(default_factory=list)  # half-open [start, end) data-batch windows
-    lr_scale: float = 1.0
-    rewinds: list = field(default_factory=list)    # history of rewinds (monitor.plan_rewind records)
+    tokens_seen: int = 0             # real target tokens trained on so far, all ranks
+    skip_list: list = field(default_factory=list)  # half-open [start, end) data-batch windows never fed
+    lr_scale: float = 1.0            # multiplies the planned learning rate; lowered by the spike policy
+    rewinds: list = field(default_factory=list)    # rewinds carried out (recovery.rewind.rewind_record)
     skipped_steps: int = 0
     clipped_steps: int = 0
     lineage: list = field(default_factory=list)    # parent runs this run branched from
 
-    def to_dict(self) -> dict:
+    state_schema = Fields(
+        step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), skip_list=ListOf(Window(), max_len=100_000),
+        lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
+        skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
+        lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000))
+
+    def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "RunState":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, state[f.name])
 
 
 class ResumeRefused(ConfigError):
     """The checkpoint was made by a different config, tokenizer or dataset."""
 
 
-# --- RNG ---------------------------------------------------------------------------------------
+# The fingerprint: what must match for a resume to continue the same computation.
+FINGERPRINT_SCHEMA = Fields(config_hash=Str(64), config_items=MapOf(Json()), data_manifest_sha256=Str(64),
+                            tokenizer_sha256=Str(64), global_batch_size=Int(1, MAX_COUNT))
 
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
-
-
-def rng_state() -> dict:
-    version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    out = {"python": [version, list(mt), gauss],
-           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-           "torch": _b64(torch.get_rng_state())}
-    if torch.cuda.is_available():
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-# --- fingerprint -------------------------------------------------------------------------------
 
 def fingerprint(cfg: Config, manifest_sha: str, tokenizer_sha: str, global_batch_size: int) -> dict:
     return {"config_hash": config_hash(cfg), "config_items": hashed_items(cfg),
@@ -108,22 +77,3 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
         raise ResumeRefused(f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}; "
                             f"restore it, use another run.dir, or pass --allow-drift {key}")
     return differences
-
-
-# --- the run-level recovery file ---------------------------------------------------------------
-
-def recovery_path(run_dir: Path) -> Path:
-    return run_dir / "skip_list.json"
-
-
-def read_recovery(run_dir: Path) -> dict:
-    path = recovery_path(run_dir)
-    if not path.is_file():
-        return {"skip_list": [], "rewinds": [], "lr_scale": None}
-    return json.loads(path.read_text())
-
-
-def write_recovery(run_dir: Path, run: RunState) -> None:
-    """Atomically replace skip_list.json: the one record of bad data that any resume merges."""
-    write_json_atomic(recovery_path(run_dir),
-                      {"skip_list": run.skip_list, "rewinds": run.rewinds, "lr_scale": run.lr_scale})

@@ -15,7 +15,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from dsslm.data.prepare import MANIFEST_FILE, DataError, prepare, quiet_datasets
+from dsslm.data.manifest import MANIFEST_FILE
+from dsslm.data.prepare import DataError, prepare, quiet_datasets
 
 CACHE_NAME = "stdlib-v1"  # bump when the file selection below changes
 CODE_BYTES = 8 << 20  # ~8M byte tokens: a few minutes of tiny-model CPU training, ~5 s to prepare

@@ -1,4 +1,5 @@
-"""The deterministic loader: a batch is a pure function of (manifest, seed, data_batch).
+"""The deterministic loader: a batch is a pure function of (manifest, seed, data_batch), and the
+data batch of a step a pure function of (step, skip list).
 
 Training reads the train shards of every domain as one virtual concatenation (domains in sorted
 order). Each shard is cut into non-overlapping chunks of seq_len + 1 tokens (chunk i is tokens
@@ -12,14 +13,28 @@ There is no iterator state: step 10**6 costs what step 0 costs, and a resume nee
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
 
-from dsslm.data.prepare import load_manifest
-from dsslm.data.skiplist import merge_windows
+from dsslm.data.manifest import load_manifest
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [batch, seq_len]
+
+
+def merge_windows(skip_list: Iterable[Iterable[int]]) -> list[list[int]]:
+    """The skip list's canonical form: sorted, disjoint half-open [start, end) windows of data-batch
+    indices covering the same indices; touching windows join, empty ones go."""
+    merged: list[list[int]] = []
+    for start, end in sorted((int(s), int(e)) for s, e in skip_list):
+        if not 0 <= start <= end:
+            raise ValueError(f"skip window [{start}, {end}) must have 0 <= start <= end; fix skip_list.json")
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif start < end:
+            merged.append([start, end])
+    return merged
 
 
 class Loader:

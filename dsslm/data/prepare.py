@@ -1,4 +1,4 @@
-"""`python -m dsslm.data prepare`: stream text into token shards plus a manifest, and read it back.
+"""`prepare`: stream text into token shards plus a manifest (the CLI is `python -m dsslm.data`).
 
 DATA_DIR layout and manifest format: docs/design.md. Inputs are read through `datasets` in
 streaming mode (text files over 8 MB line by line), so memory is bounded by the reader's chunk
@@ -13,81 +13,25 @@ last, so a DATA_DIR without it, or a domain missing from it, does not exist for 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import math
 import os
 import re
 import shutil
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from dsslm.durable import fsync_dir, write_json_atomic
 from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
-from dsslm.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, file_sha256, load_tokenizer, train_bpe
+from dsslm.data.manifest import FORMAT, MANIFEST_FILE, load_manifest
+from dsslm.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer, train_bpe
 
-MANIFEST_FILE = "manifest.json"
-FORMAT = 1
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
 MAX_BLOCK_TOKENS = 8192
 MIN_BLOCK_TOKENS = 64
 DEFAULT_VOCAB_SIZE = 8192
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-def load_manifest(data_dir: str | Path, verify: bool = True) -> dict:
-    """The manifest of `data_dir`, after checking every shard's size (and sha256 if `verify`)."""
-    data_dir = Path(data_dir)
-    path = data_dir / MANIFEST_FILE
-    if not path.is_file():
-        raise DataError(f"{data_dir} has no {MANIFEST_FILE}; build it with "
-                        f"`python -m dsslm.data prepare --input PATH --out {data_dir}`")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path} is unreadable ({e}); rebuild {data_dir} with prepare") from e
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{path} has format {manifest.get('format')!r}, not {FORMAT}; rebuild it with prepare")
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    for domain in manifest["domains"].values():
-        for entry in domain["train"] + domain["val"]:
-            _check_shard(data_dir, entry, itemsize, verify)
-    if verify and manifest["tokenizer"]["kind"] == "bpe":
-        try:
-            load_tokenizer(data_dir, manifest)
-        except ValueError as e:
-            raise DataError(str(e)) from e
-    return manifest
-
-
-def _check_shard(data_dir: Path, entry: dict, itemsize: int, verify: bool) -> None:
-    path = data_dir / entry["path"]
-    if not path.is_file():
-        raise DataError(f"shard {path} is missing; rebuild {data_dir} with prepare")
-    size = path.stat().st_size
-    if size != entry["tokens"] * itemsize:
-        raise DataError(f"shard {path} has {size} bytes but manifest.json says {entry['tokens']} tokens "
-                        f"({entry['tokens'] * itemsize} bytes); rebuild {data_dir} with prepare")
-    if verify and file_sha256(path) != entry["sha256"]:
-        raise DataError(f"shard {path} does not match its sha256 in manifest.json; rebuild {data_dir} with prepare")
-
-
-def manifest_hash(manifest: dict) -> str:
-    """sha256 of what decides the token stream: tokenizer, dtype and every shard's hash.
-
-    `sources` (absolute input paths) are left out: the same corpus prepared on another
-    machine, or copied elsewhere, hashes the same."""
-    domains = {name: {"train": d["train"], "val": d["val"]} for name, d in manifest["domains"].items()}
-    core = {"tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"], "domains": domains}
-    return hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def tokenizer_hash(manifest: dict) -> str:
-    return manifest["tokenizer"]["sha256"]
 
 
 class ShardWriter:
@@ -271,53 +215,9 @@ def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, sh
     return {"train": train_entries, "val": val_entries}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m dsslm.data", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="tokenize text into DATA_DIR as one domain")
-    p.add_argument("--input", nargs="+", required=True,
-                   help="text/JSONL/JSON/Parquet files, folders of them, save_to_disk folders")
-    p.add_argument("--out", required=True, help="DATA_DIR (created, or extended with a new domain)")
-    p.add_argument("--domain", default="default", help="a name per source of text; each gets its own val split")
-    p.add_argument("--tokenizer", default=None, help="byte (default for a new DATA_DIR) or bpe")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help=f"bpe, new DATA_DIR only (a later domain reuses its tokenizer); default {DEFAULT_VOCAB_SIZE}")
-    p.add_argument("--val-fraction", type=float, default=0.01, help="share of token blocks held out (0 allowed)")
-    p.add_argument("--text-field", default="text", help="the field holding the text in JSON/Parquet records")
-    return parser
-
-
 def quiet_datasets() -> None:
     import datasets
 
     datasets.disable_progress_bars()
     # We report a bad file ourselves, in one line; datasets would log it again at ERROR.
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    quiet_datasets()
-    started = time.perf_counter()
-    try:
-        manifest = prepare(args.input, args.out, domain=args.domain, tokenizer=args.tokenizer,
-                           vocab_size=args.vocab_size, val_fraction=args.val_fraction, text_field=args.text_field)
-    except DataError as e:
-        print(f"dsslm.data: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    entry = manifest["domains"][args.domain]
-    n_train = sum(s["tokens"] for s in entry["train"])
-    n_val = sum(s["tokens"] for s in entry["val"])
-    seconds = time.perf_counter() - started
-    print(f"prepared domain {args.domain!r} in {args.out}: {n_train} train + {n_val} val tokens "
-          f"({manifest['tokenizer']['kind']}, vocab {manifest['tokenizer']['vocab_size']}) in {seconds:.1f}s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,9 +8,11 @@ import abc
 import contextlib
 import gc
 import os
+import pickle
 import sys
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,41 @@ from dsslm.config import Config
 from dsslm.optim import set_lr
 from dsslm.precision import LossScaler
 
+T = TypeVar("T")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class OptimState:
+    """AdamW's state by parameter name (of the unwrapped model): the one layout every engine hands
+    over and takes back, and the one a checkpoint stores, so a ZeRO run resumes under FSDP.
+
+    `step` is Adam's own step count per parameter (bias correction), `exp_avg` and `exp_avg_sq`
+    the fp32 moments at full (unsharded) shape. Empty before the first optimizer step.
+    """
+    step: dict[str, float] = field(default_factory=dict)
+    exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
+    exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """One flat table for safetensors: `exp_avg/NAME`, `exp_avg_sq/NAME`, `step/NAME`."""
+        flat = {f"{kind}/{name}": t for kind in MOMENTS for name, t in getattr(self, kind).items()}
+        # fp64 so step counts past 2^24 stay exact.
+        flat.update({f"step/{name}": torch.tensor([s], dtype=torch.float64) for name, s in self.step.items()})
+        return flat
+
+    @classmethod
+    def from_tensors(cls, flat: dict[str, torch.Tensor]) -> "OptimState":
+        out = cls()
+        for key, tensor in flat.items():
+            kind, _, name = key.partition("/")
+            if kind == "step":
+                out.step[name] = float(tensor.item())
+            elif kind in MOMENTS:
+                getattr(out, kind)[name] = tensor
+            else:
+                raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/ or exp_avg_sq/")
+        return out
 
 def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
@@ -58,7 +95,10 @@ class Engine(abc.ABC):
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.is_main = self.rank == 0
         self.module = model  # the unwrapped model: parameter names for checkpoints come from it
-        self.n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
+        # Taken before any engine shards the model (ZeRO-3 replaces shapes with empty partitions):
+        # what a checkpoint's tensors must match, name by name.
+        self.param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.n_params = sum(p.numel() for p in model.parameters())
         self.scaler = LossScaler(cfg.train.loss_scale_init) if cfg.train.precision == "fp16" else None
 
     # --- the training step -------------------------------------------------------------------
@@ -90,12 +130,13 @@ class Engine(abc.ABC):
 
     # --- state -------------------------------------------------------------------------------
     @abc.abstractmethod
-    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        ...
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
+        """Full fp32 weights and AdamW state by parameter name. Every rank calls (sharded engines
+        gather); rank 0 gets the tensors, the others may get empty tables."""
 
     @abc.abstractmethod
-    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
-        ...
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
+        """Every rank passes the full tensors; each keeps what it holds."""
 
     @abc.abstractmethod
     def memory_report(self) -> dict[str, int]:
@@ -109,12 +150,32 @@ class Engine(abc.ABC):
         return tensor
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's value of `obj` on every rank: how one decision reaches all ranks."""
+        """Rank 0's value of `obj` on every rank."""
         if not self.distributed:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def decide(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on rank 0 alone, its result returned on every rank: how one decision (a
+        verdict, a plan, which checkpoint) reaches all ranks, so none can take another branch.
+
+        An exception `fn` raises on rank 0 is raised on every rank, so no rank is left waiting
+        alone in the next collective.
+        """
+        if not self.distributed:
+            return fn()
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.is_main:
+            try:
+                outcome = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+                outcome = ("raise", _picklable(exc))
+        kind, value = self.broadcast(outcome)
+        if kind == "raise":
+            raise value
+        return value
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
@@ -171,6 +232,15 @@ class TorchAdamWEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def _picklable(exc: Exception) -> Exception:
+    """`exc` itself if it survives the trip to the other ranks, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to round-trip means: send a plain copy
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
 def check_names(params: dict, model_sd: dict) -> None:
     """A checkpoint must name exactly this model's parameters."""
     missing = sorted(set(params) - set(model_sd))
@@ -180,32 +250,29 @@ def check_names(params: dict, model_sd: dict) -> None:
                          f"unexpected {unexpected[:5]}; check model.* against the checkpoint's config")
 
 
-def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """torch AdamW state re-keyed by parameter name, in the engine-agnostic checkpoint layout."""
-    out: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> OptimState:
+    """torch AdamW state re-keyed by parameter name, in the engine-agnostic layout."""
+    out = OptimState()
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param)
             if not state:
                 continue
             name = names[id(param)]
-            out["step"][name] = float(state["step"])
-            out["exp_avg"][name] = state["exp_avg"].detach().float()
-            out["exp_avg_sq"][name] = state["exp_avg_sq"].detach().float()
+            out.step[name] = float(state["step"])
+            for kind in MOMENTS:
+                getattr(out, kind)[name] = state[kind].detach().float()
     return out
 
 
-def load_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
-                    optim_sd: dict[str, Any]) -> None:
+def load_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], optim: OptimState) -> None:
     """Write the named moments back into torch AdamW state (fresh tensors: no stale references)."""
     optimizer.state.clear()
-    for name, step in optim_sd["step"].items():
+    for name, step in optim.step.items():
         param = params[name]
-        optimizer.state[param] = {
-            "step": torch.tensor(float(step), dtype=torch.float32),
-            "exp_avg": optim_sd["exp_avg"][name].to(param.device, param.dtype).clone(),
-            "exp_avg_sq": optim_sd["exp_avg_sq"][name].to(param.device, param.dtype).clone(),
-        }
+        optimizer.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                  **{kind: getattr(optim, kind)[name].to(param.device, param.dtype).clone()
+                                     for kind in MOMENTS}}
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.config import Config
-from dsslm.engine.base import TorchAdamWEngine, adam_state_by_name, check_names, load_adam_state
+from dsslm.engine.base import OptimState, TorchAdamWEngine, adam_state_by_name, check_names, load_adam_state
 from dsslm.optim import build_adamw
 
 
@@ -46,18 +45,18 @@ class DDPEngine(TorchAdamWEngine):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
         return float(norm)
 
-    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
         model_sd = {n: p.detach().float() for n, p in self.params.items()}
         if not with_optim:
-            return model_sd, {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+            return model_sd, OptimState()
         return model_sd, adam_state_by_name(self.optimizer, self.names)
 
-    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
         check_names(self.params, model_sd)
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(model_sd[name].to(param.dtype))
-        load_adam_state(self.optimizer, self.params, optim_sd)
+        load_adam_state(self.optimizer, self.params, optim)
 
     def memory_report(self) -> dict[str, int]:
         param_bytes = sum(p.numel() * p.element_size() for p in self.params.values())

@@ -17,7 +17,6 @@ code runs on gloo (CPU tests) and nccl (GPU): only the device differs.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,11 +27,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsslm.config import Config
-from dsslm.engine.base import TorchAdamWEngine, check_names, storage_bytes
+from dsslm.engine.base import MOMENTS, OptimState, TorchAdamWEngine, check_names, storage_bytes
 from dsslm.engine.launch import ensure_process_group
 from dsslm.optim import build_adamw
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def shard_model(model: nn.Module, precision: str) -> None:
@@ -83,37 +80,37 @@ class FSDPEngine(TorchAdamWEngine):
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     # --- state -------------------------------------------------------------------------------
-    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Gathered on every rank's call (collectives); rank 0 gets the tensors, others empty dicts."""
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
+        """Gathered on every rank's call (collectives); rank 0 gets the tensors, others empty tables."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(self.module, options=options)
         optim_full = get_optimizer_state_dict(self.module, self.optimizer, options=options) if with_optim else {}
-        optim_sd: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        optim = OptimState()
         if not self.is_main:
-            return {}, optim_sd
+            return {}, optim
         for name, state in optim_full.get("state", {}).items():
             if not state:
                 continue
-            optim_sd["step"][name] = float(state["step"])
+            optim.step[name] = float(state["step"])
             for key in MOMENTS:
-                optim_sd[key][name] = state[key].detach().float()
-        return {n: t.detach().float() for n, t in model_sd.items() if n in self.params}, optim_sd
+                getattr(optim, key)[name] = state[key].detach().float()
+        return {n: t.detach().float() for n, t in model_sd.items() if n in self.params}, optim
 
-    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
         """Every rank passes the full tensors (each loads the checkpoint); each keeps its shard."""
         check_names(self.params, model_sd)
         options = StateDictOptions(full_state_dict=True)
         full = {alias: model_sd[name].float() for alias, name in self.aliases.items()}
         set_model_state_dict(self.module, full, options=options)
         self.optimizer.state.clear()
-        if not optim_sd["step"]:
+        if not optim.step:
             return
         names = {id(p): n for n, p in self.params.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
                   for g in self.optimizer.param_groups]
-        state = {name: {"step": torch.tensor(float(optim_sd["step"][name])),
-                        **{key: optim_sd[key][name].float() for key in MOMENTS}}
-                 for name in optim_sd["step"]}
+        state = {name: {"step": torch.tensor(float(step)),
+                        **{key: getattr(optim, key)[name].float() for key in MOMENTS}}
+                 for name, step in optim.step.items()}
         set_optimizer_state_dict(self.module, self.optimizer, {"state": state, "param_groups": groups},
                                  options=options)
 

@@ -85,9 +85,25 @@ def _check_agrees(cfg: Config, env: dict) -> None:
                           f"set optim.clip={clip} or drop the flag")
 
 
+def in_launcher() -> bool:
+    """True under torchrun / accelerate launch / srun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_first_process() -> bool:
+    """Rank 0 as the launcher numbered it, for output made before or after any engine exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def leave_process_group() -> None:
+    """Tear down a process group someone other than an engine kept alive (the drill's)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def announce(changes: list[str]) -> None:
-    """One stderr line per change, from the first rank only (ranks are not known yet: read RANK)."""
-    if changes and int(os.environ.get("RANK", "0")) == 0:
+    """One stderr line per change, from the first rank only (ranks are not known yet)."""
+    if changes and is_first_process():
         for line in changes:
             print(f"dsslm: {line}", file=sys.stderr, flush=True)
 

@@ -44,15 +44,15 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_fp32_param, safe_set_full_optimizer_state)
 
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import Engine, check_names, storage_bytes  # noqa: E402
+from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
+from dsslm.precision import SCALER_SCHEMA  # noqa: E402
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 # DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
                         category=FutureWarning)
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def ds_config(cfg: Config, world_size: int) -> dict:
@@ -103,6 +103,8 @@ class DeepSpeedLossScale:
     `update()` only reports an overflow (a non-finite norm) so the loop skips the step; the scale
     itself moves inside DeepSpeed's `step()` (growth) and overflow branch (backoff).
     """
+
+    state_schema = SCALER_SCHEMA
 
     def __init__(self, optimizer: Any):
         self._optimizer = optimizer
@@ -257,27 +259,27 @@ class ZeroEngine(Engine):
         inner = self.optimizer.optimizer.state
         return all(len(inner.get(flat, {})) > 0 for flat in self._flat_partitions())
 
-    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
         """Full fp32 weights and moments; every rank must call (gathers), rank 0 keeps them."""
         keep = self.is_main
         model_sd: dict[str, torch.Tensor] = {}
-        optim_sd: dict[str, Any] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        optim = OptimState()
         for name, param in self.params.items():
             full = safe_get_full_fp32_param(param)
             if keep:
                 model_sd[name] = full.detach().float().cpu().clone()
         if not with_optim or not self._has_adam_state():
-            return model_sd, optim_sd
+            return model_sd, optim
         self._link_moments()
         inner = self.optimizer.optimizer.state
         for name, param in self.params.items():
             for key in MOMENTS:
                 full = safe_get_full_optimizer_state(param, key)
                 if keep:
-                    optim_sd[key][name] = full.detach().float().cpu().clone()
+                    getattr(optim, key)[name] = full.detach().float().cpu().clone()
             if keep:
-                optim_sd["step"][name] = float(inner[self._partition_of(param)]["step"])
-        return model_sd, optim_sd
+                optim.step[name] = float(inner[self._partition_of(param)]["step"])
+        return model_sd, optim
 
     def _link_moments(self) -> None:
         """Point every parameter's optimizer-state fragment at the current AdamW state (stage 1/2).
@@ -289,10 +291,10 @@ class ZeroEngine(Engine):
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
-    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any]) -> None:
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
         check_names(self.params, model_sd)
         self._load_weights(model_sd)
-        self._load_moments(optim_sd)
+        self._load_moments(optim)
 
     @torch.no_grad()
     def _load_weights(self, model_sd: dict[str, torch.Tensor]) -> None:
@@ -308,15 +310,15 @@ class ZeroEngine(Engine):
             safe_set_full_fp32_param(param, model_sd[name].to(self.device, torch.float32))
 
     @torch.no_grad()
-    def _load_moments(self, optim_sd: dict[str, Any]) -> None:
+    def _load_moments(self, optim: OptimState) -> None:
         inner = self.optimizer.optimizer.state
-        if not optim_sd["step"]:
+        if not optim.step:
             for flat in self._flat_partitions():  # a checkpoint from before the first step
                 inner.pop(flat, None)
             if self.stage != 3:
                 self.optimizer._hp_optimizer_states_linked = False
             return
-        steps = self._group_steps(optim_sd["step"])
+        steps = self._group_steps(optim.step)
         for flat in self._flat_partitions():
             # torch AdamW's own layout; AdamW then finds the state and does not re-initialise it.
             inner[flat] = {"step": torch.tensor(steps[id(flat)], dtype=torch.float32),
@@ -324,7 +326,7 @@ class ZeroEngine(Engine):
         self._link_moments()
         for name, param in self.params.items():
             for key in MOMENTS:
-                safe_set_full_optimizer_state(param, optim_sd[key][name].to(self.device, torch.float32), key)
+                safe_set_full_optimizer_state(param, getattr(optim, key)[name].to(self.device, torch.float32), key)
 
     def _group_steps(self, steps_by_name: dict[str, float]) -> dict[int, float]:
         """ZeRO keeps one Adam step count per flat group: every parameter in it must agree."""

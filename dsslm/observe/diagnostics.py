@@ -1,7 +1,7 @@
 """Training diagnostics, measured from outside the model: MFU, logit maxima, norms, memory.
 
 `Diagnostics` is the loop's one object for them. Every step it adds `mfu` (when the GPU's peak
-is known) and feeds `metrics.Alerts`. Every `observe.every` steps it also adds, to that step's
+is known) and feeds `observe.alerts.Alerts`. Every `observe.every` steps it also adds, to that step's
 metrics record:
 
 - `param_norm`, `update_norm`, `update_ratio`: `{group: float}` over the layer groups
@@ -34,7 +34,11 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dsslm.observe.sinks import Alerts
+from dsslm.config import Config
+from dsslm.data.loader import Loader
+from dsslm.engine.base import Engine
+from dsslm.observe.alerts import Alerts
+from dsslm.observe.sinks import Sinks
 from dsslm.model import Attention, apply_rope
 from dsslm.precision import autocast
 
@@ -177,14 +181,14 @@ class Diagnostics:
     gather are collectives); only rank 0's sinks write.
     """
 
-    def __init__(self, job: Any):
-        self.cfg, self.engine, self.sinks = job.cfg, job.engine, job.sinks
-        self.every = job.cfg.observe.every
-        self.alerts = Alerts.from_config(job.cfg.observe)
-        model = job.cfg.model
+    def __init__(self, cfg: Config, engine: Engine, sinks: Sinks, loader: Loader):
+        self.cfg, self.engine, self.sinks = cfg, engine, sinks
+        self.every = cfg.observe.every
+        self.alerts = Alerts.from_config(cfg.observe)
+        model = cfg.model
         self.flops_per_token = flops_per_token(self.engine.n_params, model.n_layers, model.d_model, model.seq_len)
         self.peak_flops = peak_flops(self.engine.device)
-        self.probe = probe_batch(job.loader, job.cfg.observe.probe_sequences) if self.every else None
+        self.probe = probe_batch(loader, cfg.observe.probe_sequences) if self.every else None
         self.snapshot_s = 0.0
 
     def snapshot(self, step: int) -> dict[str, torch.Tensor] | None:
@@ -243,7 +247,7 @@ class Diagnostics:
             engine.train_mode(True)
 
 
-def probe_batch(loader: Any, sequences: int) -> torch.Tensor:
+def probe_batch(loader: Loader, sequences: int) -> torch.Tensor:
     """The first val sequences of the first domain (fixed, seed-independent), else the first
     training batch's, for a corpus prepared without a val split."""
     batches = loader.val_batches(loader.domains[0], 1, max(1, sequences))

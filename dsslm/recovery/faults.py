@@ -1,6 +1,15 @@
-"""Fault drills: crash at a step, poison data batches, make a step's loss non-finite.
+"""Fault drills: crash at a step or inside a save, poison data batches, make a step's loss non-finite.
 
-Off by default; tests use them, and so can a user rehearsing a new cluster.
+Off by default; tests use them, and so can a user rehearsing a new cluster. One `Drills` object is
+built from `cfg.faults` and asked by the loop at the points where a fault would strike:
+
+    drills.maybe_crash(step)               # top of the loop, `step` steps completed
+    batches = drills.poison(batches, data_batch)
+    multiplier = drills.loss_multiplier(step)   # the step count being computed
+    drills.arm(store)                      # once: the crash-in-save drill
+
+Steps are step counts, as in metrics.jsonl. A drill that models a one-off fault fires once per
+`run.dir` (a marker file), so the step replayed after a rewind or a resume runs clean.
 """
 from __future__ import annotations
 
@@ -10,54 +19,61 @@ from pathlib import Path
 
 import torch
 
+from dsslm.ckpt.store import CheckpointStore
 from dsslm.config import FaultsCfg
 
-
-def _once(run_dir: Path, name: str) -> bool:
-    """True the first time `name` is armed in this run.dir: a drill fires once, not on every resume."""
-    marker = run_dir / f".fault-{name}"
-    if marker.exists():
-        return False
-    run_dir.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    return True
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class DrillAbort(BaseException):
     """The in-process stand-in for a kill (BaseException: no `except Exception` swallows it)."""
 
 
-def maybe_crash(cfg: FaultsCfg, step: int, rank: int, run_dir: Path) -> None:
-    if cfg.crash_at_step != step or cfg.crash_rank not in (-1, rank):
-        return
-    if _once(run_dir, f"crash-{step}-rank{rank}"):
-        if cfg.crash_mode == "raise":
-            raise DrillAbort(f"drill: abort at step {step}")
-        os.kill(os.getpid(), signal.SIGKILL)  # as abrupt as a node failure: no cleanup runs
+class Drills:
+    def __init__(self, cfg: FaultsCfg, run_dir: Path, rank: int, is_main: bool, seed: int, vocab_size: int):
+        self.cfg, self.run_dir, self.rank, self.is_main = cfg, run_dir, rank, is_main
+        self.seed, self.vocab_size = seed, vocab_size
 
+    def _once(self, name: str) -> bool:
+        """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
+        marker = self.run_dir / f".fault-{name}"
+        if marker.exists():
+            return False
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return True
 
-def crash_in_save_step(cfg: FaultsCfg, run_dir: Path, is_main: bool) -> int:
-    """The step whose save dies half-written, or -1 (armed once per run.dir, on the saving rank)."""
-    if cfg.crash_in_save < 0 or not is_main or not _once(run_dir, f"save-crash-{cfg.crash_in_save}"):
-        return -1
-    return cfg.crash_in_save
+    def maybe_crash(self, step: int) -> None:
+        """Die on reaching `step` completed steps (faults.crash_at_step), once per run.dir."""
+        cfg = self.cfg
+        if cfg.crash_at_step != step or cfg.crash_rank not in (-1, self.rank):
+            return
+        if self._once(f"crash-{step}-rank{self.rank}"):
+            if cfg.crash_mode == "raise":
+                raise DrillAbort(f"drill: abort at step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)  # as abrupt as a node failure: no cleanup runs
 
+    def arm(self, store: CheckpointStore) -> None:
+        """The save of step faults.crash_in_save dies half-written, once per run.dir, on the saving rank."""
+        step = self.cfg.crash_in_save
+        if step >= 0 and self.is_main and self._once(f"save-crash-{step}"):
+            store.die_in_save(step)
 
-def poison(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], data_batch: int, cfg: FaultsCfg,
-           seed: int, vocab_size: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Replace a poisoned data batch's tokens with uniform random ones: a real data-borne spike."""
-    hit = any(start <= data_batch < end for start, end in cfg.poison_batches)
-    if not hit or cfg.poison_rank not in (-1, rank):
-        return micro_batches
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + data_batch * 101 + rank)
-    out = []
-    for inputs, targets in micro_batches:
-        noise = torch.randint(0, vocab_size, (inputs.shape[0], inputs.shape[1] + 1), generator=gen)
-        out.append((noise[:, :-1].contiguous(), noise[:, 1:].contiguous()))
-    return out
+    def poison(self, micro_batches: list[Batch], data_batch: int) -> list[Batch]:
+        """Replace a poisoned data batch's tokens with uniform random ones: a data-borne spike."""
+        hit = any(start <= data_batch < end for start, end in self.cfg.poison_batches)
+        if not hit or self.cfg.poison_rank not in (-1, self.rank):
+            return micro_batches
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_batch * 101 + self.rank)
+        out = []
+        for inputs, _ in micro_batches:
+            noise = torch.randint(0, self.vocab_size, (inputs.shape[0], inputs.shape[1] + 1), generator=gen)
+            out.append((noise[:, :-1].contiguous(), noise[:, 1:].contiguous()))
+        return out
 
-
-def is_nan_step(cfg: FaultsCfg, step: int, rank: int, run_dir: Path) -> bool:
-    """A transient non-finite loss (a flipped bit, a bad kernel): it fires once, so the step
-    replayed after the rewind it causes runs clean."""
-    return step in cfg.nan_steps and _once(run_dir, f"nan-{step}-rank{rank}")
+    def loss_multiplier(self, step: int) -> float:
+        """What the last micro-batch's loss of step `step` is multiplied by: NaN for a transient
+        non-finite loss (a flipped bit, a bad kernel) in faults.nan_steps, once; else 1."""
+        if step in self.cfg.nan_steps and self._once(f"nan-{step}-rank{self.rank}"):
+            return float("nan")
+        return 1.0

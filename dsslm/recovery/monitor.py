@@ -12,20 +12,17 @@ skipped; the (max_skips+1)-th outlier in a row rewinds. Detection delay with the
 isolated spike is skipped on its own step (0 steps); a sustained one rewinds 2 steps after its
 first step (max_skips=2), or at once when it is hard or non-finite.
 
-`plan_rewind` is a pure function from the spike, the data-batch mapping and the past rewinds to
-the checkpoint to go back to, the data window to skip and the learning-rate back-off. Past rewinds
-are records made by `rewind_record`; keep them run-level (like the skip list), not in the
-checkpoint, or a rewind forgets the rewinds made after the checkpoint it loads.
+`step` is the step count (the step whose update is being judged, as in metrics.jsonl). What to
+do about a rewind is planned in `recovery.rewind`.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
+from dsslm.ckpt.schema import MAX_STEP, Fields, Float, Int, ListOf, Optional
 from dsslm.config import MonitorCfg
 
 MAD_TO_STD = 1.4826  # MAD x 1.4826 estimates the standard deviation of a normal distribution
@@ -40,10 +37,10 @@ STATE_FORMAT = 1
 
 
 class Verdict(str, Enum):
+    """What happens to a step's update. Escalation is no verdict: it is `rewind.Escalation` (exit 3)."""
     OK = "ok"
     SKIP = "skip_step"
     REWIND = "rewind"
-    ESCALATE = "escalate"
 
 
 class SpikeMonitor:
@@ -51,6 +48,10 @@ class SpikeMonitor:
 
     def __init__(self, cfg: MonitorCfg):
         self.cfg = cfg
+        self.state_schema = Fields(
+            format=Int(STATE_FORMAT, STATE_FORMAT), losses=ListOf(Float(), max_len=cfg.window),
+            gnorms=ListOf(Float(0.0), max_len=cfg.window), streak=Int(0, MAX_STEP),
+            spike_start=Optional(Int(1, MAX_STEP)))
         self._losses: deque[float] = deque(maxlen=cfg.window)
         self._gnorms: deque[float] = deque(maxlen=cfg.window)
         self._streak = 0                  # consecutive outliers so far, reset by a clean step
@@ -131,51 +132,3 @@ class SpikeMonitor:
         self._streak = 0
         self.last_reason = reason
         return Verdict.REWIND
-
-
-@dataclass
-class RewindPlan:
-    to_step: int              # newest checkpoint step allowed; the caller loads latest_before(to_step)
-    window: list[int]         # [start, end) data batches to add to the skip list
-    lr_scale_factor: float    # multiply the run's lr_scale by this (1.0, or lr_backoff)
-    escalate: bool            # too many rewinds: alert a human instead of rewinding
-
-
-def plan_rewind(spike_start_step: int, spike_end_step: int, data_batch_of: Callable[[int], int],
-                rewind_history: list[dict], cfg: MonitorCfg) -> RewindPlan:
-    """Plan the recovery from a spike over optimizer steps [spike_start_step, spike_end_step].
-
-    `data_batch_of(step)` maps a step to its data batch under the current skip list. The window
-    runs from the first to the last batch fed during the spike; batches inside it that an older
-    window already skips are never fed, so covering them is harmless. `rewind_history` holds one
-    `rewind_record` per rewind already made in this run.
-    """
-    if spike_end_step < spike_start_step:
-        raise ValueError(f"spike_end_step={spike_end_step} is before spike_start_step={spike_start_step}")
-    window = [data_batch_of(spike_start_step), data_batch_of(spike_end_step) + 1]
-    repeats = sum(_same_region(spike_start_step, window, past, cfg.region_steps) for past in rewind_history)
-    # Bad data comes in runs longer than the few batches the detector has seen (a corrupt file,
-    # a dedup failure): skip at least `skip_batches`, doubling each time the region spikes again,
-    # so a long bad region costs a few rewinds, not one per batch.
-    window[1] = max(window[1], window[0] + cfg.skip_batches * 2 ** repeats)
-    same_region = repeats > 0
-    return RewindPlan(
-        to_step=max(0, spike_start_step - cfg.rewind_margin_steps),
-        window=window,
-        # The same steps spiking again on other data points at the optimizer, not the data.
-        lr_scale_factor=cfg.lr_backoff if same_region else 1.0,
-        escalate=len(rewind_history) >= cfg.max_rewinds,
-    )
-
-
-def rewind_record(spike_start_step: int, plan: RewindPlan) -> dict:
-    """The JSON record of a rewind carried out, for `rewind_history`:
-    {"step": first spike step, "window": [start, end), "to_step": int, "lr_scale_factor": float}."""
-    return {"step": spike_start_step, "window": list(plan.window), "to_step": plan.to_step,
-            "lr_scale_factor": plan.lr_scale_factor}
-
-
-def _same_region(step: int, window: list[int], past: dict, region_steps: int) -> bool:
-    past_start, past_end = past["window"]
-    windows_touch = window[0] <= past_end and past_start <= window[1]
-    return abs(step - past["step"]) < region_steps or windows_touch

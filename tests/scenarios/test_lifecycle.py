@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from dsslm.config import load
 from dsslm.train import train
-from helpers import PYTHON, ROOT, TINY, events, free_port, losses_by_step, read_jsonl, run_train, train_cmd
+from helpers import PYTHON, ROOT, TINY, events, free_port, losses_by_step, read_jsonl, run_train, tiny_cfg, train_cmd
 
 BASE = ["train.total_steps=60", "ckpt.every=25", "ckpt.keep_last=5"]
 
@@ -53,28 +52,24 @@ def test_preemption_signal_saves_at_the_current_step_and_exits_0(reference, tmp_
     assert ref == got
 
 
-def cfg(run_dir, *extra):
-    return load(None, [f"run.dir={run_dir}", *TINY, *extra])
-
-
 def test_branch_from_another_runs_checkpoint_records_lineage(tmp_path):
     wsd = ["train.total_steps=40", "ckpt.every=10", "optim.schedule=wsd", "optim.decay_steps=10"]
     parent = tmp_path / "parent"
-    assert train(cfg(parent, *wsd)) == 0
+    assert train(tiny_cfg(parent, *wsd)) == 0
     child = tmp_path / "child"
     ckpt = parent / "checkpoints" / "step-00000030"
     # A longer cooldown branched from the stable phase: schedule differs on purpose.
-    assert train(cfg(child, "train.total_steps=50", "ckpt.every=10", "optim.schedule=wsd",
+    assert train(tiny_cfg(child, "train.total_steps=50", "ckpt.every=10", "optim.schedule=wsd",
                      "optim.decay_steps=20", f"run.init_from={ckpt}")) == 0
     branch = events(child, "branch")
     assert len(branch) == 1 and branch[0]["step"] == 30 and branch[0]["parent"] == str(ckpt)
     assert "train.total_steps" not in branch[0]["drift"] and "optim.decay_steps" in branch[0]["drift"]
     state = json.loads((child / "checkpoints" / "step-00000050" / "state.json").read_text())
-    assert state["run"]["lineage"] == [{"run_dir": str(parent), "step": 30, "checkpoint": str(ckpt)}]
+    assert state["train"]["lineage"] == [{"run_dir": str(parent), "step": 30, "checkpoint": str(ckpt)}]
     assert min(r["step"] for r in read_jsonl(child / "metrics.jsonl")) == 31
     # The same config branched at 30 continues the parent's curve exactly.
     twin = tmp_path / "twin"
-    assert train(cfg(twin, *wsd, f"run.init_from={ckpt}")) == 0
+    assert train(tiny_cfg(twin, *wsd, f"run.init_from={ckpt}")) == 0
     parent_losses = losses_by_step(parent)
     assert all(parent_losses[s] == v for s, v in losses_by_step(twin).items())
 
@@ -82,14 +77,14 @@ def test_branch_from_another_runs_checkpoint_records_lineage(tmp_path):
 def test_branch_refuses_another_model_shape(tmp_path, capsys):
     from dsslm.train import main
     parent = tmp_path / "parent"
-    assert train(cfg(parent, "train.total_steps=10", "ckpt.every=10")) == 0
+    assert train(tiny_cfg(parent, "train.total_steps=10", "ckpt.every=10")) == 0
     rc = main([f"run.dir={tmp_path / 'child'}", *TINY, "model.d_model=64", "train.total_steps=20",
                f"run.init_from={parent / 'checkpoints' / 'step-00000010'}"])
     assert rc == 2 and "model.d_model" in capsys.readouterr().err
 
 
 def test_retention_keeps_last_k_recovery_target_and_pre_decay_checkpoint(tmp_path):
-    assert train(cfg(tmp_path, "train.total_steps=60", "ckpt.every=5", "ckpt.keep_last=2",
+    assert train(tiny_cfg(tmp_path, "train.total_steps=60", "ckpt.every=5", "ckpt.keep_last=2",
                      "optim.schedule=wsd", "optim.decay_steps=20")) == 0
     kept = sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step-*"))
     # last 2 (55, 60); a rewind from step 60 needs <= 60-5-2-1 = 52 (50); WSD decay starts at 40.
@@ -99,7 +94,7 @@ def test_retention_keeps_last_k_recovery_target_and_pre_decay_checkpoint(tmp_pat
 def test_alert_command_receives_rewind_event_as_json(tmp_path):
     sink = tmp_path / "alerts.jsonl"
     command = f"{sys.executable} -c \"import sys; open('{sink}', 'a').write(sys.stdin.read() + chr(10))\""
-    assert train(cfg(tmp_path / "run", "model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=80",
+    assert train(tiny_cfg(tmp_path / "run", "model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=80",
                      "ckpt.every=5", "monitor.min_history=15", "monitor.window=30",
                      "monitor.rewind_margin_steps=2", "faults.nan_steps=[70]",
                      f"run.alert_command={command}")) == 0
@@ -126,7 +121,7 @@ def test_resume_drill_command_passes(tmp_path):
 
 
 def test_corrupted_shard_refused_with_exit_2_and_nothing_written(tmp_path, capsys):
-    from dsslm.data.prepare import main as prepare
+    from dsslm.data.__main__ import main as prepare
     from dsslm.train import main
     (tmp_path / "a.txt").write_text("a line of text to train on\n" * 300)
     assert prepare(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "d")]) == 0

@@ -39,7 +39,7 @@ def test_token_weighted_accumulation_equals_one_big_batch():
     many, _ = make_engine()
     split = [(inputs[i:i + 2], targets[i:i + 2]) for i in range(0, 8, 2)]
     parts = accumulate(many, split, "fp32", cfg.train.z_loss, clip=1e9)
-    assert whole.tokens == parts.tokens == int((targets != IGNORE_INDEX).sum())
+    assert whole.batch_tokens == parts.batch_tokens == int((targets != IGNORE_INDEX).sum())
     assert abs(whole.loss - parts.loss) < 1e-6
     for name, g in grads(one).items():
         assert torch.allclose(g, grads(many)[name], atol=1e-6, rtol=1e-6), name

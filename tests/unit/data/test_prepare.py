@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsslm.data.prepare import DataError, load_manifest, main, manifest_hash, prepare
+from dsslm.data import DataError, load_manifest, manifest_hash, prepare
+from dsslm.data.__main__ import main
 from dsslm.data.tokenizer import ByteTokenizer, load_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 TEXT = "héllo wörld, 日本語 🙂\n\tdef f(x):\n        return x * 2\n"
 
 

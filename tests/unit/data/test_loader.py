@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsslm.data.prepare import load_manifest, prepare
-from dsslm.data.loader import Loader, split_batch
-from dsslm.data.skiplist import merge_windows
+from dsslm.data import load_manifest, prepare
+from dsslm.data.loader import Loader, merge_windows, split_batch
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 SEQ_LEN, BATCH = 16, 8
 
 

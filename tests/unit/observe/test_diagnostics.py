@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsslm.ckpt.store import CheckpointManager
+from dsslm.ckpt.store import CheckpointStore
 from dsslm.config import ConfigError, ObserveCfg, load
-from dsslm.data.prepare import prepare
+from dsslm.data import prepare
 from dsslm.observe.diagnostics import (Diagnostics, attention_score_probe, flops_per_token, model_flops_utilization,
                                peak_flops_of, update_stats)
 from dsslm.engine import build_engine
@@ -22,7 +22,7 @@ from dsslm.data.loader import Loader
 from dsslm.observe.sinks import Sinks
 from dsslm.model import build_model
 from dsslm.train import train
-from helpers import TINY, read_jsonl, run_train
+from helpers import TINY, read_jsonl, run_train, tiny_cfg
 
 STEPS, EVERY, VAL_EVERY, CLIP = 12, 4, 6, 1.5
 
@@ -41,8 +41,8 @@ def corpus(out: Path) -> Path:
 
 
 def run_cfg(run_dir: Path, data_dir: Path, *overrides: str):
-    return load(None, [*TINY, f"run.dir={run_dir}", f"data.dir={data_dir}", f"train.total_steps={STEPS}",
-                       f"ckpt.every={STEPS}", "ckpt.async_save=false", *overrides])
+    return tiny_cfg(run_dir, f"data.dir={data_dir}", f"train.total_steps={STEPS}", f"ckpt.every={STEPS}",
+                    "ckpt.async_save=false", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_peak_table_and_mfu_by_hand(data_dir, monkeypatch):
     record = {"step": 1, "loss": 5.0, "gnorm": 1.0, "tokens_per_s": 2000.0, "verdict": "ok"}
     n, m = job.engine.n_params, job.cfg.model
     expected = (6 * n + 12 * m.n_layers * m.d_model * m.seq_len) * 2000.0 / 1e12
-    assert Diagnostics(job).observe(record, None)["mfu"] == pytest.approx(expected, rel=1e-12)
+    assert Diagnostics(job.cfg, job.engine, job.sinks, job.loader).observe(record, None)["mfu"] == pytest.approx(expected, rel=1e-12)
 
 
 # --- norms and the update ratio --------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_param_norm_per_group_by_hand(data_dir):
 def test_update_ratio_matches_a_hand_adamw_step(data_dir):
     job = tiny_job(data_dir, "model.tie_embeddings=false", "optim.weight_decay=0.1")
     engine, opt = job.engine, job.cfg.optim
-    diag = Diagnostics(job)
+    diag = Diagnostics(job.cfg, job.engine, job.sinks, job.loader)
     before = diag.snapshot(EVERY - 1)  # the step that makes step EVERY is measured
     assert diag.snapshot(EVERY) is None
     torch.manual_seed(1)
@@ -208,7 +208,7 @@ def test_max_attention_logit_matches_explicit_attention(qk_norm):
 
 def test_probe_logits_in_eval_mode_then_back(data_dir):
     job = tiny_job(data_dir, "model.dropout=0.5")
-    diag = Diagnostics(job)
+    diag = Diagnostics(job.cfg, job.engine, job.sinks, job.loader)
     model = job.engine.module
     with torch.no_grad():
         model.norm.weight.neg_()  # negates every logit: the largest magnitude is now a negative one
@@ -259,7 +259,7 @@ def test_val_loss_per_domain_equals_hand_evaluation(observed_run, data_dir):
     cfg = run_cfg(observed_run, data_dir)
     cfg.model.vocab_size = 257
     model = build_model(cfg.model)
-    ckpt = CheckpointManager(observed_run).load_latest()
+    ckpt = CheckpointStore(observed_run).load_latest()
     assert ckpt.step == STEPS
     missing, unexpected = model.load_state_dict(ckpt.tensors["model"], strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied: stored once, as tok_emb.weight

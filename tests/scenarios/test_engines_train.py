@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PYTHON, ROOT, TINY, events, free_port, losses_by_step, run_train
+from helpers import PYTHON, ROOT, TINY, events, free_port, losses_by_step, run_train
 
 pytestmark = pytest.mark.slow
 

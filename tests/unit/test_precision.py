@@ -4,14 +4,12 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from dsslm.config import load
 from dsslm.train import train
-from helpers import TINY, events, read_jsonl
+from helpers import events, read_jsonl, tiny_cfg
 
 
 def run(run_dir, *extra):
-    assert train(load(None, [f"run.dir={run_dir}", *TINY, "train.total_steps=30", "ckpt.every=1",
-                             "ckpt.keep_last=70", *extra])) == 0
+    assert train(tiny_cfg(run_dir, "train.total_steps=30", "ckpt.every=1", "ckpt.keep_last=70", *extra)) == 0
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
 

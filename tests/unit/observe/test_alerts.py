@@ -7,10 +7,9 @@ import random
 import shlex
 from pathlib import Path
 
-from dsslm.config import load
-from dsslm.observe.sinks import Alerts
+from dsslm.observe.alerts import Alerts
 from dsslm.train import train
-from helpers import TINY, events, read_jsonl
+from helpers import events, read_jsonl, tiny_cfg
 
 
 def feed_throughput(alerts: Alerts, series: list[float]) -> list[tuple[int, dict]]:
@@ -92,11 +91,11 @@ def test_non_finite_step_reaches_events_and_alert_command(tmp_path):
     run_dir = tmp_path / "run"
     received = tmp_path / "received.jsonl"
     command = f"cat >> {shlex.quote(str(received))} && echo >> {shlex.quote(str(received))}"  # one JSON a line
-    cfg = load(None, [*TINY, f"run.dir={run_dir}", "train.total_steps=6", "ckpt.every=100", "faults.nan_steps=[2]",
-                      "monitor.enabled=false", "observe.every=0", f"run.alert_command={command}"])
+    cfg = tiny_cfg(run_dir, "train.total_steps=6", "ckpt.every=100", "faults.nan_steps=[3]",
+                   "monitor.enabled=false", "observe.every=0", f"run.alert_command={command}")
     assert train(cfg) == 0
     alerts = events(run_dir, "alert")
-    # Step 3 (0-based step 2) is NaN and so is every step after it (NaN weights); one alert.
+    # Step 3 is NaN and so is every step after it (NaN weights); one alert.
     assert [(a["step"], a["reason"]) for a in alerts] == [(3, "non_finite")]
     assert [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")][2:] == ["nan"] * 4
     sent = [json.loads(line) for line in received.read_text().splitlines() if line.strip()]

@@ -1,4 +1,4 @@
-"""dsslm.checkpoint: roundtrip, corruption, atomic publish, retention, async writer, crash drills."""
+"""dsslm.ckpt.store and format: roundtrip, corruption, atomic publish, retention, async writer, crash drills."""
 from __future__ import annotations
 
 import errno
@@ -17,10 +17,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from dsslm.ckpt import format as ckpt_io, store as checkpoint
-from dsslm.ckpt.store import CheckpointError, CheckpointManager, load_checkpoint, verify
+from dsslm.ckpt import format as ckpt_io, snapshot, store as checkpoint
+from dsslm.ckpt.store import CheckpointError, CheckpointStore, load_checkpoint, verify
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 def make_tensors(seed: int = 0) -> dict:
@@ -70,7 +70,7 @@ def run_script(body: str, run: Path) -> subprocess.CompletedProcess:
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
         from dsslm.ckpt import store as checkpoint
-        from dsslm.ckpt.store import CheckpointManager
+        from dsslm.ckpt.store import CheckpointStore
         run = Path({str(run)!r})
         t = {{"model": {{"w": torch.full((256, 64), 1.0)}}, "optim": {{"m": torch.full((256, 64), 2.0)}}}}
     """) + textwrap.dedent(body)
@@ -82,7 +82,7 @@ def test_roundtrip_is_bit_equal(tmp_path):
     tensors["model"]["odd"] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45])
     tensors["model"]["strided"] = torch.randn(8, 6).t()  # non-contiguous source
     state = state_for(7)
-    path = CheckpointManager(tmp_path).save(7, tensors, state)
+    path = CheckpointStore(tmp_path).save(7, tensors, state)
     assert path == ckpt(tmp_path, 7)
     assert sorted(p.name for p in path.iterdir()) == ["MANIFEST", "model.safetensors", "optim.safetensors", "state.json"]
     manifest = json.loads((path / "MANIFEST").read_text())
@@ -101,7 +101,7 @@ def test_roundtrip_is_bit_equal(tmp_path):
     assert (8 + header_len) % 8 == 0
     for name, entry in json.loads(raw[8:8 + header_len]).items():
         assert entry["data_offsets"][0] % tensors["model"][name].element_size() == 0, name
-    assert CheckpointManager(tmp_path).load_latest().state == state
+    assert CheckpointStore(tmp_path).load_latest().state == state
 
 
 def test_tied_tensors_save(tmp_path):
@@ -109,7 +109,7 @@ def test_tied_tensors_save(tmp_path):
     tied = {"model": {"wte.weight": emb, "lm_head.weight": emb, "wte_t": emb.t(), "rows": emb[2:5]}}
     with pytest.raises(RuntimeError):  # what the host copies protect against
         safetensors.torch.save_file(tied["model"], tmp_path / "raw.safetensors")
-    CheckpointManager(tmp_path).save(1, tied, {"step": 1})
+    CheckpointStore(tmp_path).save(1, tied, {"step": 1})
     loaded = load_checkpoint(ckpt(tmp_path, 1)).tensors["model"]
     assert torch.equal(loaded["wte.weight"], emb) and torch.equal(loaded["lm_head.weight"], emb)
     assert torch.equal(loaded["wte_t"], emb.t()) and torch.equal(loaded["rows"], emb[2:5])
@@ -129,12 +129,12 @@ def truncate(path: Path) -> None:
 @pytest.mark.parametrize("damage, reason", [(flip_byte, "sha256"), (truncate, "bytes")])
 def test_damaged_newest_is_passed_over(tmp_path, damage, reason):
     warm_events, on_warm = recorder()
-    mgr = CheckpointManager(tmp_path, on_event=on_warm)
+    mgr = CheckpointStore(tmp_path, on_event=on_warm)
     for step in (1, 2, 3):
         mgr.save(step, make_tensors(step), state_for(step))
     damage(ckpt(tmp_path, 3) / "model.safetensors")
     cold_events, on_cold = recorder()
-    for reader, events in ((mgr, warm_events), (CheckpointManager(tmp_path, on_event=on_cold), cold_events)):
+    for reader, events in ((mgr, warm_events), (CheckpointStore(tmp_path, on_event=on_cold), cold_events)):
         latest = reader.load_latest()
         assert latest.step == 2 and latest.state == state_for(2)
         assert_same_tensors(make_tensors(2), latest.tensors)
@@ -148,7 +148,7 @@ def test_damaged_newest_is_passed_over(tmp_path, damage, reason):
 
 
 def test_loaders_rehash_even_when_the_cache_says_valid(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     for step in (1, 2):
         mgr.save(step, make_tensors(step), state_for(step))
     model_file = ckpt(tmp_path, 2) / "model.safetensors"
@@ -165,7 +165,7 @@ def test_valid_steps_is_cached_and_load_hashes_only_what_it_returns(tmp_path, mo
     hashed = []
     real = ckpt_io._hash_file
     monkeypatch.setattr(ckpt_io, "_hash_file", lambda p: hashed.append(p.parent.name) or real(p))
-    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr = CheckpointStore(tmp_path, keep_last=5)
     for step in (1, 2, 3):
         mgr.save(step, make_tensors(step), state_for(step))  # retention lists valid steps each time
     assert mgr.valid_steps() == [1, 2, 3]
@@ -176,7 +176,7 @@ def test_valid_steps_is_cached_and_load_hashes_only_what_it_returns(tmp_path, mo
 
 def test_unfinished_and_foreign_folders_are_ignored_not_deleted(tmp_path):
     events, on_event = recorder()
-    mgr = CheckpointManager(tmp_path, keep_last=1, on_event=on_event)
+    mgr = CheckpointStore(tmp_path, keep_last=1, on_event=on_event)
     mgr.save(1, make_tensors(1), state_for(1))
     no_manifest = ckpt(tmp_path, 5)
     shutil.copytree(ckpt(tmp_path, 1), no_manifest)
@@ -197,7 +197,7 @@ def test_unfinished_and_foreign_folders_are_ignored_not_deleted(tmp_path):
 
 
 def test_extra_and_missing_files_invalidate(tmp_path):
-    path = CheckpointManager(tmp_path).save(1, make_tensors(), state_for(1))
+    path = CheckpointStore(tmp_path).save(1, make_tensors(), state_for(1))
     (path / "notes.txt").write_text("x")
     assert "notes.txt" in verify(path)
     (path / "notes.txt").unlink()
@@ -209,13 +209,13 @@ def test_extra_and_missing_files_invalidate(tmp_path):
     (path / "state.json").unlink()
     (path / "MANIFEST").write_text(json.dumps(manifest))
     assert "state.json" in verify(path)  # the contract requires it
-    other = CheckpointManager(tmp_path).save(2, make_tensors(), state_for(2))
+    other = CheckpointStore(tmp_path).save(2, make_tensors(), state_for(2))
     (other / "optim.safetensors").unlink()
     assert verify(other) == "file optim.safetensors is missing"
 
 
 def test_latest_before(tmp_path):
-    mgr = CheckpointManager(tmp_path, keep_last=10)
+    mgr = CheckpointStore(tmp_path, keep_last=10)
     for step in (2, 4, 6):
         mgr.save(step, make_tensors(step), state_for(step))
     assert mgr.latest_before(5).step == 4
@@ -224,12 +224,12 @@ def test_latest_before(tmp_path):
     assert mgr.latest_before(1) is None
     flip_byte(ckpt(tmp_path, 4) / "optim.safetensors")
     assert mgr.latest_before(5).step == 2
-    assert CheckpointManager(tmp_path / "empty").load_latest() is None
+    assert CheckpointStore(tmp_path / "empty").load_latest() is None
 
 
 def test_retention_keeps_exactly_the_policy(tmp_path):
     events, on_event = recorder()
-    mgr = CheckpointManager(tmp_path, keep_last=2, keep_every=5, on_event=on_event)
+    mgr = CheckpointStore(tmp_path, keep_last=2, keep_every=5, on_event=on_event)
     mgr.pin([3])
     broken = ckpt(tmp_path, 1).with_name("step-00000000")  # invalid: retention must not touch it
     broken.mkdir(parents=True)
@@ -244,12 +244,12 @@ def test_retention_keeps_exactly_the_policy(tmp_path):
     assert mgr.apply_retention() == [3]
     assert mgr.valid_steps() == [5, 10, 11, 12]
     mgr.pin([])
-    assert CheckpointManager(tmp_path, keep_last=1).apply_retention() == [5, 10, 11]
+    assert CheckpointStore(tmp_path, keep_last=1).apply_retention() == [5, 10, 11]
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
 def test_writer_error_surfaces_in_training_thread(tmp_path, monkeypatch, err):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     for step in (1, 2):
         mgr.save(step, make_tensors(step), state_for(step))
     before = {s: file_hashes(ckpt(tmp_path, s)) for s in (1, 2)}
@@ -296,7 +296,7 @@ def test_snapshot_is_taken_before_save_async_returns(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "_write_file", slow)
     events, on_event = recorder()
     on_event_threads = set()
-    mgr = CheckpointManager(tmp_path, on_event=lambda e, **f: on_event_threads.add(threading.get_ident()) or on_event(e, **f))
+    mgr = CheckpointStore(tmp_path, on_event=lambda e, **f: on_event_threads.add(threading.get_ident()) or on_event(e, **f))
     tensors, state = make_tensors(1), state_for(1)
     expected = {g: {n: t.clone() for n, t in d.items()} for g, d in tensors.items()}
     expected_state = json.loads(json.dumps(state))
@@ -330,7 +330,7 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(checkpoint, "_write_file", tracked)
-    mgr = CheckpointManager(tmp_path, keep_last=10)
+    mgr = CheckpointStore(tmp_path, keep_last=10)
     for step in range(1, 5):
         mgr.save_async(step, make_tensors(step), state_for(step))
         assert mgr.valid_steps() == list(range(1, step))  # the previous one is published
@@ -341,7 +341,8 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
 
 def test_crash_drill_mid_save_leaves_previous_checkpoints(tmp_path):
     before = run_script("""
-        mgr = CheckpointManager(run, crash_in_save_step=3, crash_after_files=1)
+        mgr = CheckpointStore(run)
+        mgr.die_in_save(3, after_files=1)
         mgr.save(1, t, {"step": 1}); mgr.save(2, t, {"step": 2})
         mgr.save_async(3, t, {"step": 3})
         mgr.wait()
@@ -352,7 +353,7 @@ def test_crash_drill_mid_save_leaves_previous_checkpoints(tmp_path):
     temps = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp-step-00000003-")]
     assert len(temps) == 1 and [p.name for p in temps[0].iterdir()] == ["model.safetensors"]
     events, on_event = recorder()
-    mgr = CheckpointManager(tmp_path, on_event=on_event)
+    mgr = CheckpointStore(tmp_path, on_event=on_event)
     assert mgr.valid_steps() == [1, 2]
     assert mgr.load_latest().step == 2
     assert events == [] and temps[0].is_dir()  # the temp folder is neither reported nor removed
@@ -363,7 +364,7 @@ def test_crash_drill_mid_save_leaves_previous_checkpoints(tmp_path):
 @pytest.mark.parametrize("crash_after, expect_tag", [("aside", "old"), ("new", "new")])
 def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_tag):
     result = run_script(f"""
-        mgr = CheckpointManager(run)
+        mgr = CheckpointStore(run)
         mgr.save(4, t, {{"step": 4, "tag": "older"}})
         mgr.save(5, t, {{"step": 5, "tag": "old"}})
         real = checkpoint._rename
@@ -380,7 +381,7 @@ def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert "step-00000005.replaced" in names
     assert ("step-00000005" in names) == (crash_after == "new")
-    mgr = CheckpointManager(tmp_path)  # settles the interrupted replace
+    mgr = CheckpointStore(tmp_path)  # settles the interrupted replace
     latest = mgr.load_latest()
     assert latest.step == 5 and latest.state["tag"] == expect_tag
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -391,7 +392,7 @@ def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_
 
 
 def test_replace_keeps_the_step_readable_at_every_moment(tmp_path, monkeypatch):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(5, make_tensors(1), state_for(5, "old"))
     seen = []
     real = checkpoint._rename
@@ -411,7 +412,7 @@ def test_replace_keeps_the_step_readable_at_every_moment(tmp_path, monkeypatch):
 
 
 def test_existing_invalid_folder_is_renamed_aside_not_deleted(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     mgr.save(4, make_tensors(1), state_for(4, "old"))
     flip_byte(ckpt(tmp_path, 4) / "state.json")
     mgr.save(4, make_tensors(2), state_for(4, "new"))
@@ -425,7 +426,7 @@ def test_existing_invalid_folder_is_renamed_aside_not_deleted(tmp_path):
 def test_snapshot_of_cuda_tensors(tmp_path):
     live = {"model": {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda").bfloat16()},
             "optim": {"m": torch.rand(1024, 1024, device="cuda")}}
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     for step in (1, 2):  # the second save reuses the pinned host buffers
         expected = {g: {n: t.cpu() for n, t in d.items()} for g, d in live.items()}
         mgr.save_async(step, live, {"step": step})
@@ -437,7 +438,7 @@ def test_snapshot_of_cuda_tensors(tmp_path):
 
 
 def test_bad_inputs_fail_in_the_caller(tmp_path):
-    mgr = CheckpointManager(tmp_path)
+    mgr = CheckpointStore(tmp_path)
     with pytest.raises(TypeError):
         mgr.save_async(1, make_tensors(), {"x": object()})
     with pytest.raises(TypeError, match="state"):
@@ -445,13 +446,13 @@ def test_bad_inputs_fail_in_the_caller(tmp_path):
     with pytest.raises(ValueError, match="A-Za-z0-9_"):
         mgr.save_async(1, {"../model": {}}, {})
     with pytest.raises(ValueError, match="keep_last"):
-        CheckpointManager(tmp_path, keep_last=0)
+        CheckpointStore(tmp_path, keep_last=0)
     mgr.wait()
     assert mgr.valid_steps() == []
 
 
 def test_delete_removes_manifest_first(tmp_path, monkeypatch):
-    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr = CheckpointStore(tmp_path, keep_last=1)
     mgr.save(1, make_tensors(1), state_for(1))
     unlinked = []
     real_unlink = Path.unlink

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from dsslm.config import MonitorCfg
-from dsslm.data.skiplist import merge_windows
-from dsslm.recovery.monitor import (RewindPlan, SpikeMonitor, Verdict, plan_rewind,
-                           rewind_record)
+from dsslm.data.loader import merge_windows
+from dsslm.recovery.monitor import SpikeMonitor, Verdict
+from dsslm.recovery.rewind import RewindPlan, plan_rewind, rewind_record
 
 
 def clean_curve(seed, n_steps=3000, noise=0.015, gnorm_sigma=0.25, warmup_steps=0):
@@ -192,9 +192,10 @@ def test_load_state_dict_refuses_another_format():
 
 
 def batch_of(skip_list):
-    """The loader's mapping: the step-th data batch outside every [start, end) window."""
+    """The loader's mapping, for step counts: step s is fed the (s-1)-th data batch outside every
+    [start, end) window."""
     def data_batch_of(step):
-        batch = step
+        batch = step - 1
         for start, end in merge_windows(skip_list):
             if batch < start:
                 break
@@ -204,48 +205,51 @@ def batch_of(skip_list):
 
 
 def test_plan_rewind_without_skip_windows():
-    plan = plan_rewind(200, 202, batch_of([]), [], MonitorCfg(skip_batches=1))
+    plan = plan_rewind(201, 203, batch_of([]), [], MonitorCfg(skip_batches=1))
     assert plan == RewindPlan(to_step=195, window=[200, 203], lr_scale_factor=1.0, escalate=False)
+    with pytest.raises(ValueError):
+        plan_rewind(0, 0, batch_of([]), [], MonitorCfg())  # step counts start at 1
 
 
 def test_plan_rewind_covers_batches_across_an_existing_skip_window():
     skip, cfg = [[100, 110]], MonitorCfg(skip_batches=1)
-    assert plan_rewind(95, 97, batch_of(skip), [], cfg).window == [95, 98]
-    # Steps 98..101 are fed batches 98, 99, 110, 111: the window covers all four.
-    assert plan_rewind(98, 101, batch_of(skip), [], cfg).window == [98, 112]
-    assert plan_rewind(100, 100, batch_of(skip), [], cfg).window == [110, 111]
+    assert plan_rewind(96, 98, batch_of(skip), [], cfg).window == [95, 98]
+    # Steps 99..102 are fed batches 98, 99, 110, 111: the window covers all four.
+    assert plan_rewind(99, 102, batch_of(skip), [], cfg).window == [98, 112]
+    assert plan_rewind(101, 101, batch_of(skip), [], cfg).window == [110, 111]
     assert merge_windows(skip + [[98, 112]]) == [[98, 112]]
 
 
 def test_plan_rewind_to_step_keeps_the_margin():
-    assert plan_rewind(200, 202, batch_of([]), [], MonitorCfg(rewind_margin_steps=20)).to_step == 180
-    assert plan_rewind(3, 3, batch_of([]), [], MonitorCfg(rewind_margin_steps=5)).to_step == 0
+    # A spike at step 201 refused the update after checkpoint 200; 20 clean steps before it is 180.
+    assert plan_rewind(201, 203, batch_of([]), [], MonitorCfg(rewind_margin_steps=20)).to_step == 180
+    assert plan_rewind(4, 4, batch_of([]), [], MonitorCfg(rewind_margin_steps=5)).to_step == 0
 
 
 def test_second_spike_in_the_same_region_backs_off_the_lr():
     cfg = MonitorCfg(region_steps=50, lr_backoff=0.7, skip_batches=1)
-    first = plan_rewind(200, 202, batch_of([]), [], cfg)
-    history = [rewind_record(200, first)]
+    first = plan_rewind(201, 203, batch_of([]), [], cfg)
+    history = [rewind_record(201, first)]
     assert json.loads(json.dumps(history)) == history
     skip = [first.window]
     # Same steps replayed after the rewind: the data moved on, the spike did not.
-    again = plan_rewind(201, 203, batch_of(skip), history, cfg)
+    again = plan_rewind(202, 204, batch_of(skip), history, cfg)
     assert again.lr_scale_factor == 0.7 and again.window == [204, 207]
-    assert plan_rewind(249, 249, batch_of(skip), history, cfg).lr_scale_factor == 0.7
-    assert plan_rewind(250, 250, batch_of(skip), history, cfg).lr_scale_factor == 1.0
-    assert plan_rewind(600, 602, batch_of(skip), history, cfg).lr_scale_factor == 1.0
+    assert plan_rewind(250, 250, batch_of(skip), history, cfg).lr_scale_factor == 0.7
+    assert plan_rewind(251, 251, batch_of(skip), history, cfg).lr_scale_factor == 1.0
+    assert plan_rewind(601, 603, batch_of(skip), history, cfg).lr_scale_factor == 1.0
     # Far in steps but touching the old data window: the same region of data.
-    far_history = [{"step": 1000, "window": [200, 203], "to_step": 995}]
-    assert plan_rewind(197, 199, batch_of([]), far_history, cfg).lr_scale_factor == 0.7
-    assert plan_rewind(190, 195, batch_of([]), far_history, cfg).lr_scale_factor == 1.0
+    far_history = [{"step": 1001, "window": [200, 203], "to_step": 995}]
+    assert plan_rewind(198, 200, batch_of([]), far_history, cfg).lr_scale_factor == 0.7
+    assert plan_rewind(191, 196, batch_of([]), far_history, cfg).lr_scale_factor == 1.0
 
 
 def test_escalate_after_max_rewinds():
     cfg = MonitorCfg(max_rewinds=4)
     history = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5}
                for i in range(1, 5)]
-    assert plan_rewind(7000, 7002, batch_of([]), history[:3], cfg).escalate is False
-    assert plan_rewind(7000, 7002, batch_of([]), history, cfg).escalate is True
+    assert plan_rewind(7001, 7003, batch_of([]), history[:3], cfg).escalate is False
+    assert plan_rewind(7001, 7003, batch_of([]), history, cfg).escalate is True
 
 
 def test_merge_windows():
@@ -256,15 +260,17 @@ def test_merge_windows():
 
 def test_verdicts_are_json_strings():
     assert json.dumps([Verdict.OK, Verdict.SKIP]) == '["ok", "skip_step"]'
-    assert Verdict("rewind") is Verdict.REWIND and Verdict.ESCALATE == "escalate"
+    assert Verdict("rewind") is Verdict.REWIND
+    # Escalation is an exception with exit code 3, not a verdict a step can get.
+    assert {v.value for v in Verdict} == {"ok", "skip_step", "rewind"}
 
 
 def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
     cfg = MonitorCfg(skip_batches=8, region_steps=50)
-    first = plan_rewind(300, 300, batch_of([]), [], cfg)
+    first = plan_rewind(301, 301, batch_of([]), [], cfg)
     assert first.window == [300, 308]  # one bad batch seen, eight skipped
-    history = [rewind_record(300, first)]
-    again = plan_rewind(300, 300, batch_of([first.window]), history, cfg)
+    history = [rewind_record(301, first)]
+    again = plan_rewind(301, 301, batch_of([first.window]), history, cfg)
     assert again.window == [308, 324] and again.lr_scale_factor == cfg.lr_backoff
-    far = plan_rewind(900, 902, batch_of([first.window]), history, cfg)
+    far = plan_rewind(901, 903, batch_of([first.window]), history, cfg)
     assert far.window == [908, 916]  # another region: back to the minimum

@@ -6,9 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsslm.config import load
 from dsslm.train import main, train
-from helpers import TINY, events, read_jsonl, run_train
+from helpers import TINY, events, read_jsonl, run_train, tiny_cfg
 
 # d_model 64 at lr 3e-3 has settled near loss 3 by step 60, where uniformly random tokens
 # (loss ~7) are a clear spike; checkpoints every 5 steps give rewind targets.
@@ -18,7 +17,7 @@ SPIKE = ["model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=100", "ckp
 
 
 def cfg(run_dir, *extra):
-    return load(None, [f"run.dir={run_dir}", *TINY, *SPIKE, *extra])
+    return tiny_cfg(run_dir, *SPIKE, *extra)
 
 
 def fed_batches(run_dir):
@@ -91,6 +90,9 @@ def test_nan_loss_rewinds_and_recovers(tmp_path):
     assert train(cfg(tmp_path, "faults.nan_steps=[75]")) == 0
     rewinds = events(tmp_path, "rewind")
     assert len(rewinds) == 1 and rewinds[0]["step"] == 75
+    # One step vocabulary: the drill, the rewind event and the refused step's record all say 75.
+    refused = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("verdict") == "rewind"]
+    assert [r["step"] for r in refused] == [75] and refused[0]["loss"] == "nan"
     final = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r][-1]
     assert final["step"] == 100 and final["loss"] < 4.0
 

@@ -6,6 +6,7 @@ contiguous slice, exactly as the loader does.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from dsslm.config import ConfigError, load
+from dsslm.engine.base import OptimState
 from dsslm.engine.launch import apply_launcher
-from tests.helpers import run_distributed
+from helpers import run_distributed
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 32, 8
 ENGINES = [("ddp", 1), ("zero", 1), ("zero", 2), ("zero", 3), ("fsdp", 1)]
@@ -55,7 +57,7 @@ def micro_batches(step: int, rank: int, world_size: int, grad_accum: int) -> lis
 def build(cfg):
     from dsslm.engine import build_engine
     from dsslm.model import build_model
-    from dsslm.ckpt.train_state import seed_everything
+    from dsslm.rng import seed_everything
     seed_everything(cfg.run.seed)
     return build_engine(cfg, build_model(cfg.model))
 
@@ -89,6 +91,8 @@ def train_worker(rank: int, world_size: int, kind: str, stage: int, steps: int, 
 
 def plain(tree):
     """Tensors as numpy arrays: torch's queue shares tensor memory with a process about to exit."""
+    if isinstance(tree, OptimState):
+        return plain(dataclasses.asdict(tree))
     if isinstance(tree, dict):
         return {k: plain(v) for k, v in tree.items()}
     if isinstance(tree, (tuple, list)):
@@ -153,7 +157,8 @@ def resume_worker(rank: int, world_size: int, kind: str, stage: int, state) -> d
     torch.set_num_threads(1)
     cfg = make_cfg(kind, stage)
     engine = build(cfg)
-    engine.load_full_state(*tensors(state))
+    model_sd, optim = tensors(state)
+    engine.load_full_state(model_sd, OptimState(**optim))
     loaded = plain(engine.full_state())
     curve = run_steps(engine, cfg, range(FIRST, TOTAL), grad_accum=1)
     engine.close()

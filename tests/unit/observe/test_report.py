@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from dsslm import report
+from dsslm.observe import plots
+from helpers import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_764_000_000.0
@@ -129,22 +131,22 @@ def test_incident_run_counts_and_table(tmp_path):
 def test_kept_flags_mark_rolled_back_steps():
     steps = [1, 2, 3, 4, 2, 3, 4, 5, 4, 5, 6]
     metrics = [{"step": s} for s in steps] + [{"step": 6, "val_loss": {}}]
-    kept = report.kept_flags(metrics, [True] * len(steps) + [False])
+    kept = plots.kept_flags(metrics, [True] * len(steps) + [False])
     assert kept == [True, False, False, False, True, True, False, False, True, True, True, True]
 
 
 def test_incident_run_abandoned_records(tmp_path):
-    run = report.load_run(incident_run(tmp_path / "incident"))
+    run = plots.load_run(incident_run(tmp_path / "incident"))
     kept_steps = [r["step"] for r, k in zip(run.train, run.train_kept) if k]
     assert kept_steps == list(range(1, 101))
     assert sum(~run.train_kept) == 27
     assert [r["step"] for r, k in zip(run.val, run.val_kept) if not k] == [30, 40, 60]
-    assert report.clip_threshold(run) == 1.0
+    assert plots.clip_threshold(run) == 1.0
 
 
 def test_smooth_is_centered_and_keeps_length():
     y = np.array([0.0, 0, 0, 3, 0, 0, 0])
-    assert np.allclose(report.smooth(y, 3), [0, 0, 1, 1, 1, 0, 0])
+    assert np.allclose(plots.smooth(y, 3), [0, 0, 1, 1, 1, 0, 0])
 
 
 def test_missing_metrics_exits_2(tmp_path, capsys):
@@ -156,7 +158,7 @@ def test_missing_metrics_exits_2(tmp_path, capsys):
 
 def test_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dsslm.report", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from dsslm.ckpt import resume as persist
-from dsslm.config import load
+from dsslm.engine.base import OptimState
 from dsslm.recovery.faults import DrillAbort
 from dsslm.train import train
-from helpers import TINY, events, losses_by_step, read_jsonl, run_train
+from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
 
 STEPS = ["train.total_steps=30", "ckpt.every=10", "ckpt.keep_last=5"]
 
@@ -65,7 +65,7 @@ def test_crash_inside_save_resumes_from_the_previous_checkpoint(reference, tmp_p
 
 
 def inprocess(run_dir, *extra):
-    return load(None, [f"run.dir={run_dir}", *TINY, *STEPS, *extra])
+    return tiny_cfg(run_dir, *STEPS, *extra)
 
 
 def test_corrupt_newest_checkpoint_falls_back_and_tmp_and_manifestless_ignored(reference, tmp_path):
@@ -94,7 +94,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_tmp_and_manifestless_ignored(r
 
 
 def test_resume_refuses_other_data_or_tokenizer(reference, tmp_path, capsys):
-    from dsslm.data.prepare import main as prepare
+    from dsslm.data.__main__ import main as prepare
     from dsslm.train import main
     other = tmp_path / "other"
     (tmp_path / "t.txt").write_text("some other text entirely " * 400)
@@ -145,21 +145,26 @@ def test_negative_controls_a_forgotten_piece_of_state_is_seen(tmp_path, monkeypa
     run_dir = tmp_path / "run"
     with pytest.raises(DrillAbort):
         train(inprocess(run_dir, "model.dropout=0.1", "faults.crash_at_step=17", "faults.crash_mode=raise"))
-    real_unflatten, real_restore = persist.unflatten_optim, persist.restore
+    real_from_tensors, real_restore = OptimState.from_tensors, persist.Checkpointer.restore
     if forget == "rng":
         monkeypatch.setattr(persist, "set_rng_state", lambda state: None)
     elif forget == "adam_step":
-        monkeypatch.setattr(persist, "unflatten_optim", lambda flat: {
-            **real_unflatten(flat), "step": {k: 1.0 for k in real_unflatten(flat)["step"]}})
+        def first_step(flat):
+            optim = real_from_tensors(flat)
+            optim.step = {k: 1.0 for k in optim.step}
+            return optim
+        monkeypatch.setattr(OptimState, "from_tensors", staticmethod(first_step))
     elif forget == "moments":
-        monkeypatch.setattr(persist, "unflatten_optim", lambda flat: {
-            **real_unflatten(flat), "exp_avg": {k: torch.zeros_like(v) for k, v in real_unflatten(flat)["exp_avg"].items()}})
+        def zero_moments(flat):
+            optim = real_from_tensors(flat)
+            optim.exp_avg = {k: torch.zeros_like(v) for k, v in optim.exp_avg.items()}
+            return optim
+        monkeypatch.setattr(OptimState, "from_tensors", staticmethod(zero_moments))
     elif forget == "loader":
-        def restore_without_position(job, ckpt):
-            run = real_restore(job, ckpt)
-            run.skip_list = [[0, run.step]]  # the loader "restarts": different batches from here on
-            return run
-        monkeypatch.setattr(persist, "restore", restore_without_position)
+        def restore_without_position(self, ckpt):
+            real_restore(self, ckpt)
+            self.train.skip_list = [[0, self.train.step]]  # the loader "restarts": other batches from here on
+        monkeypatch.setattr(persist.Checkpointer, "restore", restore_without_position)
     assert train(inprocess(run_dir, "model.dropout=0.1")) == 0
     ref_losses, got = losses_by_step(ref), losses_by_step(run_dir)
     assert any(ref_losses[s] != got[s] for s in range(11, 31))
@@ -178,9 +183,11 @@ def test_async_save_snapshot_is_taken_at_the_step(tmp_path):
 
 def test_state_json_carries_what_resume_needs(reference):
     state = json.loads((reference / "checkpoints" / "step-00000030" / "state.json").read_text())
-    for key in ("step", "skip_list", "rng", "monitor", "scaler", "fingerprint", "run", "loader"):
+    for key in ("schema", "step", "skip_list", "train", "rng", "monitor", "data", "fingerprint", "config"):
         assert key in state
-    assert state["step"] == 30 and state["run"]["lr_scale"] == 1.0
+    assert "scaler" not in state  # fp32: only fp16 runs have a loss scaler to save
+    assert state["schema"] == 2 and state["step"] == 30 and state["train"]["lr_scale"] == 1.0
+    assert state["data"] == {"next_data_batch": 30}
     assert {"python", "numpy", "torch"} <= set(state["rng"][0])
     manifest = json.loads((reference / "checkpoints" / "step-00000030" / "MANIFEST").read_text())
     assert set(manifest["files"]) == {"model.safetensors", "optim.safetensors", "state.json"}

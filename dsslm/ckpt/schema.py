@@ -1,0 +1,154 @@
+"""A small declarative check for JSON state read back from disk: types and ranges of every field.
+
+A checkpoint's `state.json` was written by us, but anyone who can write into `run.dir` can also
+recompute its MANIFEST, so its hashes matching proves nothing about its contents. Each stateful
+part declares the shape of its `state_dict()` with these specs; `check(value, spec, "monitor")`
+raises `StateError` naming the first field that does not fit (`monitor.losses[3]: ...`), and the
+store passes that checkpoint over like one whose hashes do not match.
+
+    spec = Fields(step=Int(0, MAX_STEP), losses=ListOf(Float(), max_len=1000), start=Optional(Int(0)))
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MAX_STEP = 10**8 - 1  # step-XXXXXXXX has 8 digits
+MAX_COUNT = 2**62     # token and sequence counters: far beyond any run, small enough for int64
+
+
+class StateError(ValueError):
+    """A field of saved state has the wrong type or an impossible value; the message names it."""
+
+
+class Spec:
+    def check(self, value: Any, path: str) -> None:
+        raise NotImplementedError
+
+
+def check(value: Any, spec: Spec, path: str) -> None:
+    spec.check(value, path)
+
+
+def _fail(path: str, value: Any, want: str) -> None:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise StateError(f"{path}: {shown} is not {want}")
+
+
+class Int(Spec):
+    def __init__(self, lo: int | None = None, hi: int | None = None):
+        self.lo, self.hi = lo, hi
+
+    def check(self, value: Any, path: str) -> None:
+        # bool is an int in Python; 1e30 is a float: neither is a count.
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, value, "an integer")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            _fail(path, value, f"an integer in [{self.lo}, {self.hi}]")
+
+
+class Float(Spec):
+    """A JSON number (ints accepted); finite unless `finite=False`, where the sinks' "nan"/"inf"
+    strings are accepted too."""
+
+    def __init__(self, lo: float | None = None, hi: float | None = None, finite: bool = True):
+        self.lo, self.hi, self.finite = lo, hi, finite
+
+    def check(self, value: Any, path: str) -> None:
+        if not self.finite and value in ("nan", "inf", "-inf"):
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, value, "a number")
+        if self.finite and not math.isfinite(value):
+            _fail(path, value, "a finite number")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            _fail(path, value, f"a number in [{self.lo}, {self.hi}]")
+
+
+class Str(Spec):
+    def __init__(self, max_len: int = 10_000):
+        self.max_len = max_len
+
+    def check(self, value: Any, path: str) -> None:
+        if not isinstance(value, str) or len(value) > self.max_len:
+            _fail(path, value, f"a string of at most {self.max_len} characters")
+
+
+class Bool(Spec):
+    def check(self, value: Any, path: str) -> None:
+        if not isinstance(value, bool):
+            _fail(path, value, "true or false")
+
+
+class Optional(Spec):
+    def __init__(self, inner: Spec):
+        self.inner = inner
+
+    def check(self, value: Any, path: str) -> None:
+        if value is not None:
+            self.inner.check(value, path)
+
+
+class ListOf(Spec):
+    def __init__(self, item: Spec, max_len: int = 1_000_000, length: int | None = None):
+        self.item, self.max_len, self.length = item, max_len, length
+
+    def check(self, value: Any, path: str) -> None:
+        if not isinstance(value, list):
+            _fail(path, value, "a list")
+        if self.length is not None and len(value) != self.length:
+            _fail(path, value, f"a list of {self.length} items")
+        if len(value) > self.max_len:
+            _fail(path, value, f"a list of at most {self.max_len} items")
+        for i, item in enumerate(value):
+            self.item.check(item, f"{path}[{i}]")
+
+
+class Window(Spec):
+    """A half-open [start, end) range of non-negative integers with start <= end."""
+
+    def check(self, value: Any, path: str) -> None:
+        ListOf(Int(0, MAX_COUNT), length=2).check(value, path)
+        if value[0] > value[1]:
+            _fail(path, value, "a window [start, end) with start <= end")
+
+
+class MapOf(Spec):
+    """A JSON object with string keys and values of one spec (a table by parameter or domain name)."""
+
+    def __init__(self, value: Spec, max_len: int = 100_000):
+        self.value, self.max_len = value, max_len
+
+    def check(self, value: Any, path: str) -> None:
+        if not isinstance(value, dict) or len(value) > self.max_len:
+            _fail(path, value, f"an object of at most {self.max_len} entries")
+        for key, item in value.items():
+            self.value.check(item, f"{path}.{key}")
+
+
+class Fields(Spec):
+    """A JSON object with exactly these keys (`optional` ones may be absent; `open` allows more)."""
+
+    def __init__(self, optional: tuple[str, ...] = (), open: bool = False, **fields: Spec):
+        self.fields, self.optional, self.open = fields, set(optional), open
+
+    def check(self, value: Any, path: str) -> None:
+        if not isinstance(value, dict):
+            _fail(path, value, "an object")
+        for name, spec in self.fields.items():
+            if name not in value:
+                if name in self.optional:
+                    continue
+                raise StateError(f"{path}.{name}: missing")
+            spec.check(value[name], f"{path}.{name}")
+        extra = sorted(set(value) - set(self.fields))
+        if extra and not self.open:
+            raise StateError(f"{path}.{extra[0]}: not a field of this state (written by another version?)")
+
+
+class Json(Spec):
+    """Anything JSON: for free-form records (lineage, config) that only people read."""
+
+    def check(self, value: Any, path: str) -> None:
+        return

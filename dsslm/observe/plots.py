@@ -1,0 +1,300 @@
+"""The report's figures: loss (with validation), learning rate, grad norm, throughput, update ratio.
+
+A rewind or a resume after a crash repeats step numbers: the run went back to an older
+checkpoint and ran those steps again. Every plot is against the optimizer step; records whose
+weights were later thrown away ("abandoned") are drawn faded, so the solid line is the
+trajectory the final weights actually took.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
+
+from dsslm.observe.sinks import read_jsonl
+
+FIGSIZE_IN = (9, 4.5)
+DPI = 120
+NON_FINITE = {"nan", "inf", "-inf", "infinity", "-infinity"}  # the sinks write non-finite floats as strings
+ABANDONED_LABEL = "rolled back (abandoned)"
+MARKER_STYLE = {  # kind -> (label, color, linestyle)
+    "skip": ("skipped step", "tab:orange", ":"),
+    "rewind": ("rewind (shaded: steps rerun)", "tab:red", "-"),
+    "resume": ("resume from checkpoint", "tab:green", "--"),
+}
+
+
+@dataclass
+class Run:
+    name: str
+    train: list[dict]                # step records, in file order
+    val: list[dict]                  # records carrying val_loss, in file order
+    events: list[dict]
+    train_kept: np.ndarray           # False where a later record went back to this step or before
+    val_kept: np.ndarray
+    bad_lines: dict[str, int]        # file name -> unreadable lines
+
+
+def kept_flags(metrics: list[dict], is_train: list[bool]) -> list[bool]:
+    """For each record: True unless a later training record has a step <= its step.
+
+    A later record at an equal or smaller step means the run reloaded an older checkpoint
+    (rewind, or resume after a crash), so the weights this record described were discarded.
+    One backward pass with a running minimum.
+    """
+    kept = [True] * len(metrics)
+    min_later = math.inf
+    for i in range(len(metrics) - 1, -1, -1):
+        kept[i] = metrics[i]["step"] < min_later
+        if is_train[i]:
+            min_later = min(min_later, metrics[i]["step"])
+    return kept
+
+
+def load_run(run_dir: Path) -> Run:
+    metrics, bad_metrics = read_jsonl(run_dir / "metrics.jsonl")
+    events, bad_events = read_jsonl(run_dir / "events.jsonl")
+    metrics = [r for r in metrics if is_number(r.get("step"))]
+    is_train = ["loss" in r for r in metrics]
+    is_val = [isinstance(r.get("val_loss"), dict) for r in metrics]
+    kept = kept_flags(metrics, is_train)
+    return Run(
+        name=run_dir.resolve().name,
+        train=[r for r, t in zip(metrics, is_train) if t],
+        val=[r for r, v in zip(metrics, is_val) if v],
+        events=events,
+        train_kept=np.array([k for k, t in zip(kept, is_train) if t], dtype=bool),
+        val_kept=np.array([k for k, v in zip(kept, is_val) if v], dtype=bool),
+        bad_lines={k: v for k, v in (("metrics.jsonl", bad_metrics), ("events.jsonl", bad_events)) if v},
+    )
+
+
+def column(records: list[dict], key: str) -> np.ndarray:
+    """Float column; NaN where the field is missing or not a number (matplotlib skips NaN)."""
+    return np.array([as_float(r.get(key)) for r in records], dtype=float)
+
+
+def as_float(v) -> float:
+    if isinstance(v, str) and v.strip().lower() in NON_FINITE:
+        return float(v)
+    return float(v) if is_number(v) else math.nan
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def with_breaks(x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x, y where mask holds, with a NaN between runs that are not adjacent in the file,
+    so separate abandoned segments are not joined by a line."""
+    idx = np.flatnonzero(mask)
+    gaps = np.flatnonzero(np.diff(idx) > 1) + 1
+    return np.insert(x[idx], gaps, np.nan), np.insert(y[idx], gaps, np.nan)
+
+
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Centered moving average; the window shrinks at the ends instead of padding."""
+    if window <= 1 or y.size < 3:
+        return y
+    half = window // 2
+    csum = np.concatenate([[0.0], np.cumsum(y)])
+    lo = np.clip(np.arange(y.size) - half, 0, y.size)
+    hi = np.clip(np.arange(y.size) + half + 1, 0, y.size)
+    return (csum[hi] - csum[lo]) / (hi - lo)
+
+
+def draw_markers(ax, run: Run, kinds=("skip", "rewind", "resume")) -> None:
+    """Vertical lines at skips (event or verdict), rewinds (shaded back to to_step), resumes."""
+    for kind in kinds:
+        events = [e for e in run.events if e.get("event") == kind and is_number(e.get("step"))]
+        steps = {e["step"] for e in events}
+        if kind == "skip":
+            steps |= {r["step"] for r in run.train if r.get("verdict") == "skip_step"}
+        label, color, style = MARKER_STYLE[kind]
+        for i, step in enumerate(sorted(steps)):
+            ax.axvline(step, color=color, ls=style, lw=1.0, alpha=0.8, label=None if i else label)
+        for e in events if kind == "rewind" else []:
+            to_step = e["to_step"] if is_number(e.get("to_step")) else e["step"]
+            ax.axvspan(to_step, e["step"], color=color, alpha=0.08, lw=0)
+
+
+def new_figure(title: str, ylabel: str, nrows: int = 1):
+    height_in = FIGSIZE_IN[1] * (1 + 0.55 * (nrows - 1))
+    fig = Figure(figsize=(FIGSIZE_IN[0], height_in), dpi=DPI, layout="constrained")
+    axes = fig.subplots(nrows, 1, squeeze=False)[:, 0]
+    fig.suptitle(title)
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    return fig, axes
+
+
+def finish(fig, path: Path, *axes) -> Path:
+    """Legend outside the axes, on the right: it can never hide a curve."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside right upper", fontsize="small", markerscale=1.5)
+    fig.savefig(path)
+    return path
+
+
+def plot_kept_and_abandoned(ax, x, y, kept, color, label, **kw) -> None:
+    """Solid line for the surviving trajectory, a faded one for steps later rolled back."""
+    # Kept steps strictly increase in file order (see kept_flags), so one unbroken line.
+    ax.plot(x[kept], y[kept], color=color, label=label, **kw)
+    plot_abandoned(ax, x, y, kept)
+
+
+def plot_abandoned(ax, x, y, kept) -> None:
+    if not kept.all():
+        ax.plot(*with_breaks(x, y, ~kept), color="0.55", alpha=0.6, lw=0.9, label=ABANDONED_LABEL)
+
+
+def plot_loss(run: Run, out: Path) -> Path:
+    """Two panels: the whole run, then the part after the initial drop, where runs differ."""
+    fig, (whole, zoom) = new_figure(f"Loss: {run.name}", "cross-entropy (nats/token)", nrows=2)
+    steps, loss = column(run.train, "step"), column(run.train, "loss")
+    # Spikes that were skipped or rewound are left out of the smoothed line: they were not trained on.
+    bad = not_applied(run)
+    good = run.train_kept & ~bad & np.isfinite(loss)
+    window = max(1, min(201, int(good.sum()) // 50)) | 1
+    smoothed = smooth(loss[good], window)
+    for ax in (whole, zoom):
+        ax.plot(steps[good], loss[good], ".", ms=2.5, color="tab:blue", alpha=0.3, label="train (raw)")
+        ax.plot(steps[good], smoothed, color="tab:blue", lw=1.6,
+                label=f"train (moving avg, {window} steps)" if window > 1 else "train")
+        plot_abandoned(ax, steps, loss, run.train_kept)
+        if bad.any():
+            ax.plot(steps[bad], loss[bad], "x", color="tab:red", ms=6, label="step not applied (skip/rewind)")
+        plot_val(ax, run)
+        draw_markers(ax, run)
+    if good.sum() >= 2:
+        # A spike up to one data range above the curve stays in view; a larger one would flatten it
+        # and still shows as its marker line.
+        cap = 2 * loss[good].max() - loss[good].min()
+        if whole.get_ylim()[1] > cap:
+            whole.set_ylim(top=cap)
+            peak = int(np.nanargmax(np.where(np.isfinite(loss), loss, np.nan)))
+            whole.text(0.99, 0.97, f"y clipped: peak {loss[peak]:.3g} at step {steps[peak]:g}",
+                       transform=whole.transAxes, ha="right", va="top", fontsize="x-small", color="0.35")
+        x0 = steps[good][good.sum() // 5]
+        zoom.set_title(f"from step {x0:g}, zoomed", fontsize="medium")
+        whole.set_xlabel("")  # the zoom panel below carries the x label
+        zoom_to(zoom, x0, steps[good], loss[good], smoothed, run)
+    return finish(fig, out / "loss.png", whole)
+
+
+def not_applied(run: Run) -> np.ndarray:
+    """Steps whose update was dropped (skip_step) or undone (rewind)."""
+    return np.array([r.get("verdict", "ok") != "ok" for r in run.train], dtype=bool)
+
+
+def zoom_to(ax, x0: float, steps: np.ndarray, loss: np.ndarray, smoothed: np.ndarray, run: Run) -> None:
+    after = steps >= x0
+    val = [v for r in run.val if r["step"] >= x0 for v in map(as_float, r["val_loss"].values()) if math.isfinite(v)]
+    lo = min([smoothed[after].min()] + val)
+    hi = max([np.percentile(loss[after], 99.5)] + val)
+    pad = 0.08 * (hi - lo) or 0.1
+    ax.set_xlim(x0 - 0.01 * (steps[-1] - x0), steps[-1] + 0.01 * (steps[-1] - x0))
+    ax.set_ylim(lo - pad, hi + pad)
+
+
+def plot_val(ax, run: Run) -> None:
+    domains = sorted({d for r in run.val for d in r["val_loss"]})
+    # Blue is the training loss; red, orange and green are the event markers.
+    colors = ["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "black"]
+    steps = column(run.val, "step")
+    for i, domain in enumerate(domains):
+        y = column([r["val_loss"] for r in run.val], domain)
+        has = np.isfinite(y)
+        plot_kept_and_abandoned(ax, steps[has], y[has], run.val_kept[has], colors[i % len(colors)],
+                                f"val: {domain}", marker="o", ms=3.5, lw=1.2)
+
+
+def plot_lr(run: Run, out: Path) -> Path:
+    fig, (ax,) = new_figure(f"Learning rate: {run.name}", "learning rate (as applied)")
+    steps, kept = column(run.train, "step"), run.train_kept
+    plot_kept_and_abandoned(ax, steps, column(run.train, "lr"), kept, "tab:blue", "lr (schedule × lr_scale)")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    twin = ax.twinx()
+    scale = column(run.train, "lr_scale")
+    twin.plot(steps[kept], scale[kept], color="tab:orange", lw=1.2, drawstyle="steps-post", label="lr_scale")
+    twin.set_ylabel("lr_scale (multiplier)")
+    top = np.nanmax(scale) if np.isfinite(scale).any() else 1.0
+    twin.set_ylim(0, max(1.05, top * 1.1))
+    draw_markers(ax, run, ("rewind", "resume"))
+    return finish(fig, out / "lr.png", ax, twin)
+
+
+def clip_threshold(run: Run) -> float | None:
+    """optim.clip from the start event's config (nested or dotted), else a `clip` field."""
+    configs = [e["config"] for e in run.events
+               if e.get("event") == "start" and isinstance(e.get("config"), dict)]
+    candidates = [c["optim"].get("clip") for c in configs if isinstance(c.get("optim"), dict)]
+    candidates += [c.get("optim.clip") for c in configs] + [r.get("clip") for r in run.train + run.events]
+    return next((float(v) for v in candidates if is_number(v) and v > 0), None)
+
+
+def plot_gnorm(run: Run, out: Path) -> Path:
+    fig, (ax,) = new_figure(f"Gradient norm before clipping: {run.name}", "global L2 grad norm (log scale)")
+    steps, gnorm, kept = column(run.train, "step"), column(run.train, "gnorm"), run.train_kept
+    gnorm[gnorm <= 0] = np.nan  # log axis
+    plot_kept_and_abandoned(ax, steps, gnorm, kept, "tab:blue", "grad norm", lw=0.9)
+    bad = not_applied(run)
+    if bad.any():
+        ax.plot(steps[bad], gnorm[bad], "x", color="tab:red", ms=6, label="step not applied (skip/rewind)")
+    clip = clip_threshold(run)
+    if clip is not None:
+        ax.axhline(clip, color="black", ls="--", lw=1.0, label=f"clip threshold ({clip:g})")
+    ax.set_yscale("log")
+    draw_markers(ax, run)  # also marks skips whose grad norm was NaN/inf and so has no point
+    return finish(fig, out / "gnorm.png", ax)
+
+
+def plot_throughput(run: Run, out: Path) -> Path:
+    fig, (ax,) = new_figure(f"Throughput: {run.name}", "tokens/s (all ranks)")
+    steps, kept = column(run.train, "step"), run.train_kept
+    tokens_per_s = column(run.train, "tokens_per_s")
+    plot_kept_and_abandoned(ax, steps, tokens_per_s, kept, "tab:blue", "tokens/s", lw=0.9)
+    if np.isfinite(tokens_per_s[kept]).any():
+        median = np.nanmedian(tokens_per_s[kept])
+        ax.axhline(median, color="black", ls=":", lw=1.0, label=f"median {EngFormatter().format_eng(median)}")
+    ax.yaxis.set_major_formatter(EngFormatter())
+    ax.set_ylim(bottom=0)
+    draw_markers(ax, run, ("rewind", "resume"))
+    return finish(fig, out / "throughput.png", ax)
+
+
+def plot_update_ratio(run: Run, out: Path) -> Path | None:
+    """One line per parameter group, surviving trajectory only (abandoned steps would double the lines)."""
+    rows = [r["update_ratio"] | {"step": r["step"]} for r, k in zip(run.train, run.train_kept)
+            if k and isinstance(r.get("update_ratio"), dict)]
+    if not rows:
+        return None
+    fig, (ax,) = new_figure(f"Update/parameter ratio per group: {run.name}",
+                            "‖Δθ‖ / ‖θ‖ per step (log scale)")
+    steps = column(rows, "step")
+    # First-seen order is the model's order (embed, layers..., head), which sorting would scramble.
+    for i, group in enumerate(dict.fromkeys(g for r in rows for g in r if g != "step")):
+        y = column(rows, group)
+        y[y <= 0] = np.nan
+        ax.plot(steps, y, lw=1.0, label=group, color=f"C{i % 10}", ls="-" if i < 10 else "--")
+    ax.set_yscale("log")
+    draw_markers(ax, run, ("rewind", "resume"))
+    return finish(fig, out / "update_ratio.png", ax)
+
+
+def write_figures(run: Run, out: Path) -> list[Path]:
+    """Every figure that has data, into `out`."""
+    written = [plot_loss(run, out), plot_lr(run, out), plot_gnorm(run, out), plot_throughput(run, out),
+               plot_update_ratio(run, out)]
+    return [p for p in written if p is not None]

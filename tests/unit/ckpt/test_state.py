@@ -1,0 +1,180 @@
+"""Checkpoint state read back from disk is checked field by field before it is trusted.
+
+Every case rewrites a checkpoint of a real run *and recomputes its MANIFEST*, so the hashes
+match: what an attacker (or a buggy tool) with write access to run.dir can do. Each such
+checkpoint must be passed over with a `passed_over` event naming what is wrong, and the resume
+must continue from the previous one, to the bit."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsslm.ckpt.resume import upgrade_state
+from dsslm.ckpt.schema import Fields, Float, Int, ListOf, StateError, Window, check
+from dsslm.train import main, train
+from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
+
+STEPS = ["train.total_steps=12", "ckpt.every=4", "ckpt.keep_last=5"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("state") / "run"
+    assert train(tiny_cfg(run_dir, *STEPS)) == 0
+    return run_dir
+
+
+def remanifest(folder: Path) -> None:
+    """Recompute MANIFEST so every hash matches the (tampered) files."""
+    manifest = json.loads((folder / "MANIFEST").read_text())
+    manifest["files"] = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
+                         for p in sorted(folder.iterdir()) if p.name != "MANIFEST"}
+    (folder / "MANIFEST").write_text(json.dumps(manifest))
+
+
+def tampered_run(reference: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the reference run cut back to step 8 (so it resumes), its newest checkpoint edited."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000012")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:8]) + "\n")
+    folder = run_dir / "checkpoints" / "step-00000008"
+    edit(folder)
+    remanifest(folder)
+    return run_dir
+
+
+def edit_state(change):
+    def edit(folder: Path) -> None:
+        state = json.loads((folder / "state.json").read_text())
+        state = change(state)
+        (folder / "state.json").write_text(json.dumps(state))
+    return edit
+
+
+def edit_tensor(group: str, name: str, make):
+    def edit(folder: Path) -> None:
+        tensors = load_file(folder / f"{group}.safetensors")
+        tensors[name] = make(tensors.get(name))
+        save_file(tensors, folder / f"{group}.safetensors")
+    return edit
+
+
+def set_field(path: str, value):
+    def change(state):
+        node = state
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+        return state
+    return change
+
+
+CASES = {
+    # name: (edit, the field the passed_over reason must name)
+    "skip_list not a list": (edit_state(lambda s: {**s, "skip_list": "x", "train": {**s["train"], "skip_list": "x"}}),
+                             "state.train.skip_list"),
+    "negative step": (edit_state(lambda s: {**s, "step": -5}), "state.step"),
+    "step 1e30": (edit_state(lambda s: {**s, "step": 1e30}), "state.step"),
+    "top level a list": (edit_state(lambda s: [1, 2, 3]), "state"),
+    "unknown top-level field": (edit_state(lambda s: {**s, "surprise": 1}), "state.surprise"),
+    "missing part": (edit_state(lambda s: {k: v for k, v in s.items() if k != "monitor"}), "state.monitor"),
+    "lr_scale above 1": (edit_state(set_field("train.lr_scale", 4.0)), "state.train.lr_scale"),
+    "window backwards": (edit_state(lambda s: {**s, "skip_list": [[9, 3]], "train": {**s["train"], "skip_list": [[9, 3]]}}),
+                         "state.train.skip_list[0]"),
+    "monitor loss NaN": (edit_state(set_field("monitor.losses", ["nan"])), "state.monitor.losses[0]"),
+    "rng of another size": (edit_state(set_field("rng", [])), "state.rng"),
+    "copies disagree": (edit_state(lambda s: {**s, "step": 4}), "state.step"),
+    "data position off": (edit_state(set_field("data.next_data_batch", 3)), "state.data.next_data_batch"),
+    "wrong shape": (edit_tensor("model", "blocks.0.attn.qkv.weight", lambda t: torch.zeros(t.shape[0] + 1, t.shape[1])),
+                    "blocks.0.attn.qkv.weight"),
+    "broadcastable shape": (edit_tensor("model", "norm.weight", lambda t: torch.ones(1)), "norm.weight"),
+    "wrong dtype": (edit_tensor("model", "tok_emb.weight", lambda t: t.double()), "tok_emb.weight"),
+    "unknown tensor": (edit_tensor("model", "extra.weight", lambda t: torch.zeros(2)), "extra.weight"),
+    "moment of the wrong shape": (edit_tensor("optim", "exp_avg/norm.weight", lambda t: t[:3]), "norm.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_malformed_checkpoint_is_passed_over_and_the_previous_one_used(reference, tmp_path, case):
+    edit, field = CASES[case]
+    run_dir = tampered_run(reference, tmp_path, edit)
+    assert train(tiny_cfg(run_dir, *STEPS)) == 0
+    passed = [e for e in events(run_dir, "passed_over") if e["checkpoint"].endswith("step-00000008")]
+    assert len(passed) == 1 and field in passed[0]["reason"], passed
+    assert events(run_dir, "resume")[-1]["step"] == 4
+    assert losses_by_step(run_dir) == losses_by_step(reference)  # resumed from 4, to the bit
+
+
+def test_a_checkpoint_of_another_config_is_refused_not_passed_over(reference, tmp_path, capsys):
+    """A well-formed checkpoint of another model is another run's: exit 2, never a fresh start
+    that retention would then use to delete the saved checkpoints."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    rc = main([f"run.dir={run_dir}", *TINY, *STEPS, "train.total_steps=20", "model.d_model=48"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.d_model" in err[0]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert not events(run_dir, "passed_over")
+
+
+def test_broken_run_level_skip_list_is_rebuilt_from_the_checkpoints(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    windows = [[100, 108]]
+    for folder in (run_dir / "checkpoints").glob("step-*"):
+        state = json.loads((folder / "state.json").read_text())
+        state["skip_list"] = state["train"]["skip_list"] = windows
+        state["data"]["next_data_batch"] = int(folder.name[5:])  # windows lie ahead of every step
+        (folder / "state.json").write_text(json.dumps(state))
+        remanifest(folder)
+    (run_dir / "skip_list.json").write_text('{"schema": 2, "skip_list": [[100, 1')  # torn
+    assert train(tiny_cfg(run_dir, *STEPS, "train.total_steps=14")) == 0
+    rebuilt = events(run_dir, "recovery_rebuilt")
+    assert len(rebuilt) == 1 and rebuilt[0]["skip_list"] == windows and "skip_list.json" in rebuilt[0]["reason"]
+    assert json.loads((run_dir / "skip_list.json").read_text())["skip_list"] == windows
+
+
+def test_schema_1_state_is_upgraded_to_the_step_vocabulary():
+    old = {"format": 1, "step": 30, "skip_list": [[5, 13]], "loader": {"next_data_batch": 38}, "scaler": None,
+           "run": {"step": 30, "tokens": 900, "skip_list": [[5, 13]], "lr_scale": 0.7, "skipped_steps": 1,
+                   "clipped_steps": 2, "lineage": [],
+                   "rewinds": [{"step": 5, "window": [5, 13], "to_step": 0, "lr_scale_factor": 1.0}]},
+           "monitor": {"format": 1, "losses": [], "gnorms": [], "streak": 0, "spike_start": 5},
+           "rng": [], "world_size": 1, "engine": "ddp", "fingerprint": {}, "config": {}}
+    new = upgrade_state(old)
+    assert new["schema"] == 2 and "format" not in new and "scaler" not in new and "run" not in new
+    assert new["train"]["tokens_seen"] == 900 and "tokens" not in new["train"]
+    assert new["train"]["rewinds"][0]["step"] == 6  # index 5 is the step counted 6
+    assert new["monitor"]["spike_start"] == 6 and new["data"] == {"next_data_batch": 38}
+    assert upgrade_state(new) is new
+
+
+def test_schema_checks_name_the_field():
+    spec = Fields(step=Int(0, 10), windows=ListOf(Window()), lr=Float(0.0, 1.0))
+    check({"step": 3, "windows": [[1, 2]], "lr": 0.5}, spec, "s")
+    for bad, field in (({"step": True, "windows": [], "lr": 0.5}, "s.step"),
+                       ({"step": 3, "windows": [[2, 1]], "lr": 0.5}, "s.windows[0]"),
+                       ({"step": 3, "windows": [[1, 2.5]], "lr": 0.5}, "s.windows[0][1]"),
+                       ({"step": 3, "windows": [], "lr": float("inf")}, "s.lr"),
+                       ({"step": 3, "windows": []}, "s.lr"),
+                       ({"step": 3, "windows": [], "lr": 0.5, "x": 1}, "s.x")):
+        with pytest.raises(StateError, match=r"^" + field.replace("[", r"\[").replace("]", r"\]") + ":"):
+            check(bad, spec, "s")
+
+
+def test_metrics_of_the_refused_step_and_the_resume_line_up(reference):
+    """Guard for the fixture itself: 12 step records, steps 1..12, checkpoints at 4, 8, 12."""
+    records = [r for r in read_jsonl(reference / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert sorted(p.name for p in (reference / "checkpoints").glob("step-*")) == \
+        ["step-00000004", "step-00000008", "step-00000012"]

@@ -1,0 +1,114 @@
+"""The layout's import rules (docs/design.md), read from the source with ast.
+
+- torch.distributed, deepspeed and accelerate are imported only inside dsslm/engine/;
+- model.py imports nothing of dsslm but config;
+- data/ and ckpt/format.py import only config and durable of dsslm (and data/ itself);
+- lower folders never import higher ones: data and ckpt never import recovery, observe or
+  train; recovery never imports observe or train; nothing but the CLIs imports train.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "dsslm"
+DISTRIBUTED = ("torch.distributed", "deepspeed", "accelerate")
+CLIS = {"dsslm.train", "dsslm.drill", "dsslm.report", "dsslm.export", "dsslm.sample", "dsslm.eval"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, package: str) -> set[str]:
+    """Every module `path` (in `package`) imports, at any depth (function bodies included), as
+    absolute names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def package_of(path: Path) -> str:
+    return module_name(path) if path.name == "__init__.py" else module_name(path).rsplit(".", 1)[0]
+
+
+MODULES = {module_name(p): imports_of(p, package_of(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def dsslm_imports(module: str) -> set[str]:
+    return {m for m in MODULES[module] if m == "dsslm" or m.startswith("dsslm.")}
+
+
+def in_folder(module: str, folder: str) -> bool:
+    return module == f"dsslm.{folder}" or module.startswith(f"dsslm.{folder}.")
+
+
+def test_the_reader_sees_every_module():
+    assert {"dsslm.train", "dsslm.model", "dsslm.engine.base", "dsslm.data.loader", "dsslm.ckpt.format",
+            "dsslm.recovery.monitor", "dsslm.observe.sinks"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_distributed_libraries_only_inside_engine(module):
+    if in_folder(module, "engine"):
+        return
+    bad = sorted(m for m in MODULES[module] if m.startswith(DISTRIBUTED) or m.split(".")[0] in DISTRIBUTED)
+    assert not bad, f"{module} imports {bad}: only dsslm/engine/ may; ask the engine instead"
+
+
+def test_model_imports_only_config():
+    assert dsslm_imports("dsslm.model") <= {"dsslm.config", "dsslm.config.ModelCfg"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if in_folder(m, "data") or m == "dsslm.ckpt.format"))
+def test_data_and_ckpt_format_import_only_config_durable_and_data(module):
+    allowed = ("dsslm.config", "dsslm.durable", "dsslm.data")
+    bad = sorted(m for m in dsslm_imports(module) if not any(m == a or m.startswith(a + ".") for a in allowed)
+                 and m != "dsslm")
+    assert not bad, f"{module} imports {bad}"
+
+
+HIGHER = {"data": ("ckpt", "recovery", "observe", "train", "engine"), "ckpt": ("recovery", "observe", "train"),
+          "recovery": ("observe", "train"), "engine": ("ckpt", "recovery", "observe", "train", "data"),
+          "observe": ("recovery", "train")}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_folder_imports_a_higher_one(module):
+    folder = next((f for f in HIGHER if in_folder(module, f)), None)
+    if folder is None:
+        return
+    bad = sorted(m for m in dsslm_imports(module)
+                 if any(in_folder(m, higher) or m == f"dsslm.{higher}" for higher in HIGHER[folder]))
+    assert not bad, f"{module} (in {folder}/) imports {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_clis_import_train(module):
+    if module in CLIS:
+        return
+    assert not any(m == "dsslm.train" or m.startswith("dsslm.train.") for m in dsslm_imports(module)), module
+
+
+def test_the_reader_catches_nested_and_relative_imports(tmp_path):
+    """The rules must be able to fail: imports inside functions and relative ones are seen."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    import deepspeed\n    from torch.distributed import barrier\n"
+                   "    from ..train import main\n")
+    found = imports_of(bad, "dsslm.data")
+    assert {"deepspeed", "torch.distributed", "dsslm.train"} <= found

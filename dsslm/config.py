@@ -58,6 +58,12 @@ class ModelCfg:
 
 
 @dataclass
+class BatchRampCfg:
+    start: int = 0              # global batch (sequences) at the start of the stream; 0 = no ramp
+    tokens: int = 0             # tokens of the stream over which it grows linearly to the full batch
+
+
+@dataclass
 class TrainCfg:
     total_steps: int = 300
     micro_batch_size: int = 12
@@ -66,6 +72,7 @@ class TrainCfg:
     z_loss: float = 1e-4
     loss_scale_init: float = 65536.0  # fp16 only: the dynamic loss scaler's starting scale
     device: str = "auto"        # auto | cpu | cuda
+    batch_ramp: BatchRampCfg = field(default_factory=BatchRampCfg)  # batch-size warmup, in sequences
 
 
 @dataclass
@@ -246,6 +253,12 @@ def validate(cfg: Config) -> None:
     _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
     _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
+    ramp = t.batch_ramp
+    _check(ramp.start >= 0 and ramp.tokens >= 0,
+           f"train.batch_ramp.start={ramp.start} and train.batch_ramp.tokens={ramp.tokens} must be >= 0")
+    _check((ramp.start > 0) == (ramp.tokens > 0),
+           "train.batch_ramp needs both start (sequences) and tokens, or neither; e.g. "
+           "train.batch_ramp.start=32 train.batch_ramp.tokens=1000000")
     _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
     _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
     _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")

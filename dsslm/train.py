@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from dsslm.ckpt.resume import Checkpointer, DataPosition, RngStreams, Stateful
+from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.corpus import default_data_dir
+from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
 from dsslm.loss import accumulate, token_losses
 from dsslm.model import build_model
@@ -77,7 +78,8 @@ class StepRecord:
     lr: float
     lr_scale: float
     verdict: str                 # ok | skip_step | rewind
-    data_batch: int
+    data_position: int           # the global sequence index of the step's first sequence
+    batch_sequences: int         # the step's global batch (smaller while train.batch_ramp ramps)
     batch_tokens: int            # real target tokens in this step
     reason: str = ""
     tokens: int = 0              # tokens_seen after this step: the running total (the contract's name)
@@ -101,22 +103,22 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
         engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, global_batch, manifest=manifest)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest)
     run_dir = Path(cfg.run.dir)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None)
-    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size)
+    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
+                    global_batch)
     drills.arm(store)
     state, monitor = TrainState(), SpikeMonitor(cfg.monitor)
-    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state),
-                                  "data": DataPosition(loader.data_batch_index, state)}
+    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
-    rewinder = Rewinder(cfg, engine, checkpointer, monitor, loader.data_batch_index, run_dir, sinks.emit)
+    rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
     return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks)
 
 
@@ -152,15 +154,23 @@ def evaluate(job: Job) -> dict[str, float]:
     return out
 
 
-def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, bool]:
+def batch_size(job: Job) -> int:
+    """This step's global batch in sequences: the full one, or less while train.batch_ramp ramps."""
+    t, world_size = job.cfg.train, job.engine.world_size
+    full = t.micro_batch_size * t.grad_accum * world_size
+    return batch_size_at(job.state.next_sequence, full, t.grad_accum * world_size, t.batch_ramp.start,
+                         t.batch_ramp.tokens, job.cfg.model.seq_len)
+
+
+def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
     """Forward, backward and the verdict for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
     lr = lr_at(state.step, cfg) * state.lr_scale
-    data_batch = job.loader.data_batch_index(state.step, state.skip_list)
-    batches = job.loader.micro_batches(state.step, state.skip_list, engine.rank, engine.world_size,
-                                       cfg.train.grad_accum)
-    batches = job.drills.poison(batches, data_batch)
+    fed, batches = job.loader.step(state.next_sequence, state.skip_list, batch_size(job), engine.rank,
+                                   engine.world_size, cfg.train.grad_accum)
+    job.rewinder.note(step, fed.first, fed.end)
+    batches = job.drills.poison(batches, fed.indices)
     result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
                         job.drills.loss_multiplier(step))
     verdict, reason = judge(job, step, result.loss, result.gnorm)
@@ -169,8 +179,9 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, bool]:
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
-                        verdict=verdict.value, data_batch=data_batch, batch_tokens=result.batch_tokens, reason=reason)
-    return verdict, record, result.stop_requested
+                        verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
+                        batch_tokens=result.batch_tokens, reason=reason)
+    return verdict, record, fed, result.stop_requested
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
@@ -196,9 +207,10 @@ def start(job: Job) -> None:
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    clip=cfg.optim.clip, config=to_dict(cfg))
     if engine.is_main:
+        tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
-              f"rank(s), {job.loader.global_batch_size * cfg.model.seq_len:,} tokens/step, "
-              f"starting at step {job.state.step}", flush=True)
+              f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
+              f"(sequence {job.state.next_sequence})", flush=True)
 
 
 def run_loop(job: Job, stop: StopFlag) -> int:
@@ -210,12 +222,12 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         job.drills.maybe_crash(state.step)
         before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
-        verdict, record, stop_requested = train_step(job, stop)
+        verdict, record, fed, stop_requested = train_step(job, stop)
         if verdict is Verdict.REWIND:
             sinks.log_step(diagnostics.observe(timed(record, started, state), before))
             job.rewinder.rewind(state, record.step)
             continue
-        account(job, verdict, record)
+        account(job, verdict, record, fed)
         if state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
@@ -252,15 +264,17 @@ def report_memory(job: Job) -> None:
         print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
 
 
-def account(job: Job, verdict: Verdict, record: StepRecord) -> None:
+def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
+    """A step was applied or skipped: either way its data is consumed (a skipped batch is not replayed)."""
     state = job.state
     state.step += 1
+    state.next_sequence = fed.end
     state.tokens_seen += record.batch_tokens
     state.clipped_steps += int(record.gnorm > job.cfg.optim.clip)
     if verdict is Verdict.SKIP:
         state.skipped_steps += 1
         job.sinks.emit("skip", step=state.step, loss=record.loss, gnorm=record.gnorm,
-                       data_batch=record.data_batch, reason=record.reason)
+                       data_position=record.data_position, reason=record.reason)
 
 
 def timed(record: StepRecord, started: float, state: TrainState) -> dict:

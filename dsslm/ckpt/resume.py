@@ -3,7 +3,7 @@
 What goes into a checkpoint and what comes out of it is one table, name -> object with
 `state_dict()` / `load_state_dict()` / `state_schema`, built once by the loop:
 
-    parts = {"train": TrainState, "monitor": SpikeMonitor, "rng": RngStreams, "data": DataPosition,
+    parts = {"train": TrainState, "monitor": SpikeMonitor, "rng": RngStreams,
              "scaler": LossScaler (fp16 only)}
 
 A save writes `state.json` = {"schema": 2, "step", "skip_list", <every part's state_dict()>,
@@ -69,27 +69,6 @@ class _RngList(Spec):
             raise StateError(f"{path}: no rank's random state")
         for i, one in enumerate(value):
             check_rng_state(one, f"{path}[{i}]")
-
-
-class DataPosition:
-    """Where the data stream stands after `train.step` steps: the next data batch to feed.
-
-    A pure function of the train part (step and skip list), so restoring it sets nothing; it is
-    saved so a reader (and the check on load) can see the stream's position without a loader."""
-
-    state_schema = Fields(next_data_batch=Int(0, 2**62))
-
-    def __init__(self, data_batch_of: Callable[[int, list], int], train: TrainState):
-        self.data_batch_of, self.train = data_batch_of, train
-
-    def state_dict(self) -> dict:
-        return {"next_data_batch": self.data_batch_of(self.train.step, self.train.skip_list)}
-
-    def load_state_dict(self, state: dict) -> None:
-        return  # derived from the train part; `consistent` checked it before loading
-
-    def consistent(self, state: dict, train: dict) -> bool:
-        return state["next_data_batch"] == self.data_batch_of(train["step"], train["skip_list"])
 
 
 class Checkpointer:
@@ -166,9 +145,6 @@ class Checkpointer:
             raise StateError("state.step / state.skip_list: differ from state.train's copies")
         if len(state["rng"]) != state["world_size"]:
             raise StateError(f"state.rng: {len(state['rng'])} ranks' streams for world_size {state['world_size']}")
-        data = self.parts.get("data")
-        if isinstance(data, DataPosition) and not data.consistent(state["data"], train):
-            raise StateError("state.data.next_data_batch: does not follow from state.train's step and skip_list")
 
     def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         """Every tensor's name, shape and dtype against this model, before any is loaded: a
@@ -269,9 +245,16 @@ class Checkpointer:
         parent_ckpt = opened[0] if opened else self.open(path, verified=True, parent=True)
         drifted = self.accept(parent_ckpt, parent=True)
         self.restore(parent_ckpt)
-        self.train.lineage = self.train.lineage + [{"run_dir": str(path.parent.parent), "step": self.train.step,
-                                                    "checkpoint": str(path)}]
-        self.emit("branch", step=self.train.step, parent=str(path), drift=drifted)
+        train = self.train
+        data = "continues the parent's stream"
+        if "data" in drifted:
+            # Positions and skip windows name sequences of the parent's corpus, not of this one.
+            data = (f"another corpus: starts at its sequence 0; the parent's position {train.next_sequence} "
+                    f"and {len(train.skip_list)} skip windows are not carried over")
+            train.next_sequence, train.skip_list, train.rewinds = 0, [], []
+        train.lineage = train.lineage + [{"run_dir": str(path.parent.parent), "step": train.step,
+                                          "checkpoint": str(path)}]
+        self.emit("branch", step=train.step, parent=str(path), drift=drifted, data=data)
 
 
 def _check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:
@@ -287,23 +270,31 @@ def _check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str,
 
 
 def upgrade_state(state: Any) -> Any:
-    """state.json of schema 1 (before the step vocabulary was one) in today's layout; anything
-    else is returned unchanged for the checks to judge."""
+    """state.json of schema 1 in today's layout; anything else is returned unchanged for the
+    checks to judge.
+
+    Schema 1 counted a spike by its 0-based step index (now the step count) and the data stream
+    in data batches of the run's global batch B (now in global sequences): batch d was sequences
+    [d*B, (d+1)*B), so windows and the position convert exactly with the B the checkpoint
+    recorded in its fingerprint."""
     if not isinstance(state, dict) or state.get("format") != 1 or "schema" in state:
         return state
     try:
         old = dict(state)
+        batch = int(old["fingerprint"]["global_batch_size"])
         train = dict(old.pop("run"))
         train["tokens_seen"] = train.pop("tokens")
-        # Schema 1 counted a spike by its 0-based step index; now by the step count.
-        train["rewinds"] = [{**r, "step": r["step"] + 1} for r in train["rewinds"]]
+        train["skip_list"] = [[a * batch, b * batch] for a, b in train["skip_list"]]
+        train["next_sequence"] = int(old["loader"]["next_data_batch"]) * batch
+        train["rewinds"] = [{**r, "step": r["step"] + 1, "window": [r["window"][0] * batch, r["window"][1] * batch]}
+                            for r in train["rewinds"]]
         monitor = dict(old["monitor"])
         if monitor.get("spike_start") is not None:
             monitor["spike_start"] += 1
-        new = {k: v for k, v in old.items() if k not in ("format", "loader", "scaler")}
-        new.update(schema=SCHEMA_VERSION, train=train, monitor=monitor, data=old.get("loader"))
+        new = {k: v for k, v in old.items() if k not in ("format", "loader", "scaler", "skip_list")}
+        new.update(schema=SCHEMA_VERSION, train=train, monitor=monitor, skip_list=train["skip_list"])
         if old.get("scaler") is not None:
             new["scaler"] = old["scaler"]
         return new
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise StateError(f"state (schema 1): cannot be read ({type(exc).__name__}: {exc})") from None

@@ -46,6 +46,9 @@ def _check_shard(data_dir: Path, entry: dict, itemsize: int, verify: bool) -> No
     path = data_dir / entry["path"]
     if not path.is_file():
         raise DataError(f"shard {path} is missing; rebuild {data_dir} with prepare")
+    count = entry.get("bytes", 0)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise DataError(f"shard {path}: manifest.json's bytes {count!r} is not a count; rebuild {data_dir} with prepare")
     size = path.stat().st_size
     if size != entry["tokens"] * itemsize:
         raise DataError(f"shard {path} has {size} bytes but manifest.json says {entry['tokens']} tokens "

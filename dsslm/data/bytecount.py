@@ -14,19 +14,22 @@ BPE: their ids are bytes, or strings of byte characters, by construction.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
+from dsslm.data.sources import DataError
 from dsslm.data.tokenizer import load_tokenizer, token_byte_lengths
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # loss.IGNORE_INDEX: data/ may not import loss
 
 
 class ByteCounter:
     def __init__(self, data_dir: str | Path, manifest: dict):
-        lengths = token_byte_lengths(load_tokenizer(data_dir, manifest))
+        try:
+            lengths = token_byte_lengths(load_tokenizer(data_dir, manifest))
+        except ValueError as e:
+            raise DataError(str(e)) from None
         self.table = None if lengths is None else torch.from_numpy(lengths)
         kind = manifest["tokenizer"]["kind"]
         self.exact = {name: self.table is not None and _domain_exact(domain, kind)
@@ -45,9 +48,3 @@ def _domain_exact(domain: dict, kind: str) -> bool:
     if "text_bytes" in domain:  # written with byte counts: every shard has one, or none could be made
         return all("bytes" in e for e in entries)
     return kind in ("byte", "bpe")
-
-
-def bits_per_byte(loss_nats_sum: float, n_bytes: int | None) -> float | None:
-    if not n_bytes:
-        return None
-    return loss_nats_sum / math.log(2) / n_bytes

@@ -27,6 +27,7 @@ from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
 from dsslm.engine import Engine, build_engine
+from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.loss import accumulate, validation_sums
 from dsslm.model import build_model
 from dsslm.observe.diagnostics import Diagnostics
@@ -96,6 +97,8 @@ class StepRecord:
 def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
+    if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
+        apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
@@ -189,7 +192,8 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 def start(job: Job) -> None:
     """Resume, branch or start fresh; fold in the run-level skip list; say so."""
     cfg, engine = job.cfg, job.engine
-    job.checkpointer.resume_or_init()
+    hf_dir = hf_dir_of(cfg.run.init_from)
+    job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
     job.rewinder.merge_run_file(job.state)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,

@@ -69,6 +69,11 @@ class BPETokenizer:
         path = Path(path)
         return cls(Tokenizer.from_file(str(path)), file_sha256(path), kind, eos_token)
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself (for writing it out, e.g. into a Hugging Face folder)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -67,7 +67,7 @@ def _reorder_heads(w: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.
 
 def architecture_of(cfg: ModelCfg) -> str:
     """Llama, or Qwen3 for per-head RMSNorm on q and k before RoPE; HFError if neither fits."""
-    defaults = ModelCfg()
+    defaults = type(cfg)()
     for f in dataclasses.fields(cfg):
         if f.name not in EXPORTED_KEYS and getattr(cfg, f.name) != getattr(defaults, f.name):
             raise HFError(f"model.{f.name}={getattr(cfg, f.name)!r} has no Llama or Qwen3 equivalent in "

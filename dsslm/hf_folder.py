@@ -152,7 +152,7 @@ def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], 
             keys.append("lm_head.weight")
         with safe_open(hf_dir / name, framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in keys})
-    head = tensors.pop("lm_head.weight", None)
+    head = tensors.pop("lm_head.weight", None) if cfg.tie_embeddings else None
     if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
         raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
     record = {"run_dir": "", "step": 0, "checkpoint": f"{HF_PREFIX}{hf_dir.resolve()}", "source": "huggingface",

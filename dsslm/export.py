@@ -101,8 +101,11 @@ def write_tokenizer(folder: Path, tok) -> None:
         spec["post_processor"] = None  # dsslm encodes with add_special_tokens=False: no BOS the model never saw
         backend = Tokenizer.from_str(json.dumps(spec))
     eos = backend.id_to_token(tok.eos_id)
+    # model_input_names: without it transformers 4.x also returns token_type_ids, which Llama's
+    # generate() refuses.
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, bos_token=eos, pad_token=eos,
-                                     split_special_tokens=True, model_max_length=10**9)
+                                     split_special_tokens=True, model_max_length=10**9,
+                                     model_input_names=["input_ids", "attention_mask"])
     hf_tok.save_pretrained(folder)
     # "PreTrainedTokenizerFast" is what transformers 4.x (and so most serving stacks) know; 5.x
     # reads it as its TokenizersBackend.

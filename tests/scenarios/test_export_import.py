@@ -253,3 +253,40 @@ def test_config_json_reads_what_the_export_wrote(runs, tmp_path, capsys):
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0  # 4.x and 5.x readers
     cfg = load(None, [])
     assert config["rms_norm_eps"] == cfg.model.norm_eps and config["tie_word_embeddings"] is False
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    # What transformers 4.x needs too (tried with 4.57.1): a class it knows, no token_type_ids.
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tokenizer_config["model_input_names"] == ["input_ids", "attention_mask"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_import_of_a_folder_transformers_wrote_itself_matches_its_logits(runs, tmp_path, arch):
+    """Someone else's model: saved by transformers (sharded, untied, eps 1e-5, rope_theta 5e5)."""
+    from dsslm.data import load_manifest
+    from dsslm.hf import byte_tokenizer
+    from dsslm.hf_folder import apply_shape
+    from dsslm.model import build_model
+
+    config_class = transformers.LlamaConfig if arch.startswith("Llama") else transformers.Qwen3Config
+    config = config_class(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 5e5}, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    theirs = getattr(transformers, arch)(config).eval()
+    for p in theirs.parameters():
+        p.normal_(0, 0.5)  # norm gains too, so a wrong q/k-norm order shows
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token="<|endoftext|>").save_pretrained(
+        tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    cfg = tiny_cfg(tmp_path / "run", f"data.dir={runs['byte_data']}", f"run.init_from=hf:{tmp_path / 'hf'}")
+    apply_shape(cfg, tmp_path / "hf", runs["byte_data"], load_manifest(runs["byte_data"]))
+    assert (cfg.model.norm_eps, cfg.model.rope_theta, cfg.model.ffn_hidden) == (1e-5, 5e5, 64)
+    assert cfg.model.qk_norm == (arch == "Qwen3ForCausalLM") and not cfg.model.tie_embeddings
+    ours = build_model(cfg.model).eval()
+    shapes = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+    ours.load_state_dict(HFWeights(tmp_path / "hf", cfg.model, shapes).read()[0])
+    x = probe(257)
+    diff = (ours(x) - theirs(x).logits).abs().max()
+    assert diff <= 1e-4, diff

@@ -25,7 +25,7 @@ from dsslm.trained import OneLineParser, ToolError, Trained, open_data, open_tra
 
 def evaluate(trained: Trained, data: str | Path | None, batches: int | None, batch_size: int | None) -> dict:
     cfg = trained.cfg
-    data_dir, manifest = open_data(trained, data)
+    data_dir, manifest = open_data(trained, data, verify_val=True)  # the shards it reads, hashed
     batches = batches or cfg.run.val_batches
     batch_size = batch_size or cfg.train.micro_batch_size
     try:

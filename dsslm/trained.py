@@ -30,6 +30,7 @@ from dsslm.ckpt.schema import MAX_STEP, Int, StateError, check
 from dsslm.ckpt.train_state import FINGERPRINT_SCHEMA
 from dsslm.config import Config, ConfigError, from_dict
 from dsslm.data import DataError, load_manifest
+from dsslm.data.manifest import verify_split
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.tokenizer import ByteTokenizer, load_tokenizer
 from dsslm.model import Transformer, build_model
@@ -138,11 +139,14 @@ def data_dir_of(trained: Trained, given: str | Path | None) -> Path:
     return Path(trained.cfg.data.dir) if trained.cfg.data.dir else default_data_dir()
 
 
-def open_data(trained: Trained, given: str | Path | None, verify: bool = True) -> tuple[Path, dict]:
-    """A DATA_DIR and its manifest, refused unless it uses the tokenizer the model trained with."""
+def open_data(trained: Trained, given: str | Path | None, verify_val: bool = False) -> tuple[Path, dict]:
+    """A DATA_DIR and its manifest (shard sizes checked; the val shards hashed if `verify_val`),
+    refused unless it uses the tokenizer the model trained with."""
     data_dir = data_dir_of(trained, given)
     try:
-        manifest = load_manifest(data_dir, verify=verify)
+        manifest = load_manifest(data_dir, verify=False)
+        if verify_val:
+            verify_split(data_dir, manifest, "val")
     except DataError as exc:
         hint = "" if given else "; pass --data DATA_DIR prepared with the run's tokenizer"
         raise ToolError(f"{exc}{hint}") from None
@@ -158,7 +162,7 @@ def tokenizer_of(trained: Trained, given: str | Path | None):
     """The run's tokenizer: the byte one needs no files; others come from the DATA_DIR."""
     if not given and trained.fingerprint["tokenizer_sha256"] == ByteTokenizer.sha256:
         return ByteTokenizer()
-    data_dir, manifest = open_data(trained, given, verify=False)
+    data_dir, manifest = open_data(trained, given)
     try:
         return load_tokenizer(data_dir, manifest)  # checks the file against the manifest's hash
     except ValueError as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dsslm import export as export_cli
 from dsslm.ckpt.format import MANIFEST
@@ -188,6 +189,8 @@ def test_round_trip_gives_the_same_weights_to_the_bit_and_the_import_trains(runs
     assert event["step"] == 0 and event["source"]["files"] == record["files"]
     state = json.loads((run_dir / "checkpoints" / "step-00000004" / "state.json").read_text())
     assert state["train"]["lineage"] == [record]
+    adam = load_file(run_dir / "checkpoints" / "step-00000004" / "optim.safetensors")
+    assert {float(t) for k, t in adam.items() if k.startswith("step/")} == {4.0}  # a fresh optimizer
     original = json.loads((runs[name] / "checkpoints" / f"step-{STEPS:08d}" / "state.json").read_text())
     # The shape came from config.json; ffn_hidden is now explicit, the width dsslm had derived (8/3 d).
     assert state["config"]["model"] == {**original["config"]["model"], "ffn_hidden": 128}

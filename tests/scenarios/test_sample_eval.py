@@ -102,6 +102,18 @@ def test_eval_on_data_of_another_tokenizer_exits_2(runs, capsys):
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "another tokenizer" in err
 
 
+def test_eval_refuses_a_val_shard_that_does_not_match_the_manifest(runs, tmp_path, capsys):
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(runs["byte_data"], data)
+    shard = data / load_manifest(data)["domains"]["code"]["val"][0]["path"]
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 1
+    shard.write_bytes(bytes(raw))
+    rc, _, err = run_cli(eval_cli, capsys, runs["byte"], "--data", data)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "val-00000.bin" in err
+
+
 def test_eval_of_a_missing_checkpoint_exits_2(tmp_path, capsys):
     rc, _, err = run_cli(eval_cli, capsys, tmp_path / "nope")
     assert rc == 2 and len(err.strip().splitlines()) == 1

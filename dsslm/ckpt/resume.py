@@ -270,7 +270,15 @@ class Checkpointer:
             return record
 
         record = self.engine.decide(read_first)  # rank 0 validates; its refusal is every rank's
-        model_sd = read[0] if read else weights.read(expect=record)[0]
+        model_sd, problem = (read[0], None) if read else (None, None)
+        if not read:
+            try:
+                model_sd = weights.read(expect=record)[0]
+            except ConfigError as exc:  # the files changed under us: every rank must hear of it
+                problem = str(exc)
+        problems = [p for p in self.engine.all_gather(problem) if p]
+        if problems:
+            raise ConfigError(problems[0])
         check_table("model", model_sd, self.engine.param_shapes, exact=True)
         self.engine.load_full_state(model_sd, OptimState())
         self.train.lineage = self.train.lineage + [record]

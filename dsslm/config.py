@@ -20,6 +20,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
+HF_PREFIX = "hf:"  # run.init_from=hf:HF_DIR starts from a Hugging Face folder's weights
+
+
 class ConfigError(ValueError):
     """A bad key or value; the message says what to change."""
 
@@ -31,7 +34,7 @@ class RunCfg:
     log_every: int = 1          # steps between progress-bar refreshes (metrics.jsonl gets every step)
     val_every: int = 50         # steps between validation passes (0 = never)
     val_batches: int = 4        # batches per domain per validation pass
-    init_from: str = ""         # a checkpoint folder of another run to branch from
+    init_from: str = ""         # a checkpoint folder of another run to branch from, or hf:HF_DIR
     tensorboard: bool = True    # write TensorBoard files when the package is installed
     alert_command: str = ""     # shell command fed each alert event as JSON on stdin
 
@@ -54,6 +57,7 @@ class ModelCfg:
     tie_embeddings: bool = True
     dropout: float = 0.0
     rope_theta: float = 10000.0
+    norm_eps: float = 1e-6      # RMSNorm's epsilon (Llama 2/3 and SmolLM use 1e-5, Qwen3 1e-6)
     init_std: float = 0.02
 
 
@@ -240,6 +244,13 @@ def validate(cfg: Config) -> None:
     _check((m.d_model // m.n_heads) % 2 == 0,
            f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
+    _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
+           f"model.vocab_size={m.vocab_size} and model.ffn_hidden={m.ffn_hidden} must be >= 0 (0 = derived)")
+    if cfg.run.init_from.startswith(HF_PREFIX):
+        _check(len(cfg.run.init_from) > len(HF_PREFIX),
+               f"run.init_from={cfg.run.init_from!r} names no folder; write run.init_from=hf:PATH/TO/HF_DIR")
     _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
     _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
     _check(0 <= o.warmup_steps <= t.total_steps,
@@ -297,7 +308,27 @@ def config_hash(cfg: Config) -> str:
 
 
 def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now)."""
-    now = hashed_items(cfg)
+    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now).
+
+    A key the checkpoint does not have (dsslm added it since) at its default value is no drift:
+    the default is what the older code did (model.norm_eps=1e-6 was a constant before)."""
+    now, defaults = hashed_items(cfg), hashed_items(Config())
     keys = set(saved) | set(now)
-    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
+    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
+            and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
+
+
+def from_dict(tree: Any, where: str) -> Config:
+    """A Config from a saved tree (a checkpoint's state.json `config`), checked like a loaded one.
+
+    `where` names the file in the error, since the user did not type these keys."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{where}: the config is not an object")
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree))
+        validate(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}: {_explain(err)}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return cfg

@@ -24,15 +24,16 @@ from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
+from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
-from dsslm.loss import accumulate, token_losses
+from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
+from dsslm.loss import accumulate, validation_sums
 from dsslm.model import build_model
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import Sinks
 from dsslm.optim import lr_at
-from dsslm.precision import autocast
 from dsslm.recovery.faults import DrillAbort, Drills
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
 from dsslm.recovery.rewind import Escalation, Rewinder, recovery_pins
@@ -67,6 +68,7 @@ class Job:
     rewinder: Rewinder
     drills: Drills
     sinks: Sinks
+    byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
 
 
 @dataclass
@@ -97,6 +99,8 @@ class StepRecord:
 def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
+    if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
+        apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
@@ -119,7 +123,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks)
+    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks,
+               ByteCounter(data_dir, manifest))
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
@@ -134,24 +139,21 @@ def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]
     return verdict, reason if verdict is not Verdict.OK else ""
 
 
-@torch.no_grad()
-def evaluate(job: Job) -> dict[str, float]:
-    """Mean loss per real token on each domain's held-out split (every rank runs every batch,
-    so sharded engines see matching collectives)."""
+def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean loss per real token (nats) and bits per byte on each domain's held-out split (every
+    rank runs every batch, so sharded engines see matching collectives)."""
     job.engine.train_mode(False)
-    out = {}
+    losses, bpb = {}, {}
     for domain in job.loader.domains:
-        ce, tokens = 0.0, 0
-        for inputs, targets in job.loader.val_batches(domain, job.cfg.run.val_batches,
-                                                      job.cfg.train.micro_batch_size):
-            with autocast(job.cfg.train.precision, job.engine.device):
-                logits = job.engine.forward(inputs.to(job.engine.device))
-            ce += float(token_losses(logits, targets.to(job.engine.device))[0])
-            tokens += int((targets != -100).sum())
-        if tokens:
-            out[domain] = ce / tokens
+        batches = job.loader.val_batches(domain, job.cfg.run.val_batches, job.cfg.train.micro_batch_size)
+        sums = validation_sums(job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
+                               lambda targets: job.byte_counter.count(domain, targets))
+        if sums.tokens:
+            losses[domain] = sums.loss
+            if sums.bits_per_byte is not None:
+                bpb[domain] = sums.bits_per_byte
     job.engine.train_mode(True)
-    return out
+    return losses, bpb
 
 
 def batch_size(job: Job) -> int:
@@ -201,7 +203,8 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 def start(job: Job) -> None:
     """Resume, branch or start fresh; fold in the run-level skip list; say so."""
     cfg, engine = job.cfg, job.engine
-    job.checkpointer.resume_or_init()
+    hf_dir = hf_dir_of(cfg.run.init_from)
+    job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
     job.rewinder.merge_run_file(job.state)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
@@ -232,8 +235,8 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
-            val_loss = evaluate(job)
-            sinks.log_val({"step": state.step, "val_loss": val_loss})
+            val_loss, val_bpb = evaluate(job)
+            sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb})
             diagnostics.check_val(state.step, val_loss)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.

@@ -36,6 +36,13 @@ HEADER = ("schema", "step", "skip_list", "world_size", "engine", "fingerprint", 
 TENSOR_GROUPS = ("model", "optim")
 
 
+class WeightSource(Protocol):
+    """Weights made elsewhere (`run.init_from=hf:HF_DIR`): `read(expect)` returns them by dsslm
+    parameter name with a lineage record; `expect` is the record rank 0 read, for the others."""
+
+    def read(self, expect: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]: ...
+
+
 class Stateful(Protocol):
     state_schema: Spec
 
@@ -152,13 +159,13 @@ class Checkpointer:
         if sorted(tensors) != sorted(TENSOR_GROUPS):
             raise CheckpointError(f"tensor files are {sorted(tensors)}, expected {list(TENSOR_GROUPS)}")
         shapes = self.engine.param_shapes
-        _check_table("model", tensors["model"], shapes, exact=True)
+        check_table("model", tensors["model"], shapes, exact=True)
         try:
             optim = OptimState.from_tensors(tensors["optim"])
         except ValueError as exc:
             raise CheckpointError(f"optim: {exc}") from None
         for kind in MOMENTS:
-            _check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
+            check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
             if set(getattr(optim, kind)) != set(optim.step):
                 raise CheckpointError(f"optim: {kind} and step name different parameters")
         for key, tensor in tensors["optim"].items():
@@ -211,19 +218,47 @@ class Checkpointer:
             out.append(state["train"])
         return out
 
-    def resume_or_init(self) -> str:
-        """Continue from this run's newest checkpoint, else branch from `run.init_from`, else start
-        at step 0. Returns which: "resume", "branch" or "fresh"."""
+    def resume_or_init(self, weights: WeightSource | None = None) -> str:
+        """Continue from this run's newest checkpoint, else start from `weights` (an import) or
+        branch from `run.init_from`, else start at step 0. Returns which: "resume", "import",
+        "branch" or "fresh"."""
         ckpt = self.latest()
         if ckpt is not None:
             allowed = self.accept(ckpt)  # pure and cheap: again on every rank, for the event
             self.restore(ckpt)
             self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed)
             return "resume"
+        if weights is not None:
+            self.start_from(weights)
+            return "import"
         if self.cfg.run.init_from:
             self.branch(Path(self.cfg.run.init_from))
             return "branch"
         return "fresh"
+
+    def start_from(self, weights: WeightSource) -> None:
+        """Step 0 with weights made elsewhere: a fresh optimizer, the source in the lineage."""
+        read: list[dict] = []
+
+        def read_first() -> dict:
+            model_sd, record = weights.read()
+            read.append(model_sd)
+            return record
+
+        record = self.engine.decide(read_first)  # rank 0 validates; its refusal is every rank's
+        model_sd, problem = (read[0], None) if read else (None, None)
+        if not read:
+            try:
+                model_sd = weights.read(expect=record)[0]
+            except ConfigError as exc:  # the files changed under us: every rank must hear of it
+                problem = str(exc)
+        problems = [p for p in self.engine.all_gather(problem) if p]
+        if problems:
+            raise ConfigError(problems[0])
+        check_table("model", model_sd, self.engine.param_shapes, exact=True)
+        self.engine.load_full_state(model_sd, OptimState())
+        self.train.lineage = self.train.lineage + [record]
+        self.emit("import", step=self.train.step, source=record)
 
     def branch(self, path: Path) -> None:
         """Start from another run's checkpoint (a WSD cooldown, an extension), recording lineage.
@@ -257,7 +292,7 @@ class Checkpointer:
         self.emit("branch", step=train.step, parent=str(path), drift=drifted, data=data)
 
 
-def _check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:
+def check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:
     unknown = sorted(set(tensors) - set(shapes))
     missing = sorted(set(shapes) - set(tensors)) if exact else []
     if unknown or missing:

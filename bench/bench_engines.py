@@ -58,7 +58,8 @@ def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: a
         tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
         mine = tokens[rank * per_rank:(rank + 1) * per_rank]
         started = time.perf_counter()
-        accumulate(engine, [(mine[:, :-1], mine[:, 1:])], "fp32", cfg.train.z_loss, cfg.optim.clip)
+        accumulate(engine, [(mine[:, :-1], mine[:, 1:])], "fp32", cfg.train.z_loss, cfg.optim.clip,
+                   args.batch * args.seq)
         engine.step(1e-3)
         engine.barrier()
         if step >= args.warmup:

@@ -34,7 +34,7 @@ def bare_loop(cfg, steps: int) -> float:
     """Seconds per step of the minimal loop."""
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model)
-    opt = build_adamw(model, cfg.optim)
+    opt = build_adamw(model, cfg.optim, torch.device("cpu"))
     loader = Loader(default_data_dir(), cfg.model.seq_len, cfg.run.seed, cfg.train.micro_batch_size)
     batches = [loader.micro_batches(s, [], 0, 1, 1)[0] for s in range(steps)]
     started = time.perf_counter()

@@ -161,8 +161,8 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, bool]:
     batches = job.loader.micro_batches(state.step, state.skip_list, engine.rank, engine.world_size,
                                        cfg.train.grad_accum)
     batches = job.drills.poison(batches, data_batch)
-    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
-                        job.drills.loss_multiplier(step))
+    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip,
+                        job.loader.tokens_per_step, stop.requested, job.drills.loss_multiplier(step))
     verdict, reason = judge(job, step, result.loss, result.gnorm)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -194,6 +194,7 @@ def start(job: Job) -> None:
     job.rewinder.merge_run_file(job.state)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
+                   optim_impl=engine.optim_impl,
                    clip=cfg.optim.clip, config=to_dict(cfg))
     if engine.is_main:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "

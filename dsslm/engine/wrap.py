@@ -1,0 +1,58 @@
+"""What every engine applies to the model's blocks before it wraps or shards them: activation
+checkpointing, then torch.compile (torchtitan's order: checkpoint, compile, shard).
+
+Both leave parameter names alone, so checkpoints, the optimizer-state layout and the name
+checks see the model as built: checkpointing replaces a block's `forward` on the instance (no
+`_checkpoint_wrapped_module.` wrapper) and `nn.Module.compile()` compiles in place (no
+`_orig_mod.` wrapper). The model class never learns about either.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dsslm.config import TrainCfg
+
+
+def checkpointed_blocks(n_blocks: int, mode: str, every: int) -> list[int]:
+    """Indices of the blocks whose activations are recomputed in backward: all of them (`full`),
+    every `every`-th one (`every_n`: blocks every-1, 2*every-1, ...) or none."""
+    if mode == "full":
+        return list(range(n_blocks))
+    if mode == "every_n":
+        return [i for i in range(n_blocks) if (i + 1) % every == 0]
+    return []
+
+
+def checkpoint_blocks(model: nn.Module, indices: list[int]) -> None:
+    """Keep only each chosen block's input in forward; recompute the rest in backward.
+
+    Non-reentrant checkpointing: it works under DDP, FSDP2, ZeRO and torch.compile, and it
+    restores the RNG state before recomputing, so dropout draws the same mask twice.
+    """
+    for i in indices:
+        block = model.blocks[i]
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def prepare_blocks(model: nn.Module, cfg: TrainCfg) -> None:
+    """Apply `train.activation_checkpointing` and `train.compile` to `model.blocks`, in place.
+
+    Compiled per block, not the whole model: FSDP2 and ZeRO-3 hook every block to gather its
+    parameters, and every block shares one compiled graph (the parameters are its inputs).
+    """
+    checkpoint_blocks(model, checkpointed_blocks(len(model.blocks), cfg.activation_checkpointing,
+                                                 cfg.activation_checkpointing_every))
+    if cfg.compile:
+        for block in model.blocks:
+            block.compile()
+
+
+def set_matmul_precision(device: torch.device, tf32: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls on CUDA (`train.tf32`); CPUs have no such mode."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32

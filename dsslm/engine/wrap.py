@@ -9,6 +9,7 @@ checks see the model as built: checkpointing replaces a block's `forward` on the
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -47,6 +48,9 @@ def prepare_blocks(model: nn.Module, cfg: TrainCfg) -> None:
     checkpoint_blocks(model, checkpointed_blocks(len(model.blocks), cfg.activation_checkpointing,
                                                  cfg.activation_checkpointing_every))
     if cfg.compile:
+        # The rope table is complex (so no bf16 cast of buffers can touch it); compiled code only
+        # views it as real, which inductor warns about on every graph though nothing falls back.
+        warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
         for block in model.blocks:
             block.compile()
 

@@ -89,13 +89,14 @@ def run_streaming(cmd: list[str], cwd: Path, env_vars: dict, on_line) -> None:
         raise SystemExit(f"{cmd[:3]} exited {proc.returncode}")
 
 
-def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, threads: int | None) -> dict:
+def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, threads: int | None,
+            compile_on: bool = False) -> dict:
     scratch = OUT / "nanogpt"
     link = scratch / "configurator.py"
     if not link.exists():
         link.symlink_to(nanogpt_dir / "configurator.py")
     cmd = [sys.executable, str(nanogpt_dir / "train.py"), str(nanogpt_dir / "config" / "train_shakespeare_char.py"),
-           "--device=cpu", "--compile=False", f"--eval_iters={eval_iters}", "--log_interval=1",
+           "--device=cpu", f"--compile={compile_on}", f"--eval_iters={eval_iters}", "--log_interval=1",
            f"--block_size={SHAPE['block_size']}", f"--batch_size={SHAPE['batch_size']}", f"--n_layer={SHAPE['n_layer']}",
            f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}", f"--max_iters={iters}",
            f"--lr_decay_iters={iters}", "--dropout=0.0", "--dataset=dsslm_bytes", f"--eval_interval={eval_every}",
@@ -110,18 +111,22 @@ def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, thr
         elif (m := NANOGPT_EVAL.match(line)):
             evals.append((int(m[1]), float(m[3]), now))
     run_streaming(cmd, scratch, env(threads), on_line)
-    steady = [ms for i, ms in iter_ms.items() if i >= 1 and not any(i == s for s, _, _ in evals)]
+    # After the first iteration (and, compiled, the first 10: recompilations), evaluations left out.
+    skip = 10 if compile_on else 1
+    steady = [ms for i, ms in iter_ms.items() if i >= skip and not any(i == s for s, _, _ in evals)]
     return {"loop_ms": statistics.mean(steady), "median_ms": statistics.median(steady),
             "evals": [(s, v, t - first[0]) for s, v, t in evals if s > 0]}
 
 
-def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: int | None) -> dict:
+def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: int | None,
+          compile_on: bool = False) -> dict:
     overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", "model.d_model=128", "model.n_layers=4",
                  "model.n_heads=4", "model.seq_len=64", "train.micro_batch_size=12", "train.grad_accum=1",
                  "train.precision=fp32", "train.device=cpu", f"train.total_steps={iters}",
                  f"optim.peak_lr={RECIPE['lr']}", f"optim.min_lr={RECIPE['min_lr']}",
                  f"optim.warmup_steps={RECIPE['warmup']}", f"optim.beta2={RECIPE['beta2']}", "model.dropout=0.0",
-                 f"run.val_every={eval_every}", "run.val_batches=20", f"ckpt.every={iters}"]
+                 f"run.val_every={eval_every}", "run.val_batches=20", f"ckpt.every={iters}",
+                 f"train.compile={str(compile_on).lower()}"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of the last one
     evals: list[tuple[int, float, float]] = []
     seen: set[int] = set()
@@ -144,8 +149,11 @@ def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: i
     watcher.join()
     events = {e["event"]: e["time"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())}
     steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step_time_s"' in line]
-    return {"loop_ms": 1000 * (events["end"] - events["start"]) / iters,
-            "median_ms": 1000 * statistics.median(r["step_time_s"] for r in steps),
+    if compile_on:  # the compilation is in the first steps: time the loop from step 10 on
+        loop_ms = 1000 * sum(r["step_time_s"] for r in steps[10:]) / len(steps[10:])
+    else:
+        loop_ms = 1000 * (events["end"] - events["start"]) / iters
+    return {"loop_ms": loop_ms, "median_ms": 1000 * statistics.median(r["step_time_s"] for r in steps),
             "evals": [(s, v, t - events["start"]) for s, v, t in evals]}
 
 
@@ -164,18 +172,20 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--target", type=float, default=1.88)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
+    parser.add_argument("--compile", action="store_true",
+                        help="both compiled (nanoGPT --compile=True, dsslm train.compile=true); the recipe is eager")
     args = parser.parse_args()
     if not (args.nanogpt / "train.py").is_file() or not args.text.is_file():
         raise SystemExit(f"need {args.nanogpt}/train.py and {args.text}; see this script's docstring")
     data_dir, _ = prepare_data(args.text)
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
     print(f"text {args.text} ({args.text.stat().st_size:,} bytes), {tokens} tokens/iteration, threads "
-          f"{args.threads or 'default'}")
+          f"{args.threads or 'default'}, {'compiled' if args.compile else 'eager (the recipe)'}")
     pairs = []
     for i in range(args.pairs):
         before = load()
-        ng = nanogpt(args.nanogpt, args.iters, 10 ** 9, 1, args.threads)
-        ds = dsslm(data_dir, OUT / "runs" / f"throughput-{i}", args.iters, 0, args.threads)
+        ng = nanogpt(args.nanogpt, args.iters, 10 ** 9, 1, args.threads, args.compile)
+        ds = dsslm(data_dir, OUT / "runs" / f"throughput-{i}", args.iters, 0, args.threads, args.compile)
         pairs.append((ng, ds))
         print(f"pair {i}: nanoGPT {ng['loop_ms']:.2f} ms/iter (median step {ng['median_ms']:.2f}), dsslm "
               f"{ds['loop_ms']:.2f} ms/iter (median step {ds['median_ms']:.2f}), ratio "
@@ -188,9 +198,10 @@ def main() -> None:
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
     if not args.max_iters:
         return
-    for name, result in (("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads)),
+    for name, result in (("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads,
+                                                     args.compile)),
                          ("dsslm", lambda: dsslm(data_dir, OUT / "runs" / "to-loss", args.max_iters, args.eval_every,
-                                                 args.threads))):
+                                                 args.threads, args.compile))):
         before = load()
         run = result()
         hit = first_under(run["evals"], args.target)

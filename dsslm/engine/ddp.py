@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.config import Config
 from dsslm.engine.base import OptimState, TorchAdamWEngine, adam_state_by_name, check_names, load_adam_state
-from dsslm.engine.wrap import prepare_blocks
+from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
 
 
@@ -20,7 +20,7 @@ class DDPEngine(TorchAdamWEngine):
     def __init__(self, cfg: Config, model: nn.Module):
         super().__init__(cfg, model)
         model.to(self.device)
-        prepare_blocks(model, cfg.train)
+        prepare_model(model, cfg.train, whole_model=True)
         self.optimizer = build_adamw(model, cfg.optim, self.device)
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}

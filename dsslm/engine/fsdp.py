@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from dsslm.config import Config
 from dsslm.engine.base import MOMENTS, OptimState, TorchAdamWEngine, check_names, storage_bytes
 from dsslm.engine.launch import ensure_process_group
-from dsslm.engine.wrap import prepare_blocks
+from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
 
 
@@ -59,7 +59,7 @@ class FSDPEngine(TorchAdamWEngine):
         ensure_process_group(self.device)  # fully_shard needs a group, even for one process
         self.distributed = True
         model.to(self.device)
-        prepare_blocks(model, cfg.train)
+        prepare_model(model, cfg.train)
         shard_model(model, cfg.train.precision)
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.hold_grads = cfg.engine.fsdp_grad_reduce == "step"

@@ -51,7 +51,7 @@ from dsslm.config import Config, ConfigError  # noqa: E402
 from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
-from dsslm.engine.wrap import prepare_blocks  # noqa: E402
+from dsslm.engine.wrap import prepare_model  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.precision import SCALER_SCHEMA  # noqa: E402
 
@@ -114,7 +114,7 @@ class ZeroEngine(Engine):
         self.params = dict(model.named_parameters())  # unwrapped names; DeepSpeed keeps the objects
         self._check_stage()
         model.to(self.device)
-        prepare_blocks(model, cfg.train)
+        prepare_model(model, cfg.train)
         optimizer = build_adamw(model, cfg.optim, self.device)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)

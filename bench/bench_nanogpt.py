@@ -97,8 +97,8 @@ def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, thr
         link.symlink_to(nanogpt_dir / "configurator.py")
     cmd = [sys.executable, str(nanogpt_dir / "train.py"), str(nanogpt_dir / "config" / "train_shakespeare_char.py"),
            "--device=cpu", f"--compile={compile_on}", f"--eval_iters={eval_iters}", "--log_interval=1",
-           f"--block_size={SHAPE['block_size']}", f"--batch_size={SHAPE['batch_size']}", f"--n_layer={SHAPE['n_layer']}",
-           f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}", f"--max_iters={iters}",
+           f"--block_size={SHAPE['block_size']}", f"--batch_size={SHAPE['batch_size']}",
+           f"--n_layer={SHAPE['n_layer']}", f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}", f"--max_iters={iters}",
            f"--lr_decay_iters={iters}", "--dropout=0.0", "--dataset=dsslm_bytes", f"--eval_interval={eval_every}",
            f"--out_dir={scratch / 'out'}"]
     iter_ms, evals, first = {}, [], []

@@ -87,7 +87,7 @@ class OptimCfg:
     eps: float = 1e-8
     clip: float = 1.0
     decay_embeddings: bool = False
-    impl: str = "auto"          # auto | single | foreach | fused: torch AdamW's kernel (auto: fused on CUDA, foreach on CPU)
+    impl: str = "auto"          # auto | single | foreach | fused: torch AdamW's kernel (auto: fused)
 
 
 @dataclass

@@ -161,7 +161,8 @@ def collectives_worker(rank: int, world_size: int) -> dict:
     cfg = make_cfg("ddp", 1)
     engine = build(cfg)
     calls = []
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather", "broadcast_object_list")}
+    names = ("all_reduce", "broadcast", "all_gather", "broadcast_object_list")
+    originals = {name: getattr(dist, name) for name in names}
     for name, fn in originals.items():
         setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
     try:

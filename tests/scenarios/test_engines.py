@@ -284,7 +284,7 @@ def bf16_reference() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,stage", [("zero", 2), ("fsdp", 1)], ids=["zero2", "fsdp"])
 def test_bf16_trains_close_to_one_process_bf16(kind, stage):
-    """DeepSpeed's bf16 (bf16 weights and gradients, fp32 master) and FSDP's MixedPrecisionPolicy
+    """DeepSpeed's bf16 (bf16 weights, fp32 gradient accumulation and master) and FSDP's MixedPrecisionPolicy
     (bf16 compute, fp32 reduce) are not DDP's autocast: close, not equal (observed ~1e-4)."""
     result = run_distributed(train_worker, 2, (kind, stage, 4, 2, None, BF16))[0]
     assert_close_curves(result["curve"], bf16_reference()["curve"], rel=2e-3)

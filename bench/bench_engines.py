@@ -15,7 +15,9 @@ A bench, not a test: numbers on a shared 2-core machine are noisy; compare rows 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+import re
 import resource
 import statistics
 import sys
@@ -29,40 +31,54 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ENGINES = [("ddp", 1, 1), ("ddp", 1, 2), ("zero", 1, 2), ("zero", 2, 2), ("zero", 3, 2), ("fsdp", 1, 2)]
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter", "all_gather",
-               "broadcast", "reduce", "all_to_all_single", "barrier", "broadcast_object_list", "all_gather_object")
+COLLECTIVE = re.compile(r"^(all_reduce|all_gather|reduce_scatter|broadcast|barrier|all_to_all|reduce|gather|scatter|"
+                        r"send|recv|isend|irecv)(_.*)?$")
 FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_reduce_coalesced")
 
 
 class CollectiveCounter:
-    """Counts calls to torch.distributed's collectives and the functional ones while active."""
+    """Counts the collectives torch.distributed and DTensor's functional collectives are asked
+    for while active: the outermost call only (broadcast_object_list is one, not its inner
+    broadcasts), DDP's gradient buckets under their own name."""
 
     def __init__(self, engine) -> None:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
         self.counts: dict[str, int] = {}
-        self.active = False
-        self.patches = [(dist, name) for name in COLLECTIVES if hasattr(dist, name)]
-        self.patches += [(funcol, name) for name in FUNCTIONAL if hasattr(funcol, name)]
-        for module, name in self.patches:
-            setattr(module, name, self._wrap(getattr(module, name), f"{'funcol.' if module is funcol else ''}{name}"))
-        wrapped = getattr(engine, "wrapped", None)
-        if wrapped is not None and hasattr(wrapped, "register_comm_hook"):
+        self.active, self.depth, self.label = False, 0, None
+        wrapped: dict[int, object] = {}
+        for module in (dist, c10d):  # the same functions under two names; c10d calls its own
+            for name in dir(module):
+                fn = getattr(module, name)
+                if COLLECTIVE.match(name) and inspect.isfunction(fn):
+                    wrapped.setdefault(id(fn), self._wrap(fn, name))
+                    setattr(module, name, wrapped[id(fn)])
+        for name in FUNCTIONAL:
+            if hasattr(funcol, name):
+                setattr(funcol, name, self._wrap(getattr(funcol, name), f"funcol.{name}"))
+        ddp = getattr(engine, "wrapped", None)
+        if ddp is not None and hasattr(ddp, "register_comm_hook"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
             def hook(state, bucket):
-                self._count("ddp_bucket_all_reduce")
-                return allreduce_hook(state, bucket)
-            wrapped.register_comm_hook(None, hook)
-
-    def _count(self, name: str) -> None:
-        if self.active:
-            self.counts[name] = self.counts.get(name, 0) + 1
+                self.label = "ddp_bucket_all_reduce"
+                try:
+                    return allreduce_hook(state, bucket)
+                finally:
+                    self.label = None
+            ddp.register_comm_hook(None, hook)
 
     def _wrap(self, fn, name: str):
         def counted(*args, **kwargs):
-            self._count(name)
-            return fn(*args, **kwargs)
+            if self.active and self.depth == 0:
+                key = self.label or name
+                self.counts[key] = self.counts.get(key, 0) + 1
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
         return counted
 
 

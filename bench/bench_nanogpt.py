@@ -14,7 +14,10 @@ and the data, with its own config file and the recipe's flags.
    each trainer as its user runs it (dsslm with its defaults: spike monitor, diagnostics every
    50 steps, metrics.jsonl, TensorBoard when installed, a checkpoint at the end). Per run:
    loop time per iteration (nanoGPT: the mean of its printed per-iteration times after the
-   first; dsslm: from its start event to its end event, over the steps). Medians over pairs.
+   first; dsslm: from its start event to its end event, over the steps), and CPU time per
+   iteration (the process's user + system time between iteration 1 and the last: with
+   `--threads 1` it hardly moves with other processes' load, where wall time does). Medians
+   over pairs.
 2. Time to a validation loss of `--target` (1.88: nanoGPT's documented CPU result at 2000
    iterations): one full `--max-iters` run each, evaluating every `--eval-every` iterations
    (nanoGPT: its own estimate on 20 random batches of train and val; dsslm: its first 20 val
@@ -73,18 +76,27 @@ def prepare_data(text: Path) -> tuple[Path, Path]:
     return data_dir, ng_data
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (every thread): the load-robust measure."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def env(threads: int | None) -> dict:
-    out = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    # Unbuffered, so each line arrives (and is timed) when printed, not when a pipe buffer fills.
+    out = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     if threads:
         out["OMP_NUM_THREADS"] = str(threads)
     return out
 
 
-def run_streaming(cmd: list[str], cwd: Path, env_vars: dict, on_line) -> None:
-    """Run `cmd`, calling on_line(line, wall_time) for each stdout line as it arrives."""
+def run_streaming(cmd: list[str], cwd: Path, env_vars: dict, on_line, started=None) -> None:
+    """Run `cmd`, calling on_line(line, wall_time, pid) for each stdout line as it arrives."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env_vars, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if started is not None:
+        started(proc.pid)
     for line in proc.stdout:
-        on_line(line.rstrip("\n"), time.time())
+        on_line(line.rstrip("\n"), time.time(), proc.pid)
     if proc.wait() != 0:
         raise SystemExit(f"{cmd[:3]} exited {proc.returncode}")
 
@@ -98,23 +110,26 @@ def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, thr
     cmd = [sys.executable, str(nanogpt_dir / "train.py"), str(nanogpt_dir / "config" / "train_shakespeare_char.py"),
            "--device=cpu", f"--compile={compile_on}", f"--eval_iters={eval_iters}", "--log_interval=1",
            f"--block_size={SHAPE['block_size']}", f"--batch_size={SHAPE['batch_size']}",
-           f"--n_layer={SHAPE['n_layer']}", f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}", f"--max_iters={iters}",
+           f"--n_layer={SHAPE['n_layer']}", f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}",
+           f"--max_iters={iters}",
            f"--lr_decay_iters={iters}", "--dropout=0.0", "--dataset=dsslm_bytes", f"--eval_interval={eval_every}",
            f"--out_dir={scratch / 'out'}"]
-    iter_ms, evals, first = {}, [], []
+    iter_ms, evals, first, cpu = {}, [], [], {}
+    skip = 10 if compile_on else 1  # iterations left out of the timing (compiled: recompilations)
 
-    def on_line(line: str, now: float) -> None:
+    def on_line(line: str, now: float, pid: int) -> None:
         if (m := NANOGPT_ITER.match(line)):
             iter_ms[int(m[1])] = float(m[3])
+            if int(m[1]) in (skip - 1, iters):  # nanoGPT runs iterations 0..max_iters
+                cpu[int(m[1])] = cpu_s(pid)
             if int(m[1]) == 0:
                 first.append(now - float(m[3]) / 1000)  # the start of the first training iteration
         elif (m := NANOGPT_EVAL.match(line)):
             evals.append((int(m[1]), float(m[3]), now))
     run_streaming(cmd, scratch, env(threads), on_line)
-    # After the first iteration (and, compiled, the first 10: recompilations), evaluations left out.
-    skip = 10 if compile_on else 1
     steady = [ms for i, ms in iter_ms.items() if i >= skip and not any(i == s for s, _, _ in evals)]
     return {"loop_ms": statistics.mean(steady), "median_ms": statistics.median(steady),
+            "cpu_ms": 1000 * (cpu[iters] - cpu[skip - 1]) / (iters - skip + 1),
             "evals": [(s, v, t - first[0]) for s, v, t in evals if s > 0]}
 
 
@@ -131,20 +146,30 @@ def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: i
     evals: list[tuple[int, float, float]] = []
     seen: set[int] = set()
     metrics = run_dir / "metrics.jsonl"
+    skip = 10 if compile_on else 1
+    cpu: dict[int, float] = {}
+    pids: list[int] = []
 
-    def watch(stop: threading.Event) -> None:  # dsslm prints no val loss: read it as it is written
+    def watch(stop: threading.Event) -> None:
+        """dsslm prints no per-step line: read metrics.jsonl as it is written (every 20 ms), for the
+        val losses and the process's CPU time after steps `skip` and `iters`."""
         while not stop.is_set():
-            if metrics.exists():
-                for line in metrics.read_text().splitlines():
-                    record = json.loads(line) if line.strip().endswith("}") else {}
-                    if "val_loss" in record and record["step"] not in seen:
-                        seen.add(record["step"])
-                        evals.append((record["step"], record["val_loss"]["default"], time.time()))
-            stop.wait(0.05)
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            steps = [json.loads(x)["step"] for x in lines if '"step_time_s"' in x and x.endswith("}")]
+            for mark in (skip, iters):
+                if mark not in cpu and mark in steps and pids:
+                    cpu[mark] = cpu_s(pids[0])
+            for line in lines:
+                record = json.loads(line) if line.strip().endswith("}") else {}
+                if "val_loss" in record and record["step"] not in seen:
+                    seen.add(record["step"])
+                    evals.append((record["step"], record["val_loss"]["default"], time.time()))
+            stop.wait(0.02)
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
     watcher.start()
-    run_streaming([sys.executable, "-m", "dsslm.train", *overrides], ROOT, env(threads), lambda line, now: None)
+    run_streaming([sys.executable, "-m", "dsslm.train", *overrides], ROOT, env(threads),
+                  lambda line, now, pid: None, started=pids.append)
     stop.set()
     watcher.join()
     events = {e["event"]: e["time"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())}
@@ -153,7 +178,9 @@ def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: i
         loop_ms = 1000 * sum(r["step_time_s"] for r in steps[10:]) / len(steps[10:])
     else:
         loop_ms = 1000 * (events["end"] - events["start"]) / iters
-    return {"loop_ms": loop_ms, "median_ms": 1000 * statistics.median(r["step_time_s"] for r in steps),
+    cpu_ms = 1000 * (cpu[iters] - cpu[skip]) / (iters - skip) if len(cpu) == 2 else float("nan")
+    return {"loop_ms": loop_ms, "cpu_ms": cpu_ms,
+            "median_ms": 1000 * statistics.median(r["step_time_s"] for r in steps),
             "evals": [(s, v, t - events["start"]) for s, v, t in evals]}
 
 
@@ -187,15 +214,21 @@ def main() -> None:
         ng = nanogpt(args.nanogpt, args.iters, 10 ** 9, 1, args.threads, args.compile)
         ds = dsslm(data_dir, OUT / "runs" / f"throughput-{i}", args.iters, 0, args.threads, args.compile)
         pairs.append((ng, ds))
-        print(f"pair {i}: nanoGPT {ng['loop_ms']:.2f} ms/iter (median step {ng['median_ms']:.2f}), dsslm "
-              f"{ds['loop_ms']:.2f} ms/iter (median step {ds['median_ms']:.2f}), ratio "
-              f"{ng['loop_ms'] / ds['loop_ms']:.3f}; load {before} -> {load()}", flush=True)
+        print(f"pair {i}: nanoGPT {ng['loop_ms']:.2f} ms/iter wall (median step {ng['median_ms']:.2f}, CPU "
+              f"{ng['cpu_ms']:.2f}), dsslm {ds['loop_ms']:.2f} ms/iter wall (median step {ds['median_ms']:.2f}, CPU "
+              f"{ds['cpu_ms']:.2f}); ratio wall {ng['loop_ms'] / ds['loop_ms']:.3f}, CPU "
+              f"{ng['cpu_ms'] / ds['cpu_ms']:.3f}; load {before} -> {load()}", flush=True)
     ng_ms = statistics.median(p[0]["loop_ms"] for p in pairs)
     ds_ms = statistics.median(p[1]["loop_ms"] for p in pairs)
     ratios = [p[0]["loop_ms"] / p[1]["loop_ms"] for p in pairs]
+    cpu_ratios = [p[0]["cpu_ms"] / p[1]["cpu_ms"] for p in pairs]
     print(f"throughput: nanoGPT {tokens / ng_ms * 1000:,.0f} tokens/s, dsslm {tokens / ds_ms * 1000:,.0f} tokens/s, "
-          f"dsslm/nanoGPT {ng_ms / ds_ms:.3f} (median of {args.pairs} pairs; per pair "
+          f"dsslm/nanoGPT {ng_ms / ds_ms:.3f} wall (median of {args.pairs} pairs; per pair "
           f"{', '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"by CPU time (robust to other processes' load when --threads 1): dsslm/nanoGPT "
+          f"{statistics.median(cpu_ratios):.3f} (per pair {', '.join(f'{r:.3f}' for r in cpu_ratios)}); nanoGPT "
+          f"{statistics.median(p[0]['cpu_ms'] for p in pairs):.2f} ms, dsslm "
+          f"{statistics.median(p[1]['cpu_ms'] for p in pairs):.2f} ms of CPU per iteration")
     if not args.max_iters:
         return
     for name, result in (("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads,

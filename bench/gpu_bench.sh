@@ -5,7 +5,12 @@
 #
 #   bash bench/gpu_bench.sh                 # every GPU on the machine, 30 steps per run
 #   STEPS=50 NGPU=1 ENGINES="ddp fsdp" CONFIGS=125m bash bench/gpu_bench.sh
+#   COMPILE=false AC=full bash bench/gpu_bench.sh    # eager, every block's activations recomputed
 #   DEVICE=cpu NGPU=2 CONFIGS=tiny EXTRA="model.d_model=64" bash bench/gpu_bench.sh   # smoke test, no GPU
+#
+# Every run: bf16, train.compile=$COMPILE (default true on CUDA, false on CPU),
+# train.activation_checkpointing=$AC (default none), optim.impl=auto (fused AdamW), TF32 on for
+# what stays fp32, vocabulary padded to a multiple of 64.
 #
 # Data: the embedded stdlib corpus (data.dir="", byte tokens, nothing to download) with the
 # model's vocabulary forced to 32768, so the lm_head matmul costs what it costs on real BPE data.
@@ -22,6 +27,8 @@ NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 DEVICE=${DEVICE:-cuda}
 EXTRA=${EXTRA:-}                         # more dotted overrides for every run
 ENGINES=${ENGINES:-"ddp zero1 zero2 zero3 fsdp"}
+if [ "$DEVICE" = cuda ]; then COMPILE=${COMPILE:-true}; else COMPILE=${COMPILE:-false}; fi
+AC=${AC:-none}
 CONFIGS=${CONFIGS:-"125m 350m"}
 PEAK_FLOPS=${PEAK_FLOPS:-989e12}
 VOCAB=${VOCAB:-32768}
@@ -29,7 +36,7 @@ OUTDIR=${OUT:-bench}
 mkdir -p "$OUTDIR/runs"
 CSV="$OUTDIR/gpu_bench.csv"
 [ "$NGPU" -ge 1 ] || { echo "gpu_bench: no GPU found (nvidia-smi -L); set NGPU" >&2; exit 2; }
-echo "config,engine,gpus,params,tokens_per_s_per_gpu,step_time_s,mfu,peak_mem_gib,status" > "$CSV"
+echo "config,engine,gpus,params,tokens_per_s_per_gpu,step_time_s,mfu,peak_mem_gib,torch_peak_gib,status" > "$CSV"
 
 engine_overrides() {
     case "$1" in
@@ -64,7 +71,7 @@ events = Path(run_dir) / "events.jsonl"
 start = [e for e in (json.loads(l) for l in events.read_text().splitlines() if l.strip())
          if e.get("event") == "start"] if events.exists() else []
 if not steps or not start:
-    print(f"{config},{engine},{gpus},,,,,{float(peak_mib) / 1024:.1f},{status}")
+    print(f"{config},{engine},{gpus},,,,,{float(peak_mib) / 1024:.1f},,{status}")
     sys.exit(0)
 cfg = start[0]["config"]["model"]
 n = start[0]["n_params"]
@@ -72,7 +79,10 @@ step_s = statistics.median(r["step_time_s"] for r in steps)
 tps_gpu = statistics.median(r["batch_tokens"] / r["step_time_s"] for r in steps) / gpus
 flops_per_token = 6 * n + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
 mfu = flops_per_token * tps_gpu / peak
-print(f"{config},{engine},{gpus},{n},{tps_gpu:.0f},{step_s:.3f},{mfu:.3f},{float(peak_mib) / 1024:.1f},{status}")
+# torch.cuda.max_memory_allocated over ranks, from the diagnostics (observe.every=10 below).
+torch_peak = max((r["peak_mem_bytes"] for r in records if "peak_mem_bytes" in r), default=0) / 2**30
+print(f"{config},{engine},{gpus},{n},{tps_gpu:.0f},{step_s:.3f},{mfu:.3f},{float(peak_mib) / 1024:.1f},"
+      f"{torch_peak:.1f},{status}")
 EOF
 }
 
@@ -87,7 +97,8 @@ for config in $CONFIGS; do
             --config "configs/$config.yaml" run.dir="$run_dir" "data.dir=''" model.vocab_size="$VOCAB" \
             train.precision=bf16 train.device="$DEVICE" train.total_steps="$STEPS" optim.warmup_steps=2 \
             optim.schedule=cosine run.val_every=0 run.tensorboard=false monitor.enabled=false \
-            ckpt.every=1000000 $(engine_overrides "$engine") $EXTRA > "$run_dir.log" 2>&1
+            ckpt.every=1000000 observe.every=10 train.compile="$COMPILE" train.activation_checkpointing="$AC" \
+            $(engine_overrides "$engine") $EXTRA > "$run_dir.log" 2>&1
         rc=$?
         kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null
         peak_mib=$(sort -n "$mem_file" | tail -1); peak_mib=${peak_mib:-0}

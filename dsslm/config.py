@@ -52,6 +52,7 @@ class ModelCfg:
     n_heads: int = 4
     seq_len: int = 64
     vocab_size: int = 0         # 0 = take it from the data manifest
+    vocab_pad_to: int = 64      # embedding/head rows rounded up to a multiple (1 = none); see dsslm/model.py
     ffn_hidden: int = 0         # 0 = 8/3 * d_model rounded up to a multiple of 64 (SwiGLU)
     qk_norm: bool = False
     tie_embeddings: bool = True
@@ -77,6 +78,10 @@ class TrainCfg:
     loss_scale_init: float = 65536.0  # fp16 only: the dynamic loss scaler's starting scale
     device: str = "auto"        # auto | cpu | cuda
     batch_ramp: BatchRampCfg = field(default_factory=BatchRampCfg)  # batch-size warmup, in sequences
+    compile: bool = False       # torch.compile every block (applied by the engine; names unchanged)
+    activation_checkpointing: str = "none"  # none | full | every_n: recompute blocks' activations in backward
+    activation_checkpointing_every: int = 2  # every_n: checkpoint blocks n-1, 2n-1, ... (every n-th block)
+    tf32: bool = True           # CUDA: TF32 tensor cores for fp32 matmuls (10-bit mantissa products)
 
 
 @dataclass
@@ -93,6 +98,7 @@ class OptimCfg:
     eps: float = 1e-8
     clip: float = 1.0
     decay_embeddings: bool = False
+    impl: str = "auto"          # auto | single | foreach | fused: torch AdamW's kernel (auto: fused)
 
 
 @dataclass
@@ -108,6 +114,7 @@ class EngineCfg:
     kind: str = "ddp"           # ddp | zero | fsdp
     zero_stage: int = 1
     ds_config: str = ""         # "" = ds_configs/zero{stage}.json
+    fsdp_grad_reduce: str = "step"  # fsdp: step (hold unsharded grads to the last micro-batch) | micro_batch
 
 
 @dataclass
@@ -172,6 +179,9 @@ RESUME_MUTABLE_KEYS = (
     "run.tensorboard", "run.alert_command", "data.dir", "data.verify", "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
     "observe",
+    # How the same math is scheduled: rounding-level differences only, like a change of engine.
+    "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
+    "optim.impl",
 )
 
 
@@ -233,11 +243,15 @@ def validate(cfg: Config) -> None:
     _check_choice("engine.kind", e.kind, ("ddp", "zero", "fsdp"))
     _check_choice("engine.zero_stage", e.zero_stage, (1, 2, 3))
     _check_choice("faults.crash_mode", cfg.faults.crash_mode, ("sigkill", "raise"))
+    _check_choice("optim.impl", o.impl, ("auto", "single", "foreach", "fused"))
+    _check_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "every_n"))
+    _check_choice("engine.fsdp_grad_reduce", e.fsdp_grad_reduce, ("step", "micro_batch"))
     for key, value in (("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
                        ("model.n_heads", m.n_heads), ("model.seq_len", m.seq_len),
                        ("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.grad_accum", t.grad_accum), ("ckpt.every", cfg.ckpt.every),
-                       ("ckpt.keep_last", cfg.ckpt.keep_last)):
+                       ("ckpt.keep_last", cfg.ckpt.keep_last), ("model.vocab_pad_to", m.vocab_pad_to),
+                       ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
         _check(value >= 1, f"{key}={value} must be >= 1")
     _check(m.d_model % m.n_heads == 0,
            f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
@@ -307,15 +321,33 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# Hashed keys added after checkpoints were first written, and the value those older checkpoints
+# were made with: their absence is that value, not a difference. `model.vocab_pad_to=1` is the
+# unpadded embedding of checkpoints from before padding existed, so a resume under the default
+# 64 is refused naming the key (the shapes differ), and one with `model.vocab_pad_to=1` continues.
+LEGACY_VALUES = {"model.vocab_pad_to": 1}
+
+
 def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now).
 
-    A key the checkpoint does not have (dsslm added it since) at its default value is no drift:
-    the default is what the older code did (model.norm_eps=1e-6 was a constant before)."""
+    A key the checkpoint does not have (dsslm added it since) is read at the value the older code
+    behaved as: LEGACY_VALUES where that differs from today's default (model.vocab_pad_to was 1,
+    no padding), else the default (model.norm_eps=1e-6 was a constant before): then no drift."""
     now, defaults = hashed_items(cfg), hashed_items(Config())
+    saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **saved}
     keys = set(saved) | set(now)
     return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
             and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
+
+
+def _has_key(tree: dict, dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def from_dict(tree: Any, where: str) -> Config:
@@ -324,8 +356,11 @@ def from_dict(tree: Any, where: str) -> Config:
     `where` names the file in the error, since the user did not type these keys."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{where}: the config is not an object")
+    # A key older dsslm did not write reads as what that code did (see drift).
+    legacy = [f"{key}={value}" for key, value in LEGACY_VALUES.items() if not _has_key(tree, key)]
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree,
+                                                  OmegaConf.from_dotlist(legacy)))
         validate(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}: {_explain(err)}") from None

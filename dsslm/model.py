@@ -1,7 +1,18 @@
 """Llama-style decoder: RMSNorm (fp32 variance), RoPE, SwiGLU, causal SDPA, optional QK-norm.
 
-A pure nn.Module: it imports nothing distributed and never learns that an engine shards it.
+A pure nn.Module: it imports nothing distributed and never learns that an engine shards it
+(compilation and activation checkpointing are applied from outside, by the engines).
 `forward` returns fp32 logits; the loss lives in `dsslm.loss`.
+
+Shapes (the rule a checkpoint reader or exporter relies on):
+- `tok_emb.weight` and `lm_head.weight` have `padded_vocab(vocab_size, vocab_pad_to)` rows: the
+  vocabulary rounded up to a multiple of `model.vocab_pad_to` (64 by default; 1 = no padding),
+  so the head's matmul has a GPU-friendly width. Rows `vocab_size..padded` are never looked up
+  (token ids are `< vocab_size`) and never reach the output: `forward` returns logits for the
+  first `vocab_size` rows only, so the loss, z-loss, validation and sampling never see them, and
+  their gradient is exactly 0. An exporter keeps the first `vocab_size` rows.
+- RoPE rotates the pairs (x[2i], x[2i+1]) of every head (the interleaved / GPT-J convention, not
+  Hugging Face's rotate-half): pair i of position p turns by p * theta^(-2i/head_dim).
 """
 from __future__ import annotations
 
@@ -14,6 +25,30 @@ from torch import nn
 from dsslm.config import ModelCfg
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """y = x / rms(x) * w with the backward written out: 3 elementwise passes forward and 5
+    back, against autograd's ~13 over the same tensor (9 norms a step at d 128: ~8% of a CPU
+    step). Statistics in fp32 whatever the input dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
+        normed = x32 * rstd
+        ctx.save_for_backward(normed, rstd, weight)
+        return (normed * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, rstd, weight = ctx.saved_tensors
+        grad32 = grad.float()
+        scaled = grad32 * weight.float()
+        # d/dx of x * rstd: rstd * (g - x_hat * mean(g * x_hat)), with g the weight-scaled grad.
+        grad_x = (scaled - normed * (scaled * normed).mean(-1, keepdim=True)).mul_(rstd)
+        grad_w = (grad32 * normed).flatten(0, -2).sum(0)
+        return grad_x.to(grad.dtype), grad_w.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -22,23 +57,39 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The mean of squares in bf16 loses about 3 significant digits; do it in fp32.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def padded_vocab(vocab_size: int, pad_to: int) -> int:
+    """Rows of the embedding and head: `vocab_size` rounded up to a multiple of `pad_to`."""
+    return -(-vocab_size // pad_to) * pad_to
+
+
+def rope_table(seq_len: int, head_dim: int, theta: float) -> torch.Tensor:
+    """e^{i p theta_j} for position p and pair j, complex64 [seq_len, 1, head_dim // 2]: the
+    layout `apply_rope` broadcasts over [batch, seq, heads, pairs] without a reshape.
+    Angles in fp64, so position 2^15 is as exact as position 1."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [batch, heads, seq, head_dim]; rotate pairs (even, odd) in fp32.
-    x32 = x.float()
-    even, odd = x32[..., 0::2], x32[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate the (even, odd) pairs of `x` [batch, seq, heads, head_dim] by `table[:seq]`, in fp32
+    (a no-op cast for fp32 inputs).
+
+    Eager: one complex multiply over a view of `x` as complex pairs (no stack, no flatten copy).
+    Compiled: the same rotation in real arithmetic, which inductor fuses into one kernel (it
+    generates no code for complex ops).
+    """
+    table = table[: x.shape[1]]
+    if torch.compiler.is_compiling():
+        cos, sin = torch.view_as_real(table).unbind(-1)
+        even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+        return rotated.flatten(-2).to(x.dtype)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -52,12 +103,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    def split_heads(self, qkv: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [batch, heads, seq, head_dim] from the qkv projection's output: QK-norm
+        (when on) and RoPE on q and k. Views of one [batch, seq, 3, heads, head_dim] tensor, so
+        backward gathers the three gradients with one stack."""
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.view(batch, seq, 3, self.n_heads, self.head_dim).unbind(2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.split_heads(self.qkv(x), rope)
         # SDPA computes its softmax in fp32 internally, whatever the input dtype.
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
@@ -85,8 +144,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -96,16 +155,18 @@ class Transformer(nn.Module):
         if cfg.vocab_size < 1:
             raise ValueError("model.vocab_size must be set (from the data manifest) before building")
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.vocab_size = cfg.vocab_size
+        rows = padded_vocab(cfg.vocab_size, cfg.vocab_pad_to)
+        self.tok_emb = nn.Embedding(rows, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, rows, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        cos, sin = rope_tables(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
         # Not persistent: recomputed from the config, so checkpoints hold only learned tensors.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Complex, so no engine's cast of floating-point buffers to bf16 can coarsen the angles.
+        self.register_buffer("rope", rope_table(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta),
+                             persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -120,15 +181,26 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, 0.0, resid_std)
             else:
                 nn.init.normal_(param, 0.0, std)
+        # Padded rows are never looked up and never scored, so their gradient is 0 and AdamW
+        # leaves a zero row at zero: they stay 0 for the run, and an export that drops them
+        # and an import that pads with zeros round-trip every bit.
+        with torch.no_grad():
+            self.tok_emb.weight[self.vocab_size:].zero_()
+            self.lm_head.weight[self.vocab_size:].zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        seq = idx.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rope = self.rope[: idx.shape[1]]
         x = self.tok_emb(idx)
         for block in self.blocks:
-            x = block(x, cos, sin)
-        # Logits in fp32: the softmax over a large vocabulary is where bf16 hurts most.
-        return self.lm_head(self.norm(x)).float()
+            x = block(x, rope)
+        # Logits in fp32: the softmax over a large vocabulary is where bf16 hurts most. The
+        # padded rows are cut off here, so nothing downstream can score or sample them.
+        x = self.norm(x)
+        if x.is_cuda:  # the aligned width is what the padding is for: matmul, then drop columns
+            return self.lm_head(x)[..., : self.vocab_size].float()
+        # A CPU gains nothing from the alignment: multiply by the real rows only (fewer FLOPs,
+        # and no backward through a column slice of the logits).
+        return F.linear(x, self.lm_head.weight[: self.vocab_size]).float()
 
 
 def count_params(model: nn.Module) -> int:

@@ -49,12 +49,25 @@ def assert_partition(model: nn.Module, groups: list[list[torch.Tensor]]) -> None
                              f"in_two_groups={doubled} unknown={len(extra)}")
 
 
-def build_adamw(model: nn.Module, cfg: OptimCfg) -> torch.optim.AdamW:
+def adamw_impl(impl: str, device: torch.device) -> str:
+    """The AdamW kernel `optim.impl` means on `device`. `auto` is fused on CUDA and on CPU: one
+    pass over each tensor instead of one per op. Measured on a 2-core CPU at d 128 (0.83M
+    parameters): fused 0.92 ms a step, single-tensor 2.6 ms, foreach 2.9 ms (torch's CPU foreach
+    ops loop over tensors in C++ but still make a pass per op). Elsewhere (MPS, XPU), foreach."""
+    if impl != "auto":
+        return impl
+    return "fused" if device.type in ("cuda", "cpu") else "foreach"
+
+
+def build_adamw(model: nn.Module, cfg: OptimCfg, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the two groups. Every kernel is elementwise per tensor, so its result does not
+    depend on how tensors are grouped or flattened (DDP, ZeRO's flat partitions, FSDP's shards):
+    a resume with the same kernel continues to the bit; another kernel, within rounding."""
     groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, cfg)]
-    # foreach=False: the per-tensor loop gives the same bits regardless of how tensors are grouped,
-    # which keeps DDP, one process and resumed runs comparable to the bit on CPU.
+    impl = adamw_impl(cfg.impl, device)
+    kernel = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, foreach=False)
+                             weight_decay=cfg.weight_decay, **kernel)
 
 
 def lr_at(step: int, config: Config) -> float:

@@ -173,8 +173,9 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
                                    engine.world_size, cfg.train.grad_accum)
     job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.poison(batches, fed.indices)
-    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
-                        job.drills.loss_multiplier(step))
+    # Every target of a training batch is real: the step's token count needs no collective.
+    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip,
+                        fed.batch_size * cfg.model.seq_len, stop.requested, job.drills.loss_multiplier(step))
     verdict, reason = judge(job, step, result.loss, result.gnorm)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -208,6 +209,7 @@ def start(job: Job) -> None:
     job.rewinder.merge_run_file(job.state)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
+                   optim_impl=engine.optim_impl,
                    clip=cfg.optim.clip, config=to_dict(cfg))
     if engine.is_main:
         tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.config import Config
-from dsslm.optim import set_lr
+from dsslm.engine.wrap import set_matmul_precision
+from dsslm.optim import adamw_impl, set_lr
 from dsslm.precision import LossScaler
 
 T = TypeVar("T")
@@ -87,6 +88,8 @@ class Engine(abc.ABC):
     def __init__(self, cfg: Config, model: nn.Module):
         self.cfg = cfg
         self.device = pick_device(cfg)
+        set_matmul_precision(self.device, cfg.train.tf32)
+        self.optim_impl = adamw_impl(cfg.optim.impl, self.device)  # what optim.impl=auto resolved to
         # A group someone else made (the resume drill runs several jobs in one) outlives us.
         self.owns_group = not dist.is_initialized()
         init_distributed(self.device)
@@ -114,8 +117,9 @@ class Engine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def clip_grad_norm(self, max_norm: float) -> float:
-        ...
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm`; return the global pre-clip norm as a 0-dim tensor on the device
+        (not a float: the loop reads it with the step's other numbers, in one host sync)."""
 
     @abc.abstractmethod
     def step(self, lr: float) -> None:

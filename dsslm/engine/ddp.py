@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.config import Config
 from dsslm.engine.base import OptimState, TorchAdamWEngine, adam_state_by_name, check_names, load_adam_state
+from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
 
 
@@ -19,7 +20,8 @@ class DDPEngine(TorchAdamWEngine):
     def __init__(self, cfg: Config, model: nn.Module):
         super().__init__(cfg, model)
         model.to(self.device)
-        self.optimizer = build_adamw(model, cfg.optim)
+        prepare_model(model, cfg.train, whole_model=True)
+        self.optimizer = build_adamw(model, cfg.optim, self.device)
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
         if self.distributed:
@@ -39,11 +41,10 @@ class DDPEngine(TorchAdamWEngine):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.wrapped.no_sync() if self.distributed else contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = self.unscaled_grads()
-        # foreach=False keeps the reduction order fixed, so equal gradients give equal norms.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-        return float(norm)
+        # The per-tensor norms, then their norm: the same bits whatever the tensors' grouping.
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
 
     def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
         model_sd = {n: p.detach().float() for n, p in self.params.items()}

@@ -9,8 +9,14 @@ code runs on gloo (CPU tests) and nccl (GPU): only the device differs.
   LossScaler exactly as DDP does.
 - The tied embedding (tok_emb.weight is lm_head.weight) lives in the root's parameter group, so
   one shard serves both uses.
-- `no_sync()` = `set_requires_gradient_sync(False)`: gradients accumulate unsharded locally and
-  the final micro-batch reduce-scatters the sum once.
+- Gradient accumulation, `engine.fsdp_grad_reduce`:
+  `step` (default): `no_sync()` = `set_requires_gradient_sync(False)`: every rank holds the
+  full unsharded gradients (in the reduce dtype, fp32: 4 B/param, not 4/W) until the final
+  micro-batch reduce-scatters their sum once per step.
+  `micro_batch`: every micro-batch reduce-scatters at once and the sum accumulates in the fp32
+  shards: 4/W B/param held, grad_accum times the reduce-scatter traffic.
+  `memory_report()["grad_bytes"]` is what was really held: the largest, over the step, of the
+  unsharded gradients FSDP keeps between micro-batches plus the sharded ones.
 - full_state / load_full_state go through torch.distributed.checkpoint.state_dict with
   full_state_dict=True: fully_shard keeps parameter names, so keys are the unwrapped model's.
 """
@@ -23,12 +29,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsslm.config import Config
 from dsslm.engine.base import MOMENTS, OptimState, TorchAdamWEngine, check_names, storage_bytes
 from dsslm.engine.launch import ensure_process_group
+from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
 
 
@@ -52,12 +59,15 @@ class FSDPEngine(TorchAdamWEngine):
         ensure_process_group(self.device)  # fully_shard needs a group, even for one process
         self.distributed = True
         model.to(self.device)
+        prepare_model(model, cfg.train)
         shard_model(model, cfg.train.precision)
+        self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.hold_grads = cfg.engine.fsdp_grad_reduce == "step"
         self.params = dict(model.named_parameters())  # fully_shard keeps the names
         # Tied weights have two names (tok_emb.weight, lm_head.weight); checkpoints use the first.
         canonical = {id(p): n for n, p in self.params.items()}
         self.aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
-        self.optimizer = build_adamw(model, cfg.optim)
+        self.optimizer = build_adamw(model, cfg.optim, self.device)
         self._grad_bytes = 0
 
     # --- the training step -------------------------------------------------------------------
@@ -66,18 +76,36 @@ class FSDPEngine(TorchAdamWEngine):
 
     @contextlib.contextmanager
     def no_sync(self):
+        if not self.hold_grads:  # fsdp_grad_reduce=micro_batch: reduce-scatter every backward
+            yield
+            return
         self.module.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
+
+    def _held_grad_bytes(self) -> int:
+        """Gradient bytes this rank holds between micro-batches: FSDP's unsharded gradients (the
+        parameter's own, or the reduce-dtype copy it accumulates into) and the sharded ones."""
+        held = [p.grad for p in self.params.values()]
+        for module in self.fsdp_modules:
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                held += [getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad]
+        return storage_bytes(held)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = self.unscaled_grads()
-        self._grad_bytes = max(self._grad_bytes, storage_bytes([p.grad for p in params]))
+        self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
         # Each rank's shard norm is combined across ranks inside the DTensor: the global norm.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # --- state -------------------------------------------------------------------------------
     def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:

@@ -4,7 +4,8 @@ How the loop's step maps onto DeepSpeed:
 
 - The DeepSpeed config (`ds_configs/zero{stage}.json` or engine.ds_config) is a template: batch
   size, gradient accumulation, clipping and precision are filled from dsslm's config; a value
-  written in the file that disagrees with it is a ConfigError, not a silent override.
+  written in the file that disagrees with it is a ConfigError, not a silent override
+  (`engine/ds_config.py`).
 - Gradient accumulation: the loop already scales every micro-batch's loss by
   world_size / global_tokens, so `backward` passes `scale_wrt_gas=False` (DeepSpeed would
   otherwise divide by gradient_accumulation_steps again) and sets the accumulation boundary by
@@ -15,6 +16,10 @@ How the loop's step maps onto DeepSpeed:
 - `skip_step` drops the reduced gradients the way the ZeRO optimizer's own overflow branch does
   (weights, moments and Adam's step untouched) and advances DeepSpeed's global/skipped counters
   as an overflow would.
+- bf16: gradients accumulate and are reduced in fp32 (`data_types.grad_accum_dtype` and
+  `communication_data_type`, filled in by `engine/ds_config.py`), as FSDP's fp32 reduce policy
+  does. Stages 2 and 3 keep fp32 gradient partitions; stage 1 becomes DeepSpeed's
+  BF16_Optimizer (fp32 master and moments sharded, a full fp32 gradient buffer per rank).
 - fp16: DeepSpeed's dynamic loss scaler is the only scaler. `engine.scaler` is a read-only view
   of it (`DeepSpeedLossScale`): it tells the loop's judge() that a non-finite norm means "skip",
   and `skip_step` then lets DeepSpeed's own `step()` take its overflow branch, which backs the
@@ -23,11 +28,9 @@ How the loop's step maps onto DeepSpeed:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +40,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed probes for CUDA at import
 
 import deepspeed  # noqa: E402
-from deepspeed.runtime.utils import combine_grad_norm_groups  # noqa: E402
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
+from deepspeed.runtime.utils import combine_grad_norm_groups, get_global_norm_of_tensors  # noqa: E402
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer  # noqa: E402
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
@@ -45,56 +49,15 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 
 from dsslm.config import Config, ConfigError  # noqa: E402
 from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
+from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
+from dsslm.engine.wrap import prepare_model  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.precision import SCALER_SCHEMA  # noqa: E402
 
-DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 # DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
                         category=FutureWarning)
-
-
-def ds_config(cfg: Config, world_size: int) -> dict:
-    """The DeepSpeed config for this run: the template file with dsslm's own values filled in."""
-    default = DS_CONFIG_DIR / f"zero{cfg.engine.zero_stage}.json"
-    path = Path(cfg.engine.ds_config) if cfg.engine.ds_config else default
-    if not path.is_file():
-        raise ConfigError(f"engine.ds_config={str(path)!r}: no such file; leave it empty for "
-                          f"ds_configs/zero{{stage}}.json")
-    try:
-        conf = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"engine.ds_config={str(path)!r} is not JSON: {err}") from None
-    for section in ("optimizer", "scheduler"):
-        if section in conf:
-            raise ConfigError(f"{path} has a {section!r} section; dsslm passes its own AdamW and learning "
-                              f"rate (optim.*): remove the section")
-    t = cfg.train
-    zero = conf.setdefault("zero_optimization", {})
-    owned = {  # dotted DeepSpeed key -> (its value for this run, the dsslm key it comes from)
-        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
-        "gradient_accumulation_steps": (t.grad_accum, "train.grad_accum"),
-        "train_batch_size": (t.micro_batch_size * t.grad_accum * world_size, "train.micro_batch_size"),
-        "gradient_clipping": (cfg.optim.clip, "optim.clip"),
-        "bf16.enabled": (t.precision == "bf16", "train.precision"),
-        "fp16.enabled": (t.precision == "fp16", "train.precision"),
-        "zero_optimization.stage": (cfg.engine.zero_stage, "engine.zero_stage"),
-    }
-    for dotted, (value, key) in owned.items():
-        *parents, leaf = dotted.split(".")
-        node = conf
-        for part in parents:
-            node = node.setdefault(part, {})
-        written = node.get(leaf, "auto")
-        if written != "auto" and written != value:
-            raise ConfigError(f"{path}: {dotted}={written!r} but {key} gives {value!r}; write \"auto\" "
-                              f"there (dsslm fills it) or change {key}")
-        node[leaf] = value
-    if zero["stage"] == 3:
-        # Parameter gathering stays inside DeepSpeed's forward hooks; never all-gather on save.
-        zero.setdefault("stage3_gather_16bit_weights_on_model_save", False)
-    return conf
 
 
 class DeepSpeedLossScale:
@@ -151,17 +114,29 @@ class ZeroEngine(Engine):
         self.params = dict(model.named_parameters())  # unwrapped names; DeepSpeed keeps the objects
         self._check_stage()
         model.to(self.device)
-        optimizer = build_adamw(model, cfg.optim)
+        prepare_model(model, cfg.train)
+        optimizer = build_adamw(model, cfg.optim, self.device)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
-        if not isinstance(self.optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
-            raise ConfigError(f"the DeepSpeed config made a {type(self.optimizer).__name__}, which dsslm does "
-                              f"not drive; remove data_types.grad_accum_dtype / offload settings from it")
+        self.layout = self._layout()
         self.scaler = DeepSpeedLossScale(self.optimizer) if cfg.train.precision == "fp16" else None
         self._in_no_sync = False
-        self._last_norm = 0.0
+        self._last_norm = torch.zeros((), device=self.device)
         self._grad_bytes = 0
         self.ds.set_gradient_accumulation_boundary(True)
+
+    def _layout(self) -> str:
+        """Which DeepSpeed optimizer holds the state: `zero3`, `zero12` (stages 1 and 2) or `bf16`:
+        DeepSpeed's BF16_Optimizer, what stage 1 becomes under bf16 with fp32 gradient
+        accumulation (fp32 master and moments sharded, full fp32 gradients on every rank)."""
+        if isinstance(self.optimizer, BF16_Optimizer):
+            return "bf16"
+        if isinstance(self.optimizer, DeepSpeedZeroOptimizer_Stage3):
+            return "zero3"
+        if isinstance(self.optimizer, DeepSpeedZeroOptimizer):
+            return "zero12"
+        raise ConfigError(f"the DeepSpeed config made a {type(self.optimizer).__name__}, which dsslm does "
+                          f"not drive; remove offload settings from it")
 
     def _check_stage(self) -> None:
         if self.cfg.train.precision == "fp16" and not deepspeed.get_accelerator().is_fp16_supported():
@@ -192,16 +167,20 @@ class ZeroEngine(Engine):
         if self._in_no_sync:
             self.ds.micro_steps += 1  # DeepSpeed counts micro-batches; step() counts the last one
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global pre-clip norm of the reduced gradients (a collective); DeepSpeed clips in step()."""
         opt = self.optimizer
         opt.clip_grad = max_norm
-        if self.stage == 3:
+        if self.layout == "zero3":
             scaled = combine_grad_norm_groups(opt._get_norm_groups())
+        elif self.layout == "bf16":
+            # The fp32 sums, all-reduced in fp32: whole on every rank, so no collective here.
+            scaled = get_global_norm_of_tensors(opt.get_grads_for_norm()[0], mpu=opt.mpu)
         else:
             scaled = opt.scaled_global_norm()
-        norm = float(scaled) / float(opt.loss_scale)
-        self._last_norm = norm if math.isfinite(norm) and norm >= 0 else float("inf")
+        norm = scaled.float() / float(getattr(opt, "loss_scale", 1.0))
+        # DeepSpeed marks a non-finite norm as -1 or inf: the loop sees inf either way.
+        self._last_norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, math.inf)
         self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
         return self._last_norm
 
@@ -211,7 +190,7 @@ class ZeroEngine(Engine):
         self.ds.step()
 
     def skip_step(self) -> None:
-        if self.scaler is not None and not math.isfinite(self._last_norm):
+        if self.scaler is not None and not math.isfinite(float(self._last_norm)):
             # fp16 overflow: DeepSpeed's own step() sees it, drops the step and backs the scale off.
             self.ds.step()
             return
@@ -225,10 +204,14 @@ class ZeroEngine(Engine):
     def _drop_gradients(self) -> None:
         """The ZeRO optimizer's overflow branch without the loss-scale update."""
         opt = self.optimizer
-        if self.stage == 3:
+        if self.layout == "zero3":
             opt._pre_step()
             opt._partition_all_parameters()
             opt._overflow_clean_up(opt.loss_scale)
+            return
+        if self.layout == "bf16":  # BF16_Optimizer's own invalid-norm branch
+            opt.clear_hp_grads()
+            opt.clear_lp_grads(set_to_none=True)
             return
         opt.micro_step_id = INITIAL_MICRO_STEP_ID
         opt.zero_grad(set_to_none=True)
@@ -244,15 +227,18 @@ class ZeroEngine(Engine):
     def _flat_partitions(self) -> list[torch.Tensor]:
         """This rank's fp32 master partitions: the tensors the inner AdamW steps."""
         opt = self.optimizer
-        return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
+        if self.layout == "bf16":
+            return list(opt.fp32_groups_flat_partition)
+        return list(opt.fp32_partitioned_groups_flat if self.layout == "zero3" else opt.single_partition_of_fp32_groups)
 
     def _partition_of(self, param: nn.Parameter) -> torch.Tensor:
         opt = self.optimizer
-        if self.stage == 3:
+        if self.layout == "zero3":
             return opt.fp32_partitioned_groups_flat[opt.grad_position[opt.get_param_id(param)][0]]
-        for i, group in enumerate(opt.bit16_groups):
+        groups = opt.bf16_groups if self.layout == "bf16" else opt.bit16_groups
+        for i, group in enumerate(groups):
             if any(p is param for p in group):
-                return opt.single_partition_of_fp32_groups[i]
+                return self._flat_partitions()[i]
         raise KeyError("parameter not managed by the ZeRO optimizer")
 
     def _has_adam_state(self) -> bool:
@@ -287,7 +273,7 @@ class ZeroEngine(Engine):
         DeepSpeed links lazily after its first optimizer step of group 0, when the later groups
         have no state yet, and never again: relink before reading or writing moments.
         """
-        if self.stage != 3:
+        if self.layout != "zero3":
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
@@ -302,7 +288,7 @@ class ZeroEngine(Engine):
         # The working (bf16/fp16/fp32) copies first; stage 3 holds only a shard, so gather,
         # write on every rank (identical values) and let rank 0's copy be re-partitioned.
         gathered = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0)
-                    if self.stage == 3 else contextlib.nullcontext())
+                    if self.layout == "zero3" else contextlib.nullcontext())
         with gathered:
             for name, param in params:
                 param.data.copy_(model_sd[name].to(param.device, param.dtype))
@@ -315,7 +301,7 @@ class ZeroEngine(Engine):
         if not optim.step:
             for flat in self._flat_partitions():  # a checkpoint from before the first step
                 inner.pop(flat, None)
-            if self.stage != 3:
+            if self.layout != "zero3":
                 self.optimizer._hp_optimizer_states_linked = False
             return
         steps = self._group_steps(optim.step)
@@ -346,17 +332,21 @@ class ZeroEngine(Engine):
         opt = self.optimizer
         tensors = [t for p in self.params.values() for t in (p.grad, getattr(p, "grad_accum", None))
                    if t is not None]
-        for group in opt.averaged_gradients.values():
+        for group in getattr(opt, "averaged_gradients", {}).values():
             if group is not None:
                 tensors += [t for t in group if torch.is_tensor(t)]
-        if self.stage != 3 and getattr(opt, "grads_in_partition", None) is not None:
+        if self.layout == "zero12" and getattr(opt, "grads_in_partition", None) is not None:
             tensors.append(opt.grads_in_partition)
+        if self.layout == "bf16":  # the fp32 accumulation buffers: full size on every rank
+            tensors += list(opt.fp32_groups_gradients_flat)
         return storage_bytes(tensors)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the tensors (shared storage counted once)."""
-        if self.stage == 3:
+        if self.layout == "zero3":
             working = [p.ds_tensor for p in self.params.values()]
+        elif self.layout == "bf16":
+            working = list(self.optimizer.bf16_groups_flat)
         else:
             working = list(self.optimizer.bit16_groups_flat)
         inner = self.optimizer.optimizer.state

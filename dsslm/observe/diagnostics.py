@@ -10,7 +10,9 @@ metrics record:
   norms are of the weights before the update, so update_ratio = ||delta theta|| / ||theta||.
 - `max_attn_logit` (and `max_attn_logit_by_layer`): the largest pre-softmax score q.k/sqrt(d)
   over the causal positions of a fixed probe batch (the first val sequences), recomputed from
-  the attention modules' own qkv / q_norm / k_norm outputs (forward hooks) and `apply_rope`.
+  each attention module's qkv output (a forward hook) with the module's own `split_heads`
+  (QK-norm and RoPE as the model applies them). The probe runs eager under `train.compile`, so
+  its hooks never cost a recompile.
 - `max_logit`: the largest |output logit| on the probe batch.
 - `peak_mem_bytes`: the largest over ranks of `torch.cuda.max_memory_allocated` on GPU, of the
   process's max RSS on CPU.
@@ -40,7 +42,7 @@ from dsslm.data.loader import Loader
 from dsslm.engine.base import Engine
 from dsslm.observe.alerts import Alerts
 from dsslm.observe.sinks import Sinks
-from dsslm.model import Attention, apply_rope
+from dsslm.model import Attention
 from dsslm.precision import autocast
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s by torch.cuda.get_device_name(); first match
@@ -129,33 +131,24 @@ def causal_max_score(q: torch.Tensor, k: torch.Tensor) -> float:
 
 
 class _LayerProbe:
-    """Forward hooks on one Attention module: its rope tables (inputs), q/k (qkv output, or the
-    q_norm/k_norm outputs when QK-norm is on); the score maximum once the module has run."""
+    """Forward hooks on one Attention module: its rope table (input) and qkv output; the score
+    maximum once the module has run."""
 
     def __init__(self, attn: Attention):
         self.attn, self.seen, self.max_score = attn, {}, -math.inf
         self.handles = [attn.register_forward_pre_hook(self._inputs),
-                        attn.qkv.register_forward_hook(self._output("qkv")),
+                        attn.qkv.register_forward_hook(self._qkv),
                         attn.register_forward_hook(self._done)]
-        if attn.q_norm is not None:
-            self.handles += [attn.q_norm.register_forward_hook(self._output("q")),
-                             attn.k_norm.register_forward_hook(self._output("k"))]
 
     def _inputs(self, module: nn.Module, args: tuple) -> None:
-        _, self.seen["cos"], self.seen["sin"] = args  # Attention.forward(x, cos, sin)
+        _, self.seen["rope"] = args  # Attention.forward(x, rope)
 
-    def _output(self, key: str):
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            self.seen[key] = out.detach()
-        return hook
+    def _qkv(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.seen["qkv"] = out.detach()
 
     def _done(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        qkv = self.seen["qkv"]
-        batch, seq, _ = qkv.shape
-        q, k, _ = qkv.view(batch, seq, 3, self.attn.n_heads, self.attn.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = self.seen.get("q", q), self.seen.get("k", k)
-        cos, sin = self.seen["cos"], self.seen["sin"]
-        self.max_score = max(self.max_score, causal_max_score(apply_rope(q, cos, sin), apply_rope(k, cos, sin)))
+        q, k, _ = self.attn.split_heads(self.seen["qkv"], self.seen["rope"])
+        self.max_score = max(self.max_score, causal_max_score(q, k))
         self.seen.clear()
 
     def remove(self) -> None:
@@ -240,7 +233,8 @@ class Diagnostics:
         engine = self.engine
         engine.train_mode(False)
         try:
-            with attention_score_probe(engine.module) as probes:
+            # Eager even under train.compile: hooks inside a compiled block would force a recompile.
+            with attention_score_probe(engine.module) as probes, torch.compiler.set_stance("force_eager"):
                 with autocast(self.cfg.train.precision, engine.device):
                     logits = engine.forward(self.probe.to(engine.device))
             return [p.max_score for p in probes], float(logits.float().abs().max())

@@ -13,7 +13,7 @@ from dsslm.config import ModelCfg, load
 from dsslm.data.tokenizer import ByteTokenizer
 from dsslm.hf import (LLAMA, QWEN3, HFError, architecture_of, byte_tokenizer, from_hf, hf_shapes, model_values,
                       rope_order, to_hf)
-from dsslm.model import apply_rope, build_model, rope_tables
+from dsslm.model import apply_rope, build_model, rope_table
 
 MULTIBYTE = "naïve café — 日本語 🙂 ß∑ <|endoftext|> \x00\x7f end"
 
@@ -30,6 +30,8 @@ def random_state(cfg: ModelCfg, seed: int = 0) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()  # norm gains too: a permutation of ones would hide a wrong one
+        model.tok_emb.weight[cfg.vocab_size:].zero_()  # padded rows: 0, as dsslm keeps them
+        model.lm_head.weight[cfg.vocab_size:].zero_()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -57,10 +59,14 @@ def test_round_trip_returns_every_bit(overrides):
 
 def test_permuted_rows_give_hf_rope_the_same_scores():
     heads, head_dim, seq = 3, 8, 5
-    cos, sin = rope_tables(seq, head_dim, 10000.0)
+    table = rope_table(seq, head_dim, 10000.0)  # complex [seq, 1, pairs]
+    cos, sin = torch.view_as_real(table[:, 0]).unbind(-1)  # [seq, pairs]: HF's tables, one half
     torch.manual_seed(1)
     x = torch.randn(seq, 16)
     wq, wk = torch.randn(heads * head_dim, 16), torch.randn(heads * head_dim, 16)
+
+    def dsslm_rope(t, cos, sin):  # t [heads, seq, head_dim]; dsslm's kernel takes [batch, seq, heads, dim]
+        return apply_rope(t.transpose(0, 1)[None], table)[0].transpose(0, 1)
 
     def scores(w_q, w_k, rope):
         q = (x @ w_q.T).view(seq, heads, head_dim).transpose(0, 1)
@@ -71,21 +77,24 @@ def test_permuted_rows_give_hf_rope_the_same_scores():
     order = rope_order(head_dim)
     hf_q = wq.view(heads, head_dim, 16)[:, order].reshape_as(wq)
     hf_k = wk.view(heads, head_dim, 16)[:, order].reshape_as(wk)
-    dsslm = scores(wq, wk, apply_rope)
+    dsslm = scores(wq, wk, dsslm_rope)
     assert torch.allclose(scores(hf_q, hf_k, hf_rope), dsslm, atol=1e-5)
     assert not torch.allclose(scores(wq, wk, hf_rope), dsslm, atol=1e-2)  # unpermuted: wrong
 
 
 def test_export_cuts_padded_vocab_rows_and_import_pads_them_back_with_zeros():
-    cfg = model_cfg("model.tie_embeddings=false")
-    sd = random_state(cfg)
-    padded = {**sd, **{n: torch.cat([sd[n], torch.randn(14, 32)]) for n in ("tok_emb.weight", "lm_head.weight")}}
-    hf = to_hf(padded, cfg)  # a model with 64 rows for a 50-id vocabulary
-    assert hf["model.embed_tokens.weight"].shape == (50, 32) and torch.equal(hf["lm_head.weight"], sd["lm_head.weight"])
+    cfg = model_cfg("model.tie_embeddings=false")  # vocab_pad_to 64: 64 rows for a 50-id vocabulary
+    padded = random_state(cfg)
+    for n in ("tok_emb.weight", "lm_head.weight"):
+        padded[n][50:] = torch.randn(14, 32)  # export must cut these, whatever they hold
+    hf = to_hf(padded, cfg)
+    assert hf["model.embed_tokens.weight"].shape == (50, 32)
+    assert torch.equal(hf["lm_head.weight"], padded["lm_head.weight"][:50])
     shapes = {n: tuple(t.shape) for n, t in padded.items()}
     back = from_hf(hf, cfg, shapes)
     assert back["tok_emb.weight"].shape == (64, 32)
-    assert torch.equal(back["tok_emb.weight"][:50], sd["tok_emb.weight"]) and not back["tok_emb.weight"][50:].any()
+    assert torch.equal(back["tok_emb.weight"][:50], padded["tok_emb.weight"][:50])
+    assert not back["tok_emb.weight"][50:].any()
 
 
 def test_architecture_is_llama_or_qwen3_and_anything_else_is_refused():

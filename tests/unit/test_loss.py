@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dsslm.config import load
@@ -35,10 +36,11 @@ def test_token_weighted_accumulation_equals_one_big_batch():
     targets[2:4, 12:] = IGNORE_INDEX
     targets[6, :] = IGNORE_INDEX
     one, cfg = make_engine()
-    whole = accumulate(one, [(inputs, targets)], "fp32", cfg.train.z_loss, clip=1e9)
+    real = int((targets != IGNORE_INDEX).sum())
+    whole = accumulate(one, [(inputs, targets)], "fp32", cfg.train.z_loss, clip=1e9, tokens_global=real)
     many, _ = make_engine()
     split = [(inputs[i:i + 2], targets[i:i + 2]) for i in range(0, 8, 2)]
-    parts = accumulate(many, split, "fp32", cfg.train.z_loss, clip=1e9)
+    parts = accumulate(many, split, "fp32", cfg.train.z_loss, clip=1e9, tokens_global=real)
     assert whole.batch_tokens == parts.batch_tokens == int((targets != IGNORE_INDEX).sum())
     assert abs(whole.loss - parts.loss) < 1e-6
     for name, g in grads(one).items():
@@ -54,6 +56,36 @@ def test_clip_returns_pre_clip_norm_and_clips():
     engine, cfg = make_engine()
     gen = torch.Generator().manual_seed(2)
     batch = (torch.randint(0, 40, (4, 16), generator=gen), torch.randint(0, 40, (4, 16), generator=gen))
-    result = accumulate(engine, [batch], "fp32", 0.0, clip=1e-3)
+    result = accumulate(engine, [batch], "fp32", 0.0, clip=1e-3, tokens_global=4 * 16)
     post = torch.sqrt(sum((p.grad ** 2).sum() for p in engine.params.values()))
     assert result.gnorm > 1e-3 and abs(float(post) - 1e-3) < 1e-6
+
+
+def test_one_host_read_per_step_whatever_the_micro_batches(monkeypatch):
+    """Every host read of a tensor (.item(), .tolist(), float(), int(), bool()) is a GPU sync; a
+    step makes exactly one, for its loss, norm, stop flag and token count together."""
+    engine, cfg = make_engine()
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 40, (2, 16), generator=gen), torch.randint(0, 40, (2, 16), generator=gen))
+               for _ in range(4)]
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name: reads.append(_n) or _f(self, *a))
+    result = accumulate(engine, batches, "fp32", cfg.train.z_loss, clip=1.0, tokens_global=4 * 2 * 16)
+    monkeypatch.undo()
+    assert reads == ["tolist"], reads
+    assert result.batch_tokens == 128 and result.gnorm > 0 and result.loss > 0
+
+
+def test_a_wrong_token_count_fails_the_step_before_the_update():
+    engine, cfg = make_engine()
+    inputs = torch.randint(0, 40, (2, 16))
+    targets = inputs.clone()
+    targets[0, :4] = IGNORE_INDEX  # 28 real targets, not the 32 a full batch would have
+    before = {n: p.detach().clone() for n, p in engine.params.items()}
+    with pytest.raises(RuntimeError, match="tokens_global=32 .* hold 28"):
+        accumulate(engine, [(inputs, targets)], "fp32", cfg.train.z_loss, clip=1.0, tokens_global=32)
+    assert all(torch.equal(before[n], p) for n, p in engine.params.items())
+    with pytest.raises(ValueError, match="tokens_global=0"):
+        accumulate(engine, [(inputs, targets)], "fp32", cfg.train.z_loss, clip=1.0, tokens_global=0)

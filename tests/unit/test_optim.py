@@ -50,7 +50,7 @@ def test_partition_assertion_fires_on_missed_and_doubled_params():
 
 def test_adamw_hyperparameters():
     model, cfg = tiny_model()
-    opt = build_adamw(model, cfg.optim)
+    opt = build_adamw(model, cfg.optim, torch.device("cpu"))
     assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
 
 

@@ -171,7 +171,7 @@ def explicit_max_scores(model, idx: torch.Tensor) -> tuple[list[float], list[flo
 
     causal, full = [], []
     x = model.tok_emb(idx)
-    cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+    rope_table = model.rope[:seq]
     mask = torch.ones(seq, seq, dtype=torch.bool).tril()
     for block in model.blocks:
         h = rms(x, block.attn_norm.weight)
@@ -182,7 +182,7 @@ def explicit_max_scores(model, idx: torch.Tensor) -> tuple[list[float], list[flo
         scores = rope(q) @ rope(k).transpose(-1, -2) / math.sqrt(dim)
         causal.append(float(scores.masked_fill(~mask, -math.inf).max()))
         full.append(float(scores.max()))
-        x = block(x, cos, sin)
+        x = block(x, rope_table)
     return causal, full
 
 

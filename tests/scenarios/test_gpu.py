@@ -1,0 +1,45 @@
+"""What only a CUDA device can check: fused AdamW chosen and resuming to the bit, TF32 on, bf16
+compiled training under each engine, the padded head. Skipped without a GPU (none in CI)."""
+import pytest
+import torch
+
+from helpers import events, losses_by_step, read_jsonl, run_train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GPU_ENV = {"DS_ACCELERATOR": "cuda"}
+CUDA = ("train.device=cuda", "train.precision=bf16", "train.total_steps=20", "ckpt.every=10")
+
+
+def test_auto_is_fused_adamw_and_tf32_on_cuda(tmp_path):
+    from dsslm.config import load
+    from dsslm.engine import build_engine
+    from dsslm.model import build_model
+    cfg = load(None, ["train.device=cuda", "model.vocab_size=257"])
+    engine = build_engine(cfg, build_model(cfg.model))
+    assert engine.optim_impl == "fused" and engine.optimizer.defaults["fused"]
+    assert torch.get_float32_matmul_precision() == "high"
+    engine.close()
+
+
+def test_bf16_compiled_run_resumes_to_the_bit_on_cuda(tmp_path):
+    reference = tmp_path / "reference"
+    run_train(reference, *CUDA, "train.compile=true", env=GPU_ENV)
+    killed = tmp_path / "killed"
+    run_train(killed, *CUDA, "train.compile=true", "faults.crash_at_step=15", check=False, env=GPU_ENV)
+    run_train(killed, *CUDA, "train.compile=true", env=GPU_ENV)
+    assert events(killed, "resume")[0]["step"] == 10
+    ref, got = losses_by_step(reference), losses_by_step(killed)
+    assert all(got[s] == ref[s] for s in range(11, 21))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("engine", [("engine.kind=ddp",), ("engine.kind=fsdp",),
+                                    ("engine.kind=zero", "engine.zero_stage=1"),
+                                    ("engine.kind=zero", "engine.zero_stage=3")])
+def test_compiled_bf16_engines_train_on_two_gpus(tmp_path, engine):
+    run_train(tmp_path, *CUDA, "train.compile=true", "train.activation_checkpointing=full", *engine, nproc=2,
+              env=GPU_ENV)
+    losses = losses_by_step(tmp_path)
+    assert losses[20] < losses[1]
+    assert any("mfu" in r for r in read_jsonl(tmp_path / "metrics.jsonl"))

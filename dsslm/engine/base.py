@@ -162,7 +162,8 @@ class Engine(abc.ABC):
         verdict, a plan, which checkpoint) reaches all ranks, so none can take another branch.
 
         An exception `fn` raises on rank 0 is raised on every rank, so no rank is left waiting
-        alone in the next collective.
+        alone in the next collective; a BaseException too (a stop signal's Preempted, Ctrl-C), so
+        every rank leaves the same way.
         """
         if not self.distributed:
             return fn()
@@ -170,7 +171,7 @@ class Engine(abc.ABC):
         if self.is_main:
             try:
                 outcome = ("ok", fn())
-            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
                 outcome = ("raise", _picklable(exc))
         kind, value = self.broadcast(outcome)
         if kind == "raise":
@@ -232,7 +233,7 @@ class TorchAdamWEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _picklable(exc: Exception) -> Exception:
+def _picklable(exc: BaseException) -> BaseException:
     """`exc` itself if it survives the trip to the other ranks, else a RuntimeError saying what it was."""
     try:
         pickle.loads(pickle.dumps(exc))

@@ -140,6 +140,9 @@ class ObserveCfg:
     slow_steps: int = 5         # consecutive slow steps before the alert (once per episode)
     val_margin: float = 0.02    # alert when one domain's val loss is this fraction above its best...
     val_evals: int = 2          # ...for this many evaluations in a row while the others fall
+    # Resume audit where results are not bitwise reproducible (CUDA, another world size): the
+    # relative loss / grad-norm difference tolerated between a recomputed step and its record.
+    audit_tol: float = 0.05
 
 
 @dataclass
@@ -244,6 +247,7 @@ def validate(cfg: Config) -> None:
         _check(value >= 1, f"{key}={value} must be >= 1")
     _check(0 <= cfg.run.seed < 2**63, f"run.seed={cfg.run.seed} must be in [0, 2^63)")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
+    _check(cfg.observe.audit_tol >= 0, f"observe.audit_tol={cfg.observe.audit_tol} must be >= 0")
     _check(m.d_model % m.n_heads == 0,
            f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     _check((m.d_model // m.n_heads) % 2 == 0,

@@ -36,6 +36,7 @@ from dsslm.engine import Engine, build_engine
 from dsslm.exits import Preempted, StopFlag, ignore_from_now, note_exit
 from dsslm.loss import accumulate, token_losses
 from dsslm.model import build_model
+from dsslm.observe.audit import ResumeAudit, run_env
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.optim import lr_at
@@ -65,6 +66,7 @@ class Job:
     drills: Drills
     sinks: Sinks
     lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
+    audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
 
 
 @dataclass
@@ -225,11 +227,16 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 def start(job: Job) -> None:
     """Resume, branch or start fresh; fold in the run-level skip list; say so."""
     cfg, engine = job.cfg, job.engine
-    job.checkpointer.resume_or_init()
+    how = job.checkpointer.resume_or_init()
     job.rewinder.merge_run_file(job.state)
+    env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
+                  cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
+    if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
+        job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
+                                             cfg.train.total_steps, job.sinks.emit)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
-                   clip=cfg.optim.clip, config=to_dict(cfg))
+                   clip=cfg.optim.clip, env=env, config=to_dict(cfg))
     if engine.is_main:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {job.loader.global_batch_size * cfg.model.seq_len:,} tokens/step, "
@@ -247,6 +254,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
         verdict, record, stop_requested = train_step(job, stop)
+        job.audit.check(record)  # after a resume: the steps trained again must equal their records
         if verdict is Verdict.REWIND:
             sinks.log_step(diagnostics.observe(timed(record, started, state), before))
             job.rewinder.rewind(state, record.step)

@@ -112,7 +112,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     cleanup.callback(sinks.close)
-    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation)))
+    # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to write).
+    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost)))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
     cleanup.push(finish_saves(store))

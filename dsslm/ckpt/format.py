@@ -38,9 +38,10 @@ _NAME_RE = re.compile(r"step-(\d{8})(\.replaced)?")
 _GROUP_RE = re.compile(r"[A-Za-z0-9_]+")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # Read whole into memory before they are checked, so bounded: a MANIFEST lists a few files, and
-# state.json holds ~20 KB of RNG state per rank (256 MiB is ~12k ranks).
+# state.json holds ~20 KB of RNG state per rank (64 MiB is ~3,000 ranks). A hostile 64 MiB of
+# small JSON numbers parses to ~1 GB of Python objects: the most a bad file can cost rank 0.
 MAX_MANIFEST_BYTES = 1 << 20
-MAX_STATE_BYTES = 256 << 20
+MAX_STATE_BYTES = 64 << 20
 # 64 MiB pieces: large enough that per-call overhead is nil, small enough that hashing one piece
 # overlaps writing the next (see store._write_file).
 CHUNK_BYTES = 64 << 20

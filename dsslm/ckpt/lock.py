@@ -306,6 +306,8 @@ class RunLock:
     def release(self) -> None:
         """Delete LOCK if it still names us, and the folders acquire() made if they stayed empty."""
         self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()  # it wakes at once: never touching a LOCK that is no longer ours
         if self.me is not None and self.holds() is None:
             self.path.unlink(missing_ok=True)
             fsync_dir(self.run_dir)

@@ -35,8 +35,9 @@ def bare_loop(cfg, steps: int) -> float:
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model)
     opt = build_adamw(model, cfg.optim)
-    loader = Loader(default_data_dir(), cfg.model.seq_len, cfg.run.seed, cfg.train.micro_batch_size)
-    batches = [loader.micro_batches(s, [], 0, 1, 1)[0] for s in range(steps)]
+    loader = Loader(default_data_dir(), cfg.model.seq_len, cfg.run.seed)
+    size = cfg.train.micro_batch_size
+    batches = [loader.step(s * size, [], size, 0, 1, 1)[1][0] for s in range(steps)]
     started = time.perf_counter()
     for inputs, targets in batches:
         logits = model(inputs)

@@ -52,7 +52,8 @@ def main() -> None:
               f"{clean_events.count('rewind')} rewinds (false positives)")
         metrics = records(poisoned, "metrics.jsonl")
         for start, end in windows:
-            first = next((i for i, r in enumerate(metrics) if start <= r.get("data_batch", -1) < end), None)
+            first = next((i for i, r in enumerate(metrics)
+                          if start <= r.get("data_position", -1) // r.get("batch_sequences", 1) < end), None)
             if first is None:
                 print(f"poison {start}-{end}: never fed (an earlier rewind's window covered it)")
                 continue

@@ -21,6 +21,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
+HF_PREFIX = "hf:"  # run.init_from=hf:HF_DIR starts from a Hugging Face folder's weights
+
+
 class ConfigError(ValueError):
     """A bad key or value; the message says what to change."""
 
@@ -32,7 +35,7 @@ class RunCfg:
     log_every: int = 1          # steps between progress-bar refreshes (metrics.jsonl gets every step)
     val_every: int = 50         # steps between validation passes (0 = never)
     val_batches: int = 4        # batches per domain per validation pass
-    init_from: str = ""         # a checkpoint folder of another run to branch from
+    init_from: str = ""         # a checkpoint folder of another run to branch from, or hf:HF_DIR
     tensorboard: bool = True    # write TensorBoard files when the package is installed
     alert_command: str = ""     # shell command fed each alert event as JSON on stdin
     lock_stale_s: float = 600.0  # a run.dir lock held from another node is taken over after this long without a heartbeat
@@ -56,7 +59,14 @@ class ModelCfg:
     tie_embeddings: bool = True
     dropout: float = 0.0
     rope_theta: float = 10000.0
+    norm_eps: float = 1e-6      # RMSNorm's epsilon (Llama 2/3 and SmolLM use 1e-5, Qwen3 1e-6)
     init_std: float = 0.02
+
+
+@dataclass
+class BatchRampCfg:
+    start: int = 0              # global batch (sequences) at the start of the stream; 0 = no ramp
+    tokens: int = 0             # tokens of the stream over which it grows linearly to the full batch
 
 
 @dataclass
@@ -68,6 +78,7 @@ class TrainCfg:
     z_loss: float = 1e-4
     loss_scale_init: float = 65536.0  # fp16 only: the dynamic loss scaler's starting scale
     device: str = "auto"        # auto | cpu | cuda
+    batch_ramp: BatchRampCfg = field(default_factory=BatchRampCfg)  # batch-size warmup, in sequences
 
 
 @dataclass
@@ -253,6 +264,13 @@ def validate(cfg: Config) -> None:
     _check((m.d_model // m.n_heads) % 2 == 0,
            f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
+    _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
+           f"model.vocab_size={m.vocab_size} and model.ffn_hidden={m.ffn_hidden} must be >= 0 (0 = derived)")
+    if cfg.run.init_from.startswith(HF_PREFIX):
+        _check(len(cfg.run.init_from) > len(HF_PREFIX),
+               f"run.init_from={cfg.run.init_from!r} names no folder; write run.init_from=hf:PATH/TO/HF_DIR")
     _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
     _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
     _check(0 <= o.warmup_steps <= t.total_steps,
@@ -266,6 +284,12 @@ def validate(cfg: Config) -> None:
     _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
     _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
+    ramp = t.batch_ramp
+    _check(ramp.start >= 0 and ramp.tokens >= 0,
+           f"train.batch_ramp.start={ramp.start} and train.batch_ramp.tokens={ramp.tokens} must be >= 0")
+    _check((ramp.start > 0) == (ramp.tokens > 0),
+           "train.batch_ramp needs both start (sequences) and tokens, or neither; e.g. "
+           "train.batch_ramp.start=32 train.batch_ramp.tokens=1000000")
     _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
     _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
     _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")
@@ -304,7 +328,27 @@ def config_hash(cfg: Config) -> str:
 
 
 def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now)."""
-    now = hashed_items(cfg)
+    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now).
+
+    A key the checkpoint does not have (dsslm added it since) at its default value is no drift:
+    the default is what the older code did (model.norm_eps=1e-6 was a constant before)."""
+    now, defaults = hashed_items(cfg), hashed_items(Config())
     keys = set(saved) | set(now)
-    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
+    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
+            and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
+
+
+def from_dict(tree: Any, where: str) -> Config:
+    """A Config from a saved tree (a checkpoint's state.json `config`), checked like a loaded one.
+
+    `where` names the file in the error, since the user did not type these keys."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{where}: the config is not an object")
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree))
+        validate(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}: {_explain(err)}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return cfg

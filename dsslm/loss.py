@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
@@ -72,3 +74,41 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
                                                  dtype=torch.float64))
     return StepResult(loss=float(reduced[0]) / max(tokens, 1), gnorm=gnorm, batch_tokens=tokens,
                       stop_requested=bool(reduced[1] > 0))
+
+
+@dataclass
+class ValSums:
+    """One domain's validation pass: summed cross-entropy (nats), real targets, their bytes of text."""
+    nats: float = 0.0
+    tokens: int = 0
+    bytes: int | None = 0  # None: the tokenizer cannot count this domain's bytes exactly
+
+    @property
+    def loss(self) -> float:
+        return self.nats / self.tokens
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return bits_per_byte(self.nats, self.bytes)
+
+
+def bits_per_byte(nats: float, n_bytes: int | None) -> float | None:
+    """Summed cross-entropy in bits over the bytes of text it predicted: loss_bits * tokens / bytes."""
+    return nats / math.log(2) / n_bytes if n_bytes else None
+
+
+@torch.no_grad()
+def validation_sums(forward: Callable[[torch.Tensor], torch.Tensor], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                    precision: str, device: torch.device,
+                    count_bytes: Callable[[torch.Tensor], int | None] = lambda targets: None) -> ValSums:
+    """Forward every batch under the run's autocast; what training's val_loss and dsslm.eval share,
+    so both give the same number for the same checkpoint."""
+    sums = ValSums()
+    for inputs, targets in batches:
+        with autocast(precision, device):
+            logits = forward(inputs.to(device))
+        sums.nats += float(token_losses(logits, targets.to(device))[0])
+        sums.tokens += int((targets != IGNORE_INDEX).sum())
+        n_bytes = count_bytes(targets)
+        sums.bytes = None if n_bytes is None or sums.bytes is None else sums.bytes + n_bytes
+    return sums

@@ -26,21 +26,23 @@ from pathlib import Path
 import torch
 
 from dsslm.ckpt.lock import LockLost, RunLock
-from dsslm.ckpt.resume import Checkpointer, DataPosition, RngStreams, Stateful
+from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
 from dsslm.ckpt.store import CheckpointError, CheckpointStore
 from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
+from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
+from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
 from dsslm.exits import Preempted, StopFlag, ignore_from_now, note_exit
-from dsslm.loss import accumulate, token_losses
+from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
+from dsslm.loss import accumulate, validation_sums
 from dsslm.model import build_model
 from dsslm.observe.audit import ResumeAudit, run_env
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.optim import lr_at
-from dsslm.precision import autocast
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
 from dsslm.recovery.rewind import Escalation, Rewinder, recovery_pins
@@ -65,6 +67,7 @@ class Job:
     rewinder: Rewinder
     drills: Drills
     sinks: Sinks
+    byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
     lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
 
@@ -78,7 +81,8 @@ class StepRecord:
     lr: float
     lr_scale: float
     verdict: str                 # ok | skip_step | rewind
-    data_batch: int
+    data_position: int           # the global sequence index of the step's first sequence
+    batch_sequences: int         # the step's global batch (smaller while train.batch_ramp ramps)
     batch_tokens: int            # real target tokens in this step
     reason: str = ""
     tokens: int = 0              # tokens_seen after this step: the running total (the contract's name)
@@ -97,6 +101,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
+    if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
+        apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
@@ -108,7 +114,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
         engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
-    loader = open_loader(data_dir, cfg, global_batch, manifest)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     cleanup.callback(sinks.close)
@@ -118,24 +124,18 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
                             on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
     cleanup.push(finish_saves(store))
     report_claim(sinks, takeover, engine.decide(store.remove_leftovers))
-    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size)
+    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
+                    global_batch)
     drills.arm(store)
     monitor = SpikeMonitor(cfg.monitor)
-    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state),
-                                  "data": DataPosition(loader.data_batch_index, state)}
+    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
-    rewinder = Rewinder(cfg, engine, checkpointer, monitor, loader.data_batch_index, run_dir, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks, lock)
-
-
-def open_loader(data_dir: Path, cfg: Config, global_batch: int, manifest: dict) -> Loader:
-    try:
-        return Loader(data_dir, cfg.model.seq_len, cfg.run.seed, global_batch, manifest=manifest)
-    except ValueError as exc:  # the loader names the key to change (model.seq_len longer than the data)
-        raise DataError(str(exc)) from None
+    rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
+    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks,
+               ByteCounter(data_dir, manifest), lock)
 
 
 def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
@@ -172,35 +172,40 @@ def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]
     return verdict, reason if verdict is not Verdict.OK else ""
 
 
-@torch.no_grad()
-def evaluate(job: Job) -> dict[str, float]:
-    """Mean loss per real token on each domain's held-out split (every rank runs every batch,
-    so sharded engines see matching collectives)."""
+def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean loss per real token (nats) and bits per byte on each domain's held-out split (every
+    rank runs every batch, so sharded engines see matching collectives)."""
     job.engine.train_mode(False)
-    out = {}
+    losses, bpb = {}, {}
     for domain in job.loader.domains:
-        ce, tokens = 0.0, 0
-        for inputs, targets in job.loader.val_batches(domain, job.cfg.run.val_batches,
-                                                      job.cfg.train.micro_batch_size):
-            with autocast(job.cfg.train.precision, job.engine.device):
-                logits = job.engine.forward(inputs.to(job.engine.device))
-            ce += float(token_losses(logits, targets.to(job.engine.device))[0])
-            tokens += int((targets != -100).sum())
-        if tokens:
-            out[domain] = ce / tokens
+        batches = job.loader.val_batches(domain, job.cfg.run.val_batches, job.cfg.train.micro_batch_size)
+        sums = validation_sums(job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
+                               lambda targets: job.byte_counter.count(domain, targets))
+        if sums.tokens:
+            losses[domain] = sums.loss
+            if sums.bits_per_byte is not None:
+                bpb[domain] = sums.bits_per_byte
     job.engine.train_mode(True)
-    return out
+    return losses, bpb
 
 
-def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, bool]:
+def batch_size(job: Job) -> int:
+    """This step's global batch in sequences: the full one, or less while train.batch_ramp ramps."""
+    t, world_size = job.cfg.train, job.engine.world_size
+    full = t.micro_batch_size * t.grad_accum * world_size
+    return batch_size_at(job.state.next_sequence, full, t.grad_accum * world_size, t.batch_ramp.start,
+                         t.batch_ramp.tokens, job.cfg.model.seq_len)
+
+
+def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
     """Forward, backward and the verdict for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
     lr = lr_at(state.step, cfg) * state.lr_scale
-    data_batch = job.loader.data_batch_index(state.step, state.skip_list)
-    batches = job.loader.micro_batches(state.step, state.skip_list, engine.rank, engine.world_size,
-                                       cfg.train.grad_accum)
-    batches = job.drills.poison(batches, data_batch)
+    fed, batches = job.loader.step(state.next_sequence, state.skip_list, batch_size(job), engine.rank,
+                                   engine.world_size, cfg.train.grad_accum)
+    job.rewinder.note(step, fed.first, fed.end)
+    batches = job.drills.poison(batches, fed.indices)
     result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
                         job.drills.loss_multiplier(step))
     verdict, reason = judge(job, step, result.loss, result.gnorm)
@@ -209,8 +214,9 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, bool]:
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
-                        verdict=verdict.value, data_batch=data_batch, batch_tokens=result.batch_tokens, reason=reason)
-    return verdict, record, result.stop_requested
+                        verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
+                        batch_tokens=result.batch_tokens, reason=reason)
+    return verdict, record, fed, result.stop_requested
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
@@ -228,7 +234,8 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 def start(job: Job) -> None:
     """Resume, branch or start fresh; fold in the run-level skip list; say so."""
     cfg, engine = job.cfg, job.engine
-    how = job.checkpointer.resume_or_init()
+    hf_dir = hf_dir_of(cfg.run.init_from)
+    how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
     job.rewinder.merge_run_file(job.state)
     env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
                   cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
@@ -239,9 +246,10 @@ def start(job: Job) -> None:
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    clip=cfg.optim.clip, env=env, config=to_dict(cfg))
     if engine.is_main:
+        tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
-              f"rank(s), {job.loader.global_batch_size * cfg.model.seq_len:,} tokens/step, "
-              f"starting at step {job.state.step}", flush=True)
+              f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
+              f"(sequence {job.state.next_sequence})", flush=True)
 
 
 def run_loop(job: Job, stop: StopFlag) -> int:
@@ -254,19 +262,19 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         job.drills.maybe_crash(state.step)
         before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
-        verdict, record, stop_requested = train_step(job, stop)
+        verdict, record, fed, stop_requested = train_step(job, stop)
         job.audit.check(record)  # after a resume: the steps trained again must equal their records
         if verdict is Verdict.REWIND:
             sinks.log_step(diagnostics.observe(timed(record, started, state), before))
             job.rewinder.rewind(state, record.step)
             continue
-        account(job, verdict, record)
+        account(job, verdict, record, fed)
         if state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
-            val_loss = evaluate(job)
-            sinks.log_val({"step": state.step, "val_loss": val_loss})
+            val_loss, val_bpb = evaluate(job)
+            sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb})
             diagnostics.check_val(state.step, val_loss)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
@@ -312,15 +320,17 @@ def report_memory(job: Job) -> None:
         print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
 
 
-def account(job: Job, verdict: Verdict, record: StepRecord) -> None:
+def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
+    """A step was applied or skipped: either way its data is consumed (a skipped batch is not replayed)."""
     state = job.state
     state.step += 1
+    state.next_sequence = fed.end
     state.tokens_seen += record.batch_tokens
     state.clipped_steps += int(record.gnorm > job.cfg.optim.clip)
     if verdict is Verdict.SKIP:
         state.skipped_steps += 1
         job.sinks.emit("skip", step=state.step, loss=record.loss, gnorm=record.gnorm,
-                       data_batch=record.data_batch, reason=record.reason)
+                       data_position=record.data_position, reason=record.reason)
 
 
 def timed(record: StepRecord, started: float, state: TrainState) -> dict:

@@ -3,7 +3,7 @@
 What goes into a checkpoint and what comes out of it is one table, name -> object with
 `state_dict()` / `load_state_dict()` / `state_schema`, built once by the loop:
 
-    parts = {"train": TrainState, "monitor": SpikeMonitor, "rng": RngStreams, "data": DataPosition,
+    parts = {"train": TrainState, "monitor": SpikeMonitor, "rng": RngStreams,
              "scaler": LossScaler (fp16 only)}
 
 A save writes `state.json` = {"schema": 2, "step", "skip_list", <every part's state_dict()>,
@@ -34,6 +34,13 @@ from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
 SCHEMA_VERSION = 2
 HEADER = ("schema", "step", "skip_list", "world_size", "engine", "fingerprint", "config")
 TENSOR_GROUPS = ("model", "optim")
+
+
+class WeightSource(Protocol):
+    """Weights made elsewhere (`run.init_from=hf:HF_DIR`): `read(expect)` returns them by dsslm
+    parameter name with a lineage record; `expect` is the record rank 0 read, for the others."""
+
+    def read(self, expect: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]: ...
 
 
 class Stateful(Protocol):
@@ -69,27 +76,6 @@ class _RngList(Spec):
             raise StateError(f"{path}: no rank's random state")
         for i, one in enumerate(value):
             check_rng_state(one, f"{path}[{i}]")
-
-
-class DataPosition:
-    """Where the data stream stands after `train.step` steps: the next data batch to feed.
-
-    A pure function of the train part (step and skip list), so restoring it sets nothing; it is
-    saved so a reader (and the check on load) can see the stream's position without a loader."""
-
-    state_schema = Fields(next_data_batch=Int(0, 2**62))
-
-    def __init__(self, data_batch_of: Callable[[int, list], int], train: TrainState):
-        self.data_batch_of, self.train = data_batch_of, train
-
-    def state_dict(self) -> dict:
-        return {"next_data_batch": self.data_batch_of(self.train.step, self.train.skip_list)}
-
-    def load_state_dict(self, state: dict) -> None:
-        return  # derived from the train part; `consistent` checked it before loading
-
-    def consistent(self, state: dict, train: dict) -> bool:
-        return state["next_data_batch"] == self.data_batch_of(train["step"], train["skip_list"])
 
 
 class Checkpointer:
@@ -168,9 +154,6 @@ class Checkpointer:
             raise StateError("state.step / state.skip_list: differ from state.train's copies")
         if len(state["rng"]) != state["world_size"]:
             raise StateError(f"state.rng: {len(state['rng'])} ranks' streams for world_size {state['world_size']}")
-        data = self.parts.get("data")
-        if isinstance(data, DataPosition) and not data.consistent(state["data"], train):
-            raise StateError("state.data.next_data_batch: does not follow from state.train's step and skip_list")
 
     def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], values: bool = True) -> None:
         """Every tensor's name, shape and dtype against this model, before any is loaded: a
@@ -178,13 +161,13 @@ class Checkpointer:
         if sorted(tensors) != sorted(TENSOR_GROUPS):
             raise CheckpointError(f"tensor files are {sorted(tensors)}, expected {list(TENSOR_GROUPS)}")
         shapes = self.engine.param_shapes
-        _check_table("model", tensors["model"], shapes, exact=True)
+        check_table("model", tensors["model"], shapes, exact=True)
         try:
             optim = OptimState.from_tensors(tensors["optim"])
         except ValueError as exc:
             raise CheckpointError(f"optim: {exc}") from None
         for kind in MOMENTS:
-            _check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
+            check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
             if set(getattr(optim, kind)) != set(optim.step):
                 raise CheckpointError(f"optim: {kind} and step name different parameters")
         for key, tensor in tensors["optim"].items():
@@ -239,19 +222,47 @@ class Checkpointer:
             out.append(state["train"])
         return out
 
-    def resume_or_init(self) -> str:
-        """Continue from this run's newest checkpoint, else branch from `run.init_from`, else start
-        at step 0. Returns which: "resume", "branch" or "fresh"."""
+    def resume_or_init(self, weights: WeightSource | None = None) -> str:
+        """Continue from this run's newest checkpoint, else start from `weights` (an import) or
+        branch from `run.init_from`, else start at step 0. Returns which: "resume", "import",
+        "branch" or "fresh"."""
         ckpt = self.latest()
         if ckpt is not None:
             allowed = self.accept(ckpt, values=False)  # pure and cheap: again on every rank, for the event
             self.restore(ckpt)
             self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed)
             return "resume"
+        if weights is not None:
+            self.start_from(weights)
+            return "import"
         if self.cfg.run.init_from:
             self.branch(Path(self.cfg.run.init_from))
             return "branch"
         return "fresh"
+
+    def start_from(self, weights: WeightSource) -> None:
+        """Step 0 with weights made elsewhere: a fresh optimizer, the source in the lineage."""
+        read: list[dict] = []
+
+        def read_first() -> dict:
+            model_sd, record = weights.read()
+            read.append(model_sd)
+            return record
+
+        record = self.engine.decide(read_first)  # rank 0 validates; its refusal is every rank's
+        model_sd, problem = (read[0], None) if read else (None, None)
+        if not read:
+            try:
+                model_sd = weights.read(expect=record)[0]
+            except ConfigError as exc:  # the files changed under us: every rank must hear of it
+                problem = str(exc)
+        problems = [p for p in self.engine.all_gather(problem) if p]
+        if problems:
+            raise ConfigError(problems[0])
+        check_table("model", model_sd, self.engine.param_shapes, exact=True)
+        self.engine.load_full_state(model_sd, OptimState())
+        self.train.lineage = self.train.lineage + [record]
+        self.emit("import", step=self.train.step, source=record)
 
     def branch(self, path: Path) -> None:
         """Start from another run's checkpoint (a WSD cooldown, an extension), recording lineage.
@@ -273,12 +284,19 @@ class Checkpointer:
         parent_ckpt = opened[0] if opened else self.open(path, verified=True, parent=True)
         drifted = self.accept(parent_ckpt, parent=True, values=False)
         self.restore(parent_ckpt)
-        self.train.lineage = self.train.lineage + [{"run_dir": str(path.parent.parent), "step": self.train.step,
-                                                    "checkpoint": str(path)}]
-        self.emit("branch", step=self.train.step, parent=str(path), drift=drifted)
+        train = self.train
+        data = "continues the parent's stream"
+        if "data" in drifted:
+            # Positions and skip windows name sequences of the parent's corpus, not of this one.
+            data = (f"another corpus: starts at its sequence 0; the parent's position {train.next_sequence} "
+                    f"and {len(train.skip_list)} skip windows are not carried over")
+            train.next_sequence, train.skip_list, train.rewinds = 0, [], []
+        train.lineage = train.lineage + [{"run_dir": str(path.parent.parent), "step": train.step,
+                                          "checkpoint": str(path)}]
+        self.emit("branch", step=train.step, parent=str(path), drift=drifted, data=data)
 
 
-def _check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:
+def check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:
     unknown = sorted(set(tensors) - set(shapes))
     missing = sorted(set(shapes) - set(tensors)) if exact else []
     if unknown or missing:
@@ -306,23 +324,31 @@ def _check_values(model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
 
 
 def upgrade_state(state: Any) -> Any:
-    """state.json of schema 1 (before the step vocabulary was one) in today's layout; anything
-    else is returned unchanged for the checks to judge."""
+    """state.json of schema 1 in today's layout; anything else is returned unchanged for the
+    checks to judge.
+
+    Schema 1 counted a spike by its 0-based step index (now the step count) and the data stream
+    in data batches of the run's global batch B (now in global sequences): batch d was sequences
+    [d*B, (d+1)*B), so windows and the position convert exactly with the B the checkpoint
+    recorded in its fingerprint."""
     if not isinstance(state, dict) or state.get("format") != 1 or "schema" in state:
         return state
     try:
         old = dict(state)
+        batch = int(old["fingerprint"]["global_batch_size"])
         train = dict(old.pop("run"))
         train["tokens_seen"] = train.pop("tokens")
-        # Schema 1 counted a spike by its 0-based step index; now by the step count.
-        train["rewinds"] = [{**r, "step": r["step"] + 1} for r in train["rewinds"]]
+        train["skip_list"] = [[a * batch, b * batch] for a, b in train["skip_list"]]
+        train["next_sequence"] = int(old["loader"]["next_data_batch"]) * batch
+        train["rewinds"] = [{**r, "step": r["step"] + 1, "window": [r["window"][0] * batch, r["window"][1] * batch]}
+                            for r in train["rewinds"]]
         monitor = dict(old["monitor"])
         if monitor.get("spike_start") is not None:
             monitor["spike_start"] += 1
-        new = {k: v for k, v in old.items() if k not in ("format", "loader", "scaler")}
-        new.update(schema=SCHEMA_VERSION, train=train, monitor=monitor, data=old.get("loader"))
+        new = {k: v for k, v in old.items() if k not in ("format", "loader", "scaler", "skip_list")}
+        new.update(schema=SCHEMA_VERSION, train=train, monitor=monitor, skip_list=train["skip_list"])
         if old.get("scaler") is not None:
             new["scaler"] = old["scaler"]
         return new
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise StateError(f"state (schema 1): cannot be read ({type(exc).__name__}: {exc})") from None

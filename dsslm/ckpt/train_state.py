@@ -13,8 +13,8 @@ from typing import Any
 from dsslm.ckpt.schema import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Str, Window)
 from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
 
-# A rewind carried out (recovery.rewind.rewind_record): the first spike step, the data window it
-# skipped, the checkpoint step it went back to and the lr_scale factor it applied.
+# A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
+# sequences it skipped, the checkpoint step it went back to and the lr_scale factor it applied.
 REWIND_RECORD = Fields(optional=("verdict",), open=True, step=Int(0, MAX_STEP), window=Window(),
                        to_step=Int(0, MAX_STEP), lr_scale_factor=Float(0.0, 1.0))
 
@@ -24,7 +24,8 @@ class TrainState:
     """What the loop carries from one step to the next, and restores from a checkpoint."""
     step: int = 0                    # optimizer steps completed
     tokens_seen: int = 0             # real target tokens trained on so far, all ranks
-    skip_list: list = field(default_factory=list)  # half-open [start, end) data-batch windows never fed
+    next_sequence: int = 0           # the data stream's position: the next global sequence to consider
+    skip_list: list = field(default_factory=list)  # half-open [start, end) global-sequence windows never fed
     lr_scale: float = 1.0            # multiplies the planned learning rate; lowered by the spike policy
     rewinds: list = field(default_factory=list)    # rewinds carried out (recovery.rewind.rewind_record)
     skipped_steps: int = 0
@@ -32,7 +33,8 @@ class TrainState:
     lineage: list = field(default_factory=list)    # parent runs this run branched from
 
     state_schema = Fields(
-        step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), skip_list=ListOf(Window(), max_len=100_000),
+        step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
+        skip_list=ListOf(Window(), max_len=100_000),
         lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
         skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
         lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000))

@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="text/JSONL/JSON/Parquet files, folders of them, save_to_disk folders")
     p.add_argument("--out", required=True, help="DATA_DIR (created, or extended with a new domain)")
     p.add_argument("--domain", default="default", help="a name per source of text; each gets its own val split")
-    p.add_argument("--tokenizer", default=None, help="byte (default for a new DATA_DIR) or bpe")
+    p.add_argument("--tokenizer", default=None,
+                   help="byte (default for a new DATA_DIR), bpe, or the path of a tokenizer.json (or a folder "
+                        "holding one, e.g. a Hugging Face model folder): the model you continue pretraining")
     p.add_argument("--vocab-size", type=int, default=None,
                    help=f"bpe, new DATA_DIR only (a later domain reuses its tokenizer); default {DEFAULT_VOCAB_SIZE}")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of token blocks held out (0 allowed)")

@@ -1,54 +1,41 @@
-"""The deterministic loader: a batch is a pure function of (manifest, seed, data_batch), and the
-data batch of a step a pure function of (step, skip list).
+"""The deterministic loader: a sequence is a pure function of (manifest, seed, global index), and
+the sequences of a step a pure function of (position, skip list, batch size) (`data.stream`).
 
 Training reads the train shards of every domain as one virtual concatenation (domains in sorted
 order). Each shard is cut into non-overlapping chunks of seq_len + 1 tokens (chunk i is tokens
 [i*seq_len, i*seq_len + seq_len + 1): consecutive chunks share one token, so every token is a
 target exactly once); chunks never cross a shard boundary. Global sequence g of the run is
 chunk perm_e[g % n_chunks] with e = g // n_chunks and perm_e a permutation seeded by (seed, e).
-There is no iterator state: step 10**6 costs what step 0 costs, and a resume needs only
-(step, skip_list).
+There is no iterator state: position 10**9 costs what position 0 costs, and a resume needs only
+(position, skip_list). Each rank reads only the chunks of its own sequences.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
 
 from dsslm.data.manifest import load_manifest
+from dsslm.data.sources import DataError
+from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice
+
+__all__ = ["Batch", "Loader", "merge_windows"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [batch, seq_len]
 
 
-def merge_windows(skip_list: Iterable[Iterable[int]]) -> list[list[int]]:
-    """The skip list's canonical form: sorted, disjoint half-open [start, end) windows of data-batch
-    indices covering the same indices; touching windows join, empty ones go."""
-    merged: list[list[int]] = []
-    for start, end in sorted((int(s), int(e)) for s, e in skip_list):
-        if not 0 <= start <= end:
-            raise ValueError(f"skip window [{start}, {end}) must have 0 <= start <= end; fix skip_list.json")
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        elif start < end:
-            merged.append([start, end])
-    return merged
-
-
 class Loader:
-    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, global_batch_size: int,
-                 manifest: dict | None = None):
+    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, manifest: dict | None = None):
         """`manifest` None: read it, checking shard sizes only (pass a verified one to check hashes)."""
-        if seq_len < 1 or global_batch_size < 1:
-            raise ValueError(f"model.seq_len={seq_len} and the global batch {global_batch_size} must be >= 1")
+        if seq_len < 1:
+            raise DataError(f"model.seq_len={seq_len} must be >= 1")
         if seed < 0:
-            raise ValueError(f"run.seed={seed} must be >= 0")
+            raise DataError(f"run.seed={seed} must be >= 0")
         self.data_dir = Path(data_dir)
         self.manifest = manifest if manifest is not None else load_manifest(data_dir, verify=False)
-        self.seq_len, self.seed, self.global_batch_size = seq_len, seed, global_batch_size
-        self.tokens_per_step = global_batch_size * seq_len
+        self.seq_len, self.seed = seq_len, seed
         self._dtype = np.dtype(self.manifest["dtype"])
         domains = self.manifest["domains"]
         self._train = [(e["path"], e["tokens"]) for name in sorted(domains) for e in domains[name]["train"]]
@@ -56,39 +43,36 @@ class Loader:
         self._first_chunk = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
         self.n_chunks = int(self._first_chunk[-1])
         if self.n_chunks == 0:
-            raise ValueError(f"{data_dir} has no train shard of {seq_len + 1}+ tokens; "
-                             "lower model.seq_len or prepare more text")
+            longest = max((tokens for _, tokens in self._train), default=0)
+            raise DataError(f"model.seq_len={seq_len} is longer than every train shard of {data_dir} "
+                            f"(the longest holds {longest} tokens); lower model.seq_len or prepare more text")
         self._maps: dict[str, np.memmap] = {}
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self.chunks_read = 0  # for the benchmarks and the rank-local reads test
 
     @property
     def domains(self) -> list[str]:
         return sorted(self.manifest["domains"])
 
-    def data_batch_index(self, step: int, skip_list: list) -> int:
-        """The `step`-th data batch index outside every half-open [start, end) window."""
-        index = step
-        for start, end in merge_windows(skip_list):
-            if start > index:
-                break
-            index += end - start  # windows are sorted and disjoint: each one passed shifts us on
-        return index
+    def step(self, position: int, skip_list: list, batch_size: int, rank: int, world_size: int,
+             grad_accum: int) -> tuple[StepSlice, list[Batch]]:
+        """The step starting at `position`: its bounds, and this rank's share in `grad_accum`
+        micro-batches (reading only this rank's chunks)."""
+        part = step_slice(position, skip_list, batch_size, rank, world_size)
+        inputs, targets = self.read(part.indices)
+        pieces = split_micro_batches(len(part.indices), grad_accum)
+        return part, [(inputs[p], targets[p]) for p in pieces]
 
-    def global_batch(self, data_batch: int) -> Batch:
-        """The whole batch every rank agrees on; callers may post-process it before split_batch."""
-        g = data_batch * self.global_batch_size + np.arange(self.global_batch_size, dtype=np.int64)
+    def read(self, indices: np.ndarray) -> Batch:
+        """The sequences with these global indices, in that order."""
+        g = np.asarray(indices, dtype=np.int64)
         epochs, positions = np.divmod(g, self.n_chunks)
         chunk_ids = np.empty_like(g)
-        for epoch in np.unique(epochs):  # a batch straddles at most a few epochs
+        for epoch in np.unique(epochs):  # a step straddles at most a few epochs
             mask = epochs == epoch
             chunk_ids[mask] = self._permutation(int(epoch))[positions[mask]]
-        rows = np.stack([self._read_chunk(int(c)) for c in chunk_ids])
-        return _as_batch(rows)
-
-    def micro_batches(self, step: int, skip_list: list, rank: int, world_size: int, grad_accum: int) -> list[Batch]:
-        """This rank's slice of step `step`'s global batch, cut into `grad_accum` micro-batches."""
-        batch = self.global_batch(self.data_batch_index(step, skip_list))
-        return split_batch(batch, rank, world_size, grad_accum)
+        self.chunks_read += len(chunk_ids)
+        return _as_batch(np.stack([self._read_chunk(int(c)) for c in chunk_ids]))
 
     def val_batches(self, domain: str, n_batches: int, batch_size: int) -> list[Batch]:
         """The first n_batches * batch_size chunks of `domain`'s val shards, in order (seed
@@ -122,23 +106,6 @@ class Loader:
         if path not in self._maps:  # opened once, lazily: a rank touches only the shards it reads
             self._maps[path] = np.memmap(self.data_dir / path, dtype=self._dtype, mode="r")
         return self._maps[path]
-
-
-def split_batch(batch: Batch, rank: int, world_size: int, grad_accum: int) -> list[Batch]:
-    """Rank `rank`'s contiguous slice [r*B/W, (r+1)*B/W) of a global batch, in `grad_accum` pieces."""
-    inputs, targets = batch
-    size = inputs.shape[0]
-    if size % world_size:
-        raise ValueError(f"a global batch of {size} sequences does not split over {world_size} ranks; "
-                         "the global batch must be train.micro_batch_size * train.grad_accum * world_size")
-    per_rank = size // world_size
-    if per_rank % grad_accum:
-        raise ValueError(f"{per_rank} sequences per rank do not split into train.grad_accum={grad_accum} "
-                         "micro-batches; make train.micro_batch_size * train.grad_accum the per-rank batch")
-    micro = per_rank // grad_accum
-    lo = rank * per_rank
-    return [(inputs[lo + i * micro : lo + (i + 1) * micro], targets[lo + i * micro : lo + (i + 1) * micro])
-            for i in range(grad_accum)]
 
 
 def _as_batch(rows: np.ndarray) -> Batch:

@@ -5,6 +5,10 @@ streaming mode (text files over 8 MB line by line), so memory is bounded by the 
 and our buffers (a few tens of MB) whatever the input size. A text file is one document; a JSON/Parquet/
 save_to_disk record is one document; EOS follows every document.
 
+Every shard entry records the `bytes` of text its tokens stand for (what bits per byte divides
+by), counted with the tokenizer's byte table and written only when the whole domain's count
+equals the UTF-8 size of the text it read: a tokenizer that cannot count exactly records none.
+
 Validation split: the token stream is cut into contiguous blocks and block k goes to val when
 floor((k+1)*f) > floor(k*f): every 1/f-th block, spread through the stream, deterministically.
 A domain is written into a temporary folder and renamed into place; manifest.json is written
@@ -25,7 +29,8 @@ import numpy as np
 from dsslm.durable import fsync_dir, write_json_atomic
 from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
 from dsslm.data.manifest import FORMAT, MANIFEST_FILE, load_manifest
-from dsslm.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer, train_bpe
+from dsslm.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, eos_token_of, file_sha256,
+                                  find_tokenizer_file, load_tokenizer, token_byte_lengths, train_bpe)
 
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
 MAX_BLOCK_TOKENS = 8192
@@ -37,11 +42,13 @@ DOMAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 class ShardWriter:
     """Appends tokens to DIR/{split}-00000.bin, -00001.bin, ..., `shard_tokens` per file."""
 
-    def __init__(self, folder: Path, domain: str, split: str, dtype: str, shard_tokens: int):
+    def __init__(self, folder: Path, domain: str, split: str, dtype: str, shard_tokens: int,
+                 byte_lengths: np.ndarray | None = None):
         self.folder, self.domain, self.split = folder, domain, split
         self.dtype, self.shard_tokens = np.dtype(dtype), shard_tokens
+        self.byte_lengths = byte_lengths  # bytes of text per token id, None = not countable
         self.entries: list[dict] = []
-        self.tokens = 0
+        self.tokens = self.bytes = 0
         self._file = None
 
     def write(self, tokens: np.ndarray) -> None:
@@ -49,7 +56,7 @@ class ShardWriter:
             if self._file is None:
                 self._name = f"{self.split}-{len(self.entries):05d}.bin"
                 self._file = open(self.folder / self._name, "wb", buffering=1 << 20)
-                self._digest, self._shard_tokens = hashlib.sha256(), 0
+                self._digest, self._shard_tokens, self._shard_bytes = hashlib.sha256(), 0, 0
             room = self.shard_tokens - self._shard_tokens
             part, tokens = tokens[:room], tokens[room:]
             data = part.astype(self.dtype).tobytes()
@@ -57,6 +64,8 @@ class ShardWriter:
             self._digest.update(data)
             self._shard_tokens += len(part)
             self.tokens += len(part)
+            if self.byte_lengths is not None:
+                self._shard_bytes += int(self.byte_lengths[part].sum())
             if self._shard_tokens == self.shard_tokens:
                 self._close_shard()
 
@@ -71,7 +80,9 @@ class ShardWriter:
         self._file.close()
         self._file = None
         path = f"{self.domain}/{self._name}"
-        self.entries.append({"path": path, "tokens": self._shard_tokens, "sha256": self._digest.hexdigest()})
+        self.bytes += self._shard_bytes
+        self.entries.append({"path": path, "tokens": self._shard_tokens, "bytes": self._shard_bytes,
+                             "sha256": self._digest.hexdigest()})
 
 
 class SplitRouter:
@@ -147,6 +158,11 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
         if manifest is None:
             spec = {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok.sha256}
             manifest = {"format": FORMAT, "tokenizer": spec, "dtype": dtype, "domains": {}}
+            if tok.kind == "file":
+                # Outside the tokenizer spec, which manifest_hash covers: the same file
+                # brought from another path is the same tokenizer.
+                spec["eos_token"] = tok.eos_token
+                manifest["tokenizer_source"] = str(find_tokenizer_file(tokenizer).resolve())
         manifest["domains"] = dict(sorted({**manifest["domains"], domain: entry}.items()))
         write_json_atomic(out / MANIFEST_FILE, manifest, indent=1)
         return manifest
@@ -159,8 +175,11 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
 def _check_args(domain: str, tokenizer: str | None, vocab_size: int | None, val_fraction: float) -> None:
     if not DOMAIN_NAME.fullmatch(domain):
         raise DataError(f"--domain {domain!r} is not a folder name; use letters, digits, '_', '-' and '.'")
-    if tokenizer not in (None, "byte", "bpe"):
-        raise DataError(f"--tokenizer {tokenizer!r} is unknown; use byte or bpe")
+    if tokenizer not in (None, "byte", "bpe") and not Path(tokenizer).exists():
+        raise DataError(f"--tokenizer {tokenizer!r} is unknown; use byte, bpe, or the path of a tokenizer.json "
+                        "(or of a folder holding one)")
+    if vocab_size is not None and tokenizer not in (None, "bpe"):
+        raise DataError(f"--vocab-size is for --tokenizer bpe; {tokenizer} has its own vocabulary, drop --vocab-size")
     if vocab_size is not None and not 258 <= vocab_size <= 1 << 32:
         raise DataError(f"--vocab-size {vocab_size} is out of range; use 258 (256 bytes + EOS + 1 merge) to 2^32")
     if not 0 <= val_fraction < 1:
@@ -177,15 +196,20 @@ def _existing_manifest(out: Path, domain: str) -> dict | None:
 
 
 def _get_tokenizer(out, manifest, kind, vocab_size, sources, text_field, undo):
+    given = None if kind in (None, "byte", "bpe") else _tokenizer_file(kind)
     if manifest is not None:
         have = manifest["tokenizer"]["kind"]
-        if kind is not None and kind != have:
+        if given is not None and (have != "file" or file_sha256(given) != manifest["tokenizer"]["sha256"]):
+            raise DataError(f"{out} holds data of another tokenizer than {given}; omit --tokenizer or use a new --out")
+        if given is None and kind is not None and kind != have:
             raise DataError(f"{out} holds --tokenizer {have} data; pass --tokenizer {have} (or omit it), "
                             "or use a new --out")
         try:
             return load_tokenizer(out, manifest)  # reused as is, never retrained
         except ValueError as e:
             raise DataError(str(e)) from e
+    if given is not None:
+        return _copy_tokenizer(given, out / TOKENIZER_FILE, undo)
     if (kind or "byte") == "byte":
         return ByteTokenizer()
     path = out / TOKENIZER_FILE
@@ -194,25 +218,57 @@ def _get_tokenizer(out, manifest, kind, vocab_size, sources, text_field, undo):
     return train_bpe(texts, vocab_size or DEFAULT_VOCAB_SIZE, path)
 
 
+def _tokenizer_file(given: str) -> Path:
+    try:
+        return find_tokenizer_file(given)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
+def _copy_tokenizer(src: Path, dst: Path, undo: list[Path]) -> BPETokenizer:
+    """A user's tokenizer.json, copied into DATA_DIR (so the data never depends on where it came
+    from) and read back from the copy, whose hash the manifest pins."""
+    from tokenizers import Tokenizer
+
+    try:
+        eos = eos_token_of(src, Tokenizer.from_file(str(src)))
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    except Exception as e:  # the Rust parser's errors are plain Exceptions
+        raise DataError(f"--tokenizer {src}: not a tokenizer.json `tokenizers` can read ({e})") from None
+    tmp = dst.with_name(dst.name + ".tmp")
+    undo += [dst, tmp]
+    shutil.copyfile(src, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(dst)
+    return BPETokenizer.from_file(dst, "file", eos)
+
+
 def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, shard_tokens, undo) -> dict:
     tmp = out / f".tmp-{domain}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed run with our pid
     tmp.mkdir()
     undo.append(tmp)
-    train = ShardWriter(tmp, domain, "train", dtype, shard_tokens)
-    val = ShardWriter(tmp, domain, "val", dtype, shard_tokens)
+    byte_lengths = token_byte_lengths(tok)
+    train = ShardWriter(tmp, domain, "train", dtype, shard_tokens, byte_lengths)
+    val = ShardWriter(tmp, domain, "val", dtype, shard_tokens, byte_lengths)
     router = SplitRouter(train, val, val_fraction, _block_tokens(sources, tok.kind))
-    for tokens in iter_token_arrays(sources, tok, text_field):
+    text_bytes = [0]
+    for tokens in iter_token_arrays(sources, tok, text_field, text_bytes):
         router.write(tokens)
     train_entries, val_entries = router.close()
     if not train_entries:
         inputs = " ".join(str(s.path) for s in sources)
         raise DataError(f"--input {inputs} holds no text; give files with text in them")
+    if byte_lengths is None or train.bytes + val.bytes != text_bytes[0]:
+        for entry in train_entries + val_entries:  # not countable exactly: record no byte count
+            del entry["bytes"]
     fsync_dir(tmp)
     os.rename(tmp, out / domain)
     undo.append(out / domain)
     fsync_dir(out)
-    return {"train": train_entries, "val": val_entries}
+    return {"train": train_entries, "val": val_entries, "text_bytes": text_bytes[0]}
 
 
 def quiet_datasets() -> None:

@@ -180,13 +180,17 @@ def _open_records(kind: str, group: list[Source]) -> list:
     return [datasets.load_dataset(kind, data_files=[str(s.path) for s in group], split="train", streaming=True)]
 
 
-def iter_token_arrays(sources: list[Source], tok, text_field: str) -> Iterator[np.ndarray]:
-    """Token ids of every document in input order, EOS after each, in arrays of bounded size."""
+def iter_token_arrays(sources: list[Source], tok, text_field: str,
+                      text_bytes: list[int] | None = None) -> Iterator[np.ndarray]:
+    """Token ids of every document in input order, EOS after each, in arrays of bounded size.
+    `text_bytes[0]`, if given, grows by the UTF-8 size of the text read (what the tokens stand for)."""
     pieces: list[str | None] = []
     chars = 0
     for piece in iter_pieces(sources, text_field):
         pieces.append(piece)
         chars += len(piece) if piece else 0
+        if text_bytes is not None and piece:
+            text_bytes[0] += len(piece.encode("utf-8"))
         if chars >= ENCODE_BATCH_CHARS or len(pieces) >= 8192:
             yield _encode(tok, pieces)
             pieces, chars = [], 0

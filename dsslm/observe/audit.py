@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from dsslm.observe.sinks import read_jsonl_backward
 
-INPUT_KEYS = ("lr", "lr_scale", "data_batch", "data_position")  # what the step was fed, as recorded
+INPUT_KEYS = ("lr", "lr_scale", "data_batch", "data_position", "batch_sequences")  # what the step was fed
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 

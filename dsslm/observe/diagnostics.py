@@ -31,6 +31,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -251,5 +252,5 @@ def probe_batch(loader: Loader, sequences: int) -> torch.Tensor:
     """The first val sequences of the first domain (fixed, seed-independent), else the first
     training batch's, for a corpus prepared without a val split."""
     batches = loader.val_batches(loader.domains[0], 1, max(1, sequences))
-    inputs = batches[0][0] if batches else loader.global_batch(0)[0]
+    inputs = batches[0][0] if batches else loader.read(np.arange(max(1, sequences)))[0]
     return inputs[:max(1, sequences)]

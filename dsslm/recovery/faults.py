@@ -4,7 +4,7 @@ Off by default; tests use them, and so can a user rehearsing a new cluster. One 
 built from `cfg.faults` and asked by the loop at the points where a fault would strike:
 
     drills.maybe_crash(step)               # top of the loop, `step` steps completed
-    batches = drills.poison(batches, data_batch)
+    batches = drills.poison(batches, indices)   # the rank's global sequence indices
     multiplier = drills.loss_multiplier(step)   # the step count being computed
     drills.arm(store)                      # once: the crash-in-save drill
 
@@ -17,6 +17,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsslm.ckpt.store import CheckpointStore
@@ -30,9 +31,10 @@ class DrillAbort(BaseException):
 
 
 class Drills:
-    def __init__(self, cfg: FaultsCfg, run_dir: Path, rank: int, is_main: bool, seed: int, vocab_size: int):
+    def __init__(self, cfg: FaultsCfg, run_dir: Path, rank: int, is_main: bool, seed: int, vocab_size: int,
+                 batch_size: int):
         self.cfg, self.run_dir, self.rank, self.is_main = cfg, run_dir, rank, is_main
-        self.seed, self.vocab_size = seed, vocab_size
+        self.seed, self.vocab_size, self.batch_size = seed, vocab_size, batch_size
 
     def _once(self, name: str) -> bool:
         """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
@@ -59,16 +61,31 @@ class Drills:
         if step >= 0 and self.is_main and self._once(f"save-crash-{step}"):
             store.die_in_save(step)
 
-    def poison(self, micro_batches: list[Batch], data_batch: int) -> list[Batch]:
-        """Replace a poisoned data batch's tokens with uniform random ones: a data-borne spike."""
-        hit = any(start <= data_batch < end for start, end in self.cfg.poison_batches)
-        if not hit or self.cfg.poison_rank not in (-1, self.rank):
+    def poison(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
+        """Replace poisoned sequences with uniform random tokens: a data-borne spike.
+
+        faults.poison_batches windows are in data batches of the run's full global batch B:
+        window [a, b) poisons global sequences [a*B, b*B), whatever batch a step actually has.
+        The noise of a sequence depends only on (seed, its index), not on the rank that reads it.
+        """
+        if not self.cfg.poison_batches or self.cfg.poison_rank not in (-1, self.rank):
             return micro_batches
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_batch * 101 + self.rank)
-        out = []
-        for inputs, _ in micro_batches:
-            noise = torch.randint(0, self.vocab_size, (inputs.shape[0], inputs.shape[1] + 1), generator=gen)
-            out.append((noise[:, :-1].contiguous(), noise[:, 1:].contiguous()))
+        batch_of = np.asarray(indices) // self.batch_size
+        hit = np.zeros(len(batch_of), dtype=bool)
+        for start, end in self.cfg.poison_batches:
+            hit |= (batch_of >= start) & (batch_of < end)
+        if not hit.any():
+            return micro_batches
+        out, row = [], 0
+        for inputs, targets in micro_batches:
+            inputs, targets = inputs.clone(), targets.clone()
+            for i in range(inputs.shape[0]):
+                if hit[row + i]:
+                    gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(indices[row + i]))
+                    noise = torch.randint(0, self.vocab_size, (inputs.shape[1] + 1,), generator=gen)
+                    inputs[i], targets[i] = noise[:-1], noise[1:]
+            row += inputs.shape[0]
+            out.append((inputs, targets))
         return out
 
     def loss_multiplier(self, step: int) -> float:

@@ -2,7 +2,8 @@
 record of bad data (`run.dir/skip_list.json`), and escalate to a human when rewinds run out.
 
 Steps are step counts, as in metrics.jsonl: a spike "at step s" is the step whose update would
-have made the run's step s. Its data batch is the loader's batch of step index s - 1.
+have made the run's step s. Skip windows are half-open ranges of global sequence indices
+(`data.stream`), so they keep naming the same data whatever the global batch.
 
 The run-level file holds the skip list, every rewind carried out and the lowest lr_scale. Every
 resume merges it into what its checkpoint restored: a checkpoint older than a spike does not know
@@ -10,6 +11,7 @@ about it, and without the file a resume from there would feed the bad window aga
 """
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from dsslm.ckpt.resume import Checkpointer
 from dsslm.ckpt.schema import Fields, Float, Int, ListOf, Optional, StateError, Window, check
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
-from dsslm.data.loader import merge_windows
+from dsslm.data.stream import merge_windows
 from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
 from dsslm.optim import decay_start_step
@@ -39,28 +41,29 @@ class Escalation(RuntimeError):
 @dataclass
 class RewindPlan:
     to_step: int              # newest checkpoint step allowed; the caller loads latest_before(to_step)
-    window: list[int]         # [start, end) data batches to add to the skip list
+    window: list[int]         # [start, end) global sequences to add to the skip list
     lr_scale_factor: float    # multiply the run's lr_scale by this (1.0, or lr_backoff)
     escalate: bool            # too many rewinds: alert a human instead of rewinding
 
 
-def plan_rewind(spike_start: int, spike_end: int, data_batch_of: Callable[[int], int],
-                rewind_history: list[dict], cfg: MonitorCfg) -> RewindPlan:
+def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], tuple[int, int]],
+                rewind_history: list[dict], cfg: MonitorCfg, batch_size: int) -> RewindPlan:
     """Plan the recovery from a spike over steps [spike_start, spike_end] (step counts, >= 1).
 
-    `data_batch_of(step)` maps a step count to the data batch it was fed under the current skip
-    list. The window runs from the first to the last batch fed during the spike; batches inside
-    it that an older window already skips are never fed, so covering them is harmless.
-    `rewind_history` holds one `rewind_record` per rewind already made in this run.
+    `sequences_of(step)` gives the [first, end) global sequences that step was fed. The window
+    runs from the first sequence of the first spike step to the end of the last; sequences inside
+    it that an older window already skips were never fed, so covering them is harmless.
+    `rewind_history` holds one `rewind_record` per rewind already made in this run; `batch_size`
+    is the run's full global batch in sequences.
     """
     if not 1 <= spike_start <= spike_end:
         raise ValueError(f"spike steps [{spike_start}, {spike_end}] must satisfy 1 <= start <= end")
-    window = [data_batch_of(spike_start), data_batch_of(spike_end) + 1]
+    window = [sequences_of(spike_start)[0], sequences_of(spike_end)[1]]
     repeats = sum(_same_region(spike_start, window, past, cfg.region_steps) for past in rewind_history)
     # Bad data comes in runs longer than the few batches the detector has seen (a corrupt file,
-    # a dedup failure): skip at least `skip_batches`, doubling each time the region spikes again,
-    # so a long bad region costs a few rewinds, not one per batch.
-    window[1] = max(window[1], window[0] + cfg.skip_batches * 2 ** repeats)
+    # a dedup failure): skip at least `skip_batches` batches, doubling each time the region spikes
+    # again, so a long bad region costs a few rewinds, not one per batch.
+    window[1] = max(window[1], window[0] + cfg.skip_batches * batch_size * 2 ** repeats)
     return RewindPlan(
         # The checkpoint after step spike_start - 1 - margin: `margin` clean steps before the spike.
         to_step=max(0, spike_start - 1 - cfg.rewind_margin_steps),
@@ -90,18 +93,25 @@ def recovery_path(run_dir: Path) -> Path:
     return run_dir / RECOVERY_FILE
 
 
-def read_recovery(run_dir: Path) -> dict:
-    """skip_list.json, checked field by field; StateError naming the field when it does not fit."""
+def read_recovery(run_dir: Path, batch_size: int) -> dict:
+    """skip_list.json, checked field by field; StateError naming the field when it does not fit.
+
+    Schema 1 counted rewinds by 0-based step index and windows in data batches of the run's
+    global batch: converted with `batch_size`, the batch a resume of such a run keeps."""
     path = recovery_path(run_dir)
     if not path.is_file():
-        return {"skip_list": [], "rewinds": [], "lr_scale": None}
+        return {"schema": RECOVERY_SCHEMA_VERSION, "skip_list": [], "rewinds": [], "lr_scale": None}
     try:
         recovery = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise StateError(f"{path}: unreadable ({exc})") from None
     check(recovery, RECOVERY_SCHEMA, RECOVERY_FILE)
-    if recovery.get("schema", 1) == 1:  # rewinds counted by 0-based step index then
-        recovery["rewinds"] = [{**r, "step": r["step"] + 1} for r in recovery["rewinds"]]
+    recovery.setdefault("schema", 1)  # the file's own schema; the contents are returned in today's units
+    if recovery["schema"] == 1:
+        recovery["skip_list"] = [[a * batch_size, b * batch_size] for a, b in recovery["skip_list"]]
+        recovery["rewinds"] = [{**r, "step": r["step"] + 1, "window": [r["window"][0] * batch_size,
+                                                                       r["window"][1] * batch_size]}
+                               for r in recovery["rewinds"]]
     return recovery
 
 
@@ -136,9 +146,18 @@ class Rewinder:
     """Carries out rewinds for the loop: plan on rank 0, every rank follows the same plan."""
 
     def __init__(self, cfg: Config, engine: Engine, checkpointer: Checkpointer, monitor: SpikeMonitor,
-                 data_batch_of: Callable[[int, list], int], run_dir: Path, emit: Callable[..., Any]):
+                 batch_size: int, run_dir: Path, emit: Callable[..., Any]):
         self.cfg, self.engine, self.checkpointer, self.monitor = cfg, engine, checkpointer, monitor
-        self.data_batch_of, self.run_dir, self.emit = data_batch_of, run_dir, emit
+        self.batch_size, self.run_dir, self.emit = batch_size, run_dir, emit
+        # step -> [first, end) sequences it was fed, for the few steps a spike can span.
+        self._fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+
+    def note(self, step: int, first: int, end: int) -> None:
+        """The step `step` is being fed sequences [first, end) (every rank, every step)."""
+        self._fed[step] = (first, end)
+        self._fed.move_to_end(step)
+        while len(self._fed) > max(8, 2 * (self.cfg.monitor.max_skips + 2)):
+            self._fed.popitem(last=False)
 
     def merge_run_file(self, state: TrainState) -> None:
         """After a resume or at a fresh start: never replay a window this run already skipped."""
@@ -148,7 +167,15 @@ class Rewinder:
         """skip_list.json, or, when it is unreadable or malformed (a torn write, an edit), the
         union of what every valid checkpoint recorded, written back with a `recovery_rebuilt` event."""
         try:
-            return read_recovery(self.run_dir)
+            recovery = read_recovery(self.run_dir, self.batch_size)
+            if recovery.get("schema", RECOVERY_SCHEMA_VERSION) == 1:
+                # Converted with this run's batch: written back in sequences now, so a later
+                # change of global batch cannot convert it again with another factor.
+                old = TrainState(skip_list=recovery["skip_list"], rewinds=recovery["rewinds"],
+                                 lr_scale=recovery["lr_scale"] if recovery["lr_scale"] is not None else 1.0)
+                write_recovery(self.run_dir, old)
+                self.emit("recovery_upgraded", step=step, batch_size=self.batch_size, skip_list=old.skip_list)
+            return recovery
         except StateError as exc:
             rebuilt = TrainState()
             for ckpt_state in self.checkpointer.saved_train_states():
@@ -159,13 +186,17 @@ class Rewinder:
                       rewinds=len(rebuilt.rewinds), lr_scale=rebuilt.lr_scale)
             return {"skip_list": rebuilt.skip_list, "rewinds": rebuilt.rewinds, "lr_scale": rebuilt.lr_scale}
 
+    def _sequences_of(self, step: int) -> tuple[int, int]:
+        # A spike that began before the checkpoint the monitor's streak was restored from is not
+        # in the history: its window then starts at the oldest step seen.
+        return self._fed.get(step) or next(iter(self._fed.values()))
+
     def rewind(self, state: TrainState, spike_step: int) -> None:
         """Go back to a checkpoint from before the spike at `spike_step` and never feed its data
         window again; `state` (the checkpointer's train part) is restored in place."""
         def plan() -> tuple[RewindPlan, dict, str]:
             start = self.monitor.spike_start if self.monitor.spike_start is not None else spike_step
-            p = plan_rewind(start, spike_step, lambda s: self.data_batch_of(s - 1, state.skip_list),
-                            state.rewinds, self.cfg.monitor)
+            p = plan_rewind(start, spike_step, self._sequences_of, state.rewinds, self.cfg.monitor, self.batch_size)
             return p, rewind_record(start, p), self.monitor.last_reason
 
         rewind_plan, record, reason = self.engine.decide(plan)

@@ -166,7 +166,7 @@ def test_negative_controls_a_forgotten_piece_of_state_is_seen(tmp_path, monkeypa
     elif forget == "loader":
         def restore_without_position(self, ckpt):
             real_restore(self, ckpt)
-            self.train.skip_list = [[0, self.train.step]]  # the loader "restarts": other batches from here on
+            self.train.next_sequence = 0  # the loader "restarts": other batches from here on
         monkeypatch.setattr(persist.Checkpointer, "restore", restore_without_position)
     assert train(inprocess(run_dir, "model.dropout=0.1")) == 0
     ref_losses, got = losses_by_step(ref), losses_by_step(run_dir)
@@ -186,11 +186,11 @@ def test_async_save_snapshot_is_taken_at_the_step(tmp_path):
 
 def test_state_json_carries_what_resume_needs(reference):
     state = json.loads((reference / "checkpoints" / "step-00000030" / "state.json").read_text())
-    for key in ("schema", "step", "skip_list", "train", "rng", "monitor", "data", "fingerprint", "config"):
+    for key in ("schema", "step", "skip_list", "train", "rng", "monitor", "fingerprint", "config"):
         assert key in state
     assert "scaler" not in state  # fp32: only fp16 runs have a loss scaler to save
     assert state["schema"] == 2 and state["step"] == 30 and state["train"]["lr_scale"] == 1.0
-    assert state["data"] == {"next_data_batch": 30}
+    assert state["train"]["next_sequence"] == 30 * 4  # 30 steps of 4 sequences
     assert {"python", "numpy", "torch"} <= set(state["rng"][0])
     manifest = json.loads((reference / "checkpoints" / "step-00000030" / "MANIFEST").read_text())
     assert set(manifest["files"]) == {"model.safetensors", "optim.safetensors", "state.json"}

@@ -20,9 +20,12 @@ def cfg(run_dir, *extra):
     return tiny_cfg(run_dir, *SPIKE, *extra)
 
 
+B = 4  # TINY's train.micro_batch_size on one rank: the global batch in sequences
+
+
 def fed_batches(run_dir):
-    """Data batches whose update was kept (ok steps), in order."""
-    return [r["data_batch"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("verdict") == "ok"]
+    """Data batches (of B sequences) whose update was kept (ok steps), in order."""
+    return [r["data_position"] // B for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("verdict") == "ok"]
 
 
 @pytest.mark.slow
@@ -38,14 +41,14 @@ def test_single_poisoned_batch_is_skipped_and_changes_nothing(tmp_path):
     assert train(cfg(tmp_path, "faults.poison_batches=[[70,71]]", "monitor.hard_loss_z=1e9",
                      "ckpt.every=1", "ckpt.keep_last=100", "train.total_steps=72")) == 0
     skips = events(tmp_path, "skip")
-    assert [(e["step"], e["data_batch"]) for e in skips] == [(71, 70)]
+    assert [(e["step"], e["data_position"]) for e in skips] == [(71, 70 * B)]
     before = tmp_path / "checkpoints" / "step-00000070"
     after = tmp_path / "checkpoints" / "step-00000071"
     for name in ("model.safetensors", "optim.safetensors"):  # weights, both moments, Adam's step
         a, b = load_file(before / name), load_file(after / name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
     records = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r}
-    assert records[72]["data_batch"] == 71  # the poisoned batch is not replayed; the plan advanced
+    assert records[72]["data_position"] == 71 * B  # the poisoned batch is not replayed; the stream advanced
     assert records[72]["lr"] != records[71]["lr"]
 
 
@@ -53,11 +56,11 @@ def test_poisoned_window_rewinds_once_and_is_never_fed_again(tmp_path):
     assert train(cfg(tmp_path, "faults.poison_batches=[[70,74]]")) == 0
     rewinds = events(tmp_path, "rewind")
     assert len(rewinds) == 1
-    start, end = rewinds[0]["window"]
-    assert start <= 70 and end >= 74 and rewinds[0]["to_step"] <= 68  # skip_batches=8 covers the rest
+    start, end = rewinds[0]["window"]  # in global sequences
+    assert start <= 70 * B and end >= 74 * B and rewinds[0]["to_step"] <= 68  # skip_batches=8 covers the rest
     state_skip = json.loads((tmp_path / "checkpoints" / "step-00000100" / "state.json").read_text())["skip_list"]
     assert [start, end] in state_skip
-    after = [b for b in fed_batches(tmp_path)[rewinds[0]["to_step"]:]]
+    after = [b * B for b in fed_batches(tmp_path)[rewinds[0]["to_step"]:]]
     assert not any(start <= b < end for b in after)
     assert not any(70 <= b < 74 for b in fed_batches(tmp_path))  # no poisoned update was kept
     # A resume from a checkpoint older than the spike must still never read the window.
@@ -68,7 +71,7 @@ def test_poisoned_window_rewinds_once_and_is_never_fed_again(tmp_path):
             shutil.rmtree(folder)
     assert train(cfg(run_dir_copy, "train.total_steps=110")) == 0
     newly = read_jsonl(run_dir_copy / "metrics.jsonl")[len(read_jsonl(tmp_path / "metrics.jsonl")):]
-    assert newly and not any(start <= r["data_batch"] < end for r in newly if "data_batch" in r)
+    assert newly and not any(start <= r["data_position"] < end for r in newly if "data_position" in r)
 
 
 def test_same_region_again_lowers_lr_scale(tmp_path):

@@ -48,3 +48,30 @@ def test_hash_ignores_resume_mutable_keys():
 def test_shipped_configs_validate():
     for name in ("tiny", "125m", "350m", "1b"):
         load(config.CONFIG_DIR / f"{name}.yaml", [])
+
+
+def test_a_key_added_since_the_checkpoint_is_no_drift_at_its_default():
+    saved = config.hashed_items(load(None, []))
+    del saved["model.norm_eps"]  # a checkpoint written before the key existed
+    assert drift(saved, load(None, [])) == {}
+    assert drift(saved, load(None, ["model.norm_eps=1e-5"])) == {"model.norm_eps": (None, 1e-5)}
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.norm_eps=0", "model.norm_eps"), ("model.rope_theta=-1", "model.rope_theta"),
+    ("run.init_from=hf:", "run.init_from"), ("model.ffn_hidden=-64", "model.ffn_hidden"),
+])
+def test_model_and_init_from_values_are_checked(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load(None, [override])
+
+
+def test_from_dict_checks_a_saved_config_like_a_loaded_one():
+    tree = config.to_dict(load(None, ["model.d_model=256"]))
+    assert config.from_dict(tree, "state.json").model.d_model == 256
+    tree["model"]["n_heads"] = 3
+    with pytest.raises(ConfigError, match=r"state\.json: model\.d_model=256 must be divisible"):
+        config.from_dict(tree, "state.json")
+    tree["model"]["n_heads"], tree["model"]["colour"] = 4, "red"
+    with pytest.raises(ConfigError, match=r"state\.json: unknown config key 'model\.colour'"):
+        config.from_dict(tree, "state.json")

@@ -36,3 +36,9 @@ def test_rmsnorm_variance_in_fp32():
     x = (torch.randn(4, 8) * 1e3).bfloat16()
     ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     assert torch.allclose(norm(x).float(), ref, rtol=1e-2)
+
+
+def test_norm_eps_reaches_every_rmsnorm():
+    model = build_model(cfg_with("model.qk_norm=true", "model.norm_eps=1e-5"))
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 4 + 1 and {m.eps for m in norms} == {1e-5}

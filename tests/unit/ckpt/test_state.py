@@ -117,7 +117,7 @@ CASES = {
     "monitor loss NaN": (edit_state(set_field("monitor.losses", ["nan"])), "state.monitor.losses[0]"),
     "rng of another size": (edit_state(set_field("rng", [])), "state.rng"),
     "copies disagree": (edit_state(lambda s: {**s, "step": 4}), "state.step"),
-    "data position off": (edit_state(set_field("data.next_data_batch", 3)), "state.data.next_data_batch"),
+    "position negative": (edit_state(set_field("train.next_sequence", -1)), "state.train.next_sequence"),
     "wrong shape": (edit_tensor("model", "blocks.0.attn.qkv.weight", lambda t: torch.zeros(t.shape[0] + 1, t.shape[1])),
                     "blocks.0.attn.qkv.weight"),
     "broadcastable shape": (edit_tensor("model", "norm.weight", lambda t: torch.ones(1)), "norm.weight"),
@@ -203,11 +203,10 @@ def test_a_checkpoint_of_another_config_is_refused_not_passed_over(reference, tm
 def test_broken_run_level_skip_list_is_rebuilt_from_the_checkpoints(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    windows = [[100, 108]]
+    windows = [[1000, 1032]]  # ahead of every checkpoint's position
     for folder in (run_dir / "checkpoints").glob("step-*"):
         state = json.loads((folder / "state.json").read_text())
         state["skip_list"] = state["train"]["skip_list"] = windows
-        state["data"]["next_data_batch"] = int(folder.name[5:])  # windows lie ahead of every step
         (folder / "state.json").write_text(json.dumps(state))
         remanifest(folder)
     (run_dir / "skip_list.json").write_text('{"schema": 2, "skip_list": [[100, 1')  # torn
@@ -223,12 +222,14 @@ def test_schema_1_state_is_upgraded_to_the_step_vocabulary():
                    "clipped_steps": 2, "lineage": [],
                    "rewinds": [{"step": 5, "window": [5, 13], "to_step": 0, "lr_scale_factor": 1.0}]},
            "monitor": {"format": 1, "losses": [], "gnorms": [], "streak": 0, "spike_start": 5},
-           "rng": [], "world_size": 1, "engine": "ddp", "fingerprint": {}, "config": {}}
+           "rng": [], "world_size": 1, "engine": "ddp", "fingerprint": {"global_batch_size": 4}, "config": {}}
     new = upgrade_state(old)
     assert new["schema"] == 2 and "format" not in new and "scaler" not in new and "run" not in new
-    assert new["train"]["tokens_seen"] == 900 and "tokens" not in new["train"]
-    assert new["train"]["rewinds"][0]["step"] == 6  # index 5 is the step counted 6
-    assert new["monitor"]["spike_start"] == 6 and new["data"] == {"next_data_batch": 38}
+    assert "loader" not in new and new["train"]["tokens_seen"] == 900 and "tokens" not in new["train"]
+    # Data batches of 4 sequences become sequences: batch d was sequences [4d, 4d + 4).
+    assert new["train"]["skip_list"] == new["skip_list"] == [[20, 52]] and new["train"]["next_sequence"] == 152
+    assert new["train"]["rewinds"][0] == {"step": 6, "window": [20, 52], "to_step": 0, "lr_scale_factor": 1.0}
+    assert new["monitor"]["spike_start"] == 6  # index 5 is the step counted 6
     assert upgrade_state(new) is new
 
 

@@ -69,7 +69,7 @@ def tiny_job(data_dir: Path, *overrides: str) -> SimpleNamespace:
     cfg.model.vocab_size = 257
     torch.manual_seed(0)
     engine = build_engine(cfg, build_model(cfg.model))
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, cfg.train.micro_batch_size)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed)
     sinks = SimpleNamespace(emit=lambda event, **fields: None)
     return SimpleNamespace(cfg=cfg, engine=engine, loader=loader, sinks=sinks)
 
@@ -263,7 +263,7 @@ def test_val_loss_per_domain_equals_hand_evaluation(observed_run, data_dir):
     assert ckpt.step == STEPS
     missing, unexpected = model.load_state_dict(ckpt.tensors["model"], strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied: stored once, as tok_emb.weight
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, cfg.train.micro_batch_size)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed)
     model.eval()
     for domain in ("code", "prose"):
         ce, tokens = 0.0, 0

@@ -192,64 +192,70 @@ def test_load_state_dict_refuses_another_format():
 
 
 def batch_of(skip_list):
+    """For plan_rewind with a batch of one sequence: step s is fed [b, b + 1), b = batch(s)."""
+    batch = data_batch_of(skip_list)
+    return lambda step: (batch(step), batch(step) + 1)
+
+
+def data_batch_of(skip_list):
     """The loader's mapping, for step counts: step s is fed the (s-1)-th data batch outside every
     [start, end) window."""
-    def data_batch_of(step):
+    def data_batch_of_step(step):
         batch = step - 1
         for start, end in merge_windows(skip_list):
             if batch < start:
                 break
             batch += end - start
         return batch
-    return data_batch_of
+    return data_batch_of_step
 
 
 def test_plan_rewind_without_skip_windows():
-    plan = plan_rewind(201, 203, batch_of([]), [], MonitorCfg(skip_batches=1))
+    plan = plan_rewind(201, 203, batch_of([]), [], MonitorCfg(skip_batches=1), 1)
     assert plan == RewindPlan(to_step=195, window=[200, 203], lr_scale_factor=1.0, escalate=False)
     with pytest.raises(ValueError):
-        plan_rewind(0, 0, batch_of([]), [], MonitorCfg())  # step counts start at 1
+        plan_rewind(0, 0, batch_of([]), [], MonitorCfg(), 1)  # step counts start at 1
 
 
 def test_plan_rewind_covers_batches_across_an_existing_skip_window():
     skip, cfg = [[100, 110]], MonitorCfg(skip_batches=1)
-    assert plan_rewind(96, 98, batch_of(skip), [], cfg).window == [95, 98]
+    assert plan_rewind(96, 98, batch_of(skip), [], cfg, 1).window == [95, 98]
     # Steps 99..102 are fed batches 98, 99, 110, 111: the window covers all four.
-    assert plan_rewind(99, 102, batch_of(skip), [], cfg).window == [98, 112]
-    assert plan_rewind(101, 101, batch_of(skip), [], cfg).window == [110, 111]
+    assert plan_rewind(99, 102, batch_of(skip), [], cfg, 1).window == [98, 112]
+    assert plan_rewind(101, 101, batch_of(skip), [], cfg, 1).window == [110, 111]
     assert merge_windows(skip + [[98, 112]]) == [[98, 112]]
 
 
 def test_plan_rewind_to_step_keeps_the_margin():
     # A spike at step 201 refused the update after checkpoint 200; 20 clean steps before it is 180.
-    assert plan_rewind(201, 203, batch_of([]), [], MonitorCfg(rewind_margin_steps=20)).to_step == 180
-    assert plan_rewind(4, 4, batch_of([]), [], MonitorCfg(rewind_margin_steps=5)).to_step == 0
+    assert plan_rewind(201, 203, batch_of([]), [], MonitorCfg(rewind_margin_steps=20), 1).to_step == 180
+    assert plan_rewind(4, 4, batch_of([]), [], MonitorCfg(rewind_margin_steps=5), 1).to_step == 0
 
 
 def test_second_spike_in_the_same_region_backs_off_the_lr():
     cfg = MonitorCfg(region_steps=50, lr_backoff=0.7, skip_batches=1)
-    first = plan_rewind(201, 203, batch_of([]), [], cfg)
+    first = plan_rewind(201, 203, batch_of([]), [], cfg, 1)
     history = [rewind_record(201, first)]
     assert json.loads(json.dumps(history)) == history
     skip = [first.window]
     # Same steps replayed after the rewind: the data moved on, the spike did not.
-    again = plan_rewind(202, 204, batch_of(skip), history, cfg)
+    again = plan_rewind(202, 204, batch_of(skip), history, cfg, 1)
     assert again.lr_scale_factor == 0.7 and again.window == [204, 207]
-    assert plan_rewind(250, 250, batch_of(skip), history, cfg).lr_scale_factor == 0.7
-    assert plan_rewind(251, 251, batch_of(skip), history, cfg).lr_scale_factor == 1.0
-    assert plan_rewind(601, 603, batch_of(skip), history, cfg).lr_scale_factor == 1.0
+    assert plan_rewind(250, 250, batch_of(skip), history, cfg, 1).lr_scale_factor == 0.7
+    assert plan_rewind(251, 251, batch_of(skip), history, cfg, 1).lr_scale_factor == 1.0
+    assert plan_rewind(601, 603, batch_of(skip), history, cfg, 1).lr_scale_factor == 1.0
     # Far in steps but touching the old data window: the same region of data.
     far_history = [{"step": 1001, "window": [200, 203], "to_step": 995}]
-    assert plan_rewind(198, 200, batch_of([]), far_history, cfg).lr_scale_factor == 0.7
-    assert plan_rewind(191, 196, batch_of([]), far_history, cfg).lr_scale_factor == 1.0
+    assert plan_rewind(198, 200, batch_of([]), far_history, cfg, 1).lr_scale_factor == 0.7
+    assert plan_rewind(191, 196, batch_of([]), far_history, cfg, 1).lr_scale_factor == 1.0
 
 
 def test_escalate_after_max_rewinds():
     cfg = MonitorCfg(max_rewinds=4)
     history = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5}
                for i in range(1, 5)]
-    assert plan_rewind(7001, 7003, batch_of([]), history[:3], cfg).escalate is False
-    assert plan_rewind(7001, 7003, batch_of([]), history, cfg).escalate is True
+    assert plan_rewind(7001, 7003, batch_of([]), history[:3], cfg, 1).escalate is False
+    assert plan_rewind(7001, 7003, batch_of([]), history, cfg, 1).escalate is True
 
 
 def test_merge_windows():
@@ -267,10 +273,12 @@ def test_verdicts_are_json_strings():
 
 def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
     cfg = MonitorCfg(skip_batches=8, region_steps=50)
-    first = plan_rewind(301, 301, batch_of([]), [], cfg)
+    first = plan_rewind(301, 301, batch_of([]), [], cfg, 1)
     assert first.window == [300, 308]  # one bad batch seen, eight skipped
     history = [rewind_record(301, first)]
-    again = plan_rewind(301, 301, batch_of([first.window]), history, cfg)
+    again = plan_rewind(301, 301, batch_of([first.window]), history, cfg, 1)
     assert again.window == [308, 324] and again.lr_scale_factor == cfg.lr_backoff
-    far = plan_rewind(901, 903, batch_of([first.window]), history, cfg)
+    # In sequences with a batch of 4: eight batches are 32 sequences.
+    assert plan_rewind(301, 301, lambda step: (1200, 1204), [], cfg, 4).window == [1200, 1232]
+    far = plan_rewind(901, 903, batch_of([first.window]), history, cfg, 1)
     assert far.window == [908, 916]  # another region: back to the minimum

@@ -1,0 +1,232 @@
+"""Hugging Face Llama / Qwen3 <-> dsslm: parameter names and layouts, config.json both ways, and
+the byte tokenizer as a `tokenizers` definition. Reading a Hugging Face folder is `hf_folder.py`.
+
+dsslm -> HF, per block N (`model.layers.N.` on the right):
+
+    tok_emb.weight               model.embed_tokens.weight      rows cut to the true vocabulary
+    blocks.N.attn_norm.weight    input_layernorm.weight
+    blocks.N.attn.qkv.weight     self_attn.{q,k,v}_proj.weight  rows q | k | v; q and k permuted
+    blocks.N.attn.q_norm.weight  self_attn.q_norm.weight        Qwen3; permuted like the rows
+    blocks.N.attn.proj.weight    self_attn.o_proj.weight
+    blocks.N.mlp_norm.weight     post_attention_layernorm.weight
+    blocks.N.mlp.gate_up.weight  mlp.{gate,up}_proj.weight      rows gate | up
+    blocks.N.mlp.down.weight     mlp.down_proj.weight
+    norm.weight                  model.norm.weight
+    lm_head.weight               lm_head.weight                 untied only: a tied head stays tied
+
+RoPE: dsslm rotates each head's pairs (2i, 2i+1) by frequency i; HF's rotate_half pairs (i,
+i + head_dim/2) with the same frequency. Reordering each head's q and k rows so that row 2i lands
+at i and row 2i+1 at i + head_dim/2 hands HF the same rotation of the same numbers, and since q
+and k move alike every q.k is unchanged (transformers' convert_llama_weights_to_hf does this to
+Meta's interleaved layout, which is dsslm's). A reorder is exact: a round trip returns every bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from dsslm.config import ConfigError, ModelCfg
+
+LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
+MODEL_TYPES = {"llama": LLAMA, "qwen3": QWEN3}
+# Text both tokenizers must give the same ids for: multi-byte UTF-8, whitespace runs, code, digits,
+# and the EOS string written as text (which dsslm never reads as the token).
+PROBE_TEXT = ("Héllo wörld — naïve café, 日本語のテキスト, emoji 🙂🚀, ß ∑ ∫ ≠\n"
+              "def f(x):\n\treturn x ** 2  # 12345 67.89\n\n   spaces   and\r\nCRLF <|endoftext|> done.")
+# How each dsslm model key reaches Hugging Face; a key missing here has no Llama/Qwen3 equivalent,
+# so a model that sets it away from its default is refused rather than exported wrong.
+EXPORTED_KEYS = {
+    "d_model": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "seq_len": "max_position_embeddings", "vocab_size": "vocab_size", "ffn_hidden": "intermediate_size",
+    "qk_norm": "the architecture (Qwen3)", "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "dropout": "nothing: inference has no dropout", "init_std": "nothing: weights are given",
+    "vocab_pad_to": "nothing: the padded rows are cut off",
+}
+
+
+class HFError(ConfigError):
+    """A model or folder that does not fit Llama / Qwen3 as dsslm builds them; says why."""
+
+
+def ffn_hidden_of(cfg: ModelCfg) -> int:
+    return cfg.ffn_hidden or 64 * math.ceil(8 * cfg.d_model / 3 / 64)  # as model.SwiGLU builds it
+
+
+def rope_order(head_dim: int) -> torch.Tensor:
+    """HF row j of a head holds dsslm row rope_order[j]: the even rows, then the odd ones."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def _reorder_heads(w: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.Tensor:
+    return w.reshape(n_heads, order.numel(), *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def architecture_of(cfg: ModelCfg) -> str:
+    """Llama, or Qwen3 for per-head RMSNorm on q and k before RoPE; HFError if neither fits."""
+    defaults = type(cfg)()
+    for f in dataclasses.fields(cfg):
+        if f.name not in EXPORTED_KEYS and getattr(cfg, f.name) != getattr(defaults, f.name):
+            raise HFError(f"model.{f.name}={getattr(cfg, f.name)!r} has no Llama or Qwen3 equivalent in "
+                          "transformers; such a model cannot be exported")
+    return QWEN3 if cfg.qk_norm else LLAMA
+
+
+def to_hf(sd: dict[str, torch.Tensor], cfg: ModelCfg) -> dict[str, torch.Tensor]:
+    """dsslm's parameters (by name) as HF Llama/Qwen3 tensors, contiguous, in their own dtype."""
+    heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+    order, vocab = rope_order(head_dim), cfg.vocab_size
+    out = {"model.embed_tokens.weight": sd["tok_emb.weight"][:vocab], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"][:vocab]
+    for n in range(cfg.n_layers):
+        src, dst = f"blocks.{n}.", f"model.layers.{n}."
+        q, k, v = sd[src + "attn.qkv.weight"].chunk(3, dim=0)
+        gate, up = sd[src + "mlp.gate_up.weight"].chunk(2, dim=0)
+        out.update({
+            dst + "input_layernorm.weight": sd[src + "attn_norm.weight"],
+            dst + "self_attn.q_proj.weight": _reorder_heads(q, heads, order),
+            dst + "self_attn.k_proj.weight": _reorder_heads(k, heads, order),
+            dst + "self_attn.v_proj.weight": v,
+            dst + "self_attn.o_proj.weight": sd[src + "attn.proj.weight"],
+            dst + "post_attention_layernorm.weight": sd[src + "mlp_norm.weight"],
+            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+            dst + "mlp.down_proj.weight": sd[src + "mlp.down.weight"],
+        })
+        if cfg.qk_norm:
+            out[dst + "self_attn.q_norm.weight"] = sd[src + "attn.q_norm.weight"][order]
+            out[dst + "self_attn.k_norm.weight"] = sd[src + "attn.k_norm.weight"][order]
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def hf_shapes(cfg: ModelCfg) -> dict[str, tuple[int, ...]]:
+    """The HF tensors a model of `cfg` has, by name, at the true vocabulary."""
+    d, head_dim, hidden, vocab = cfg.d_model, cfg.d_model // cfg.n_heads, ffn_hidden_of(cfg), cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (vocab, d)
+    for n in range(cfg.n_layers):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                       **{p + f"self_attn.{x}_proj.weight": (d, d) for x in "qkvo"},
+                       p + "mlp.gate_proj.weight": (hidden, d), p + "mlp.up_proj.weight": (hidden, d),
+                       p + "mlp.down_proj.weight": (d, hidden)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)})
+    return shapes
+
+
+def from_hf(hf: dict[str, torch.Tensor], cfg: ModelCfg, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The inverse of `to_hf`, in fp32, with the embedding and head padded with zero rows up to
+    `shapes` (dsslm's parameter shapes) when dsslm pads its vocabulary."""
+    heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+    back = torch.argsort(rope_order(head_dim))
+    sd = {"tok_emb.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = hf["lm_head.weight"]
+    for n in range(cfg.n_layers):
+        src, dst = f"model.layers.{n}.", f"blocks.{n}."
+        q, k = (_reorder_heads(hf[src + f"self_attn.{x}_proj.weight"], heads, back) for x in "qk")
+        sd.update({
+            dst + "attn_norm.weight": hf[src + "input_layernorm.weight"],
+            dst + "attn.qkv.weight": torch.cat([q, k, hf[src + "self_attn.v_proj.weight"]]),
+            dst + "attn.proj.weight": hf[src + "self_attn.o_proj.weight"],
+            dst + "mlp_norm.weight": hf[src + "post_attention_layernorm.weight"],
+            dst + "mlp.gate_up.weight": torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]),
+            dst + "mlp.down.weight": hf[src + "mlp.down_proj.weight"],
+        })
+        if cfg.qk_norm:
+            sd[dst + "attn.q_norm.weight"] = hf[src + "self_attn.q_norm.weight"][back]
+            sd[dst + "attn.k_norm.weight"] = hf[src + "self_attn.k_norm.weight"][back]
+    for name in ("tok_emb.weight", "lm_head.weight"):
+        if name in sd and name in shapes and sd[name].shape[0] < shapes[name][0]:
+            pad = sd[name].new_zeros(shapes[name][0] - sd[name].shape[0], sd[name].shape[1])
+            sd[name] = torch.cat([sd[name], pad])  # rows no token id reaches (dsslm's vocab padding)
+    return {name: t.float().contiguous() for name, t in sd.items()}
+
+
+def export_config(cfg: ModelCfg, eos_id: int, dtype: torch.dtype):
+    """The transformers config object of the architecture `cfg` maps to."""
+    import transformers
+
+    arch = architecture_of(cfg)
+    if not hasattr(transformers, arch):
+        raise HFError(f"model.qk_norm=true exports as {arch}, which transformers {transformers.__version__} "
+                      "lacks; upgrade transformers (Qwen3 arrived in 4.51)")
+    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn_hidden_of(cfg),
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+                  head_dim=cfg.d_model // cfg.n_heads, hidden_act="silu", max_position_embeddings=cfg.seq_len,
+                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+                  attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                  bos_token_id=eos_id, eos_token_id=eos_id, use_cache=True)
+    if arch == LLAMA:
+        config = transformers.LlamaConfig(mlp_bias=False, pretraining_tp=1, **fields)
+    else:
+        config = transformers.Qwen3Config(use_sliding_window=False, sliding_window=None,
+                                          max_window_layers=cfg.n_layers, **fields)
+    config.architectures = [arch]
+    config.dtype = dtype
+    return config
+
+
+def _get(hf: dict, key: str, kind: type, default: Any = None) -> Any:
+    value = hf.get(key, default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise HFError(f"config.json: {key}={value!r} is not a {kind.__name__}")
+    if kind in (int, float) and value <= 0:
+        raise HFError(f"config.json: {key}={value!r} must be > 0")
+    return value
+
+
+def model_values(hf: dict) -> dict[str, Any]:
+    """dsslm model.* values for a Llama/Qwen3 config.json; HFError naming what does not fit."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise HFError(f"config.json: model_type={model_type!r} is not one dsslm imports (llama, qwen3)")
+    d, heads = _get(hf, "hidden_size", int), _get(hf, "num_attention_heads", int)
+    if d < 1 or heads < 1 or d % heads:
+        raise HFError(f"config.json: hidden_size={d} is not a positive multiple of num_attention_heads={heads}")
+    refusals = [
+        (_get(hf, "num_key_value_heads", int, heads) != heads,
+         "num_key_value_heads: grouped-query attention; dsslm's attention has as many k/v heads as q heads"),
+        (_get(hf, "head_dim", int, d // heads) != d // heads, "head_dim: not hidden_size / num_attention_heads"),
+        (hf.get("hidden_act", "silu") != "silu", "hidden_act: dsslm's MLP is SwiGLU (silu)"),
+        (bool(hf.get("attention_bias")) or bool(hf.get("mlp_bias")), "attention_bias/mlp_bias: dsslm has no biases"),
+        (bool(hf.get("use_sliding_window")), "use_sliding_window: dsslm attends to the whole sequence"),
+    ]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise HFError(f"config.json: rope_parameters={rope!r} is not an object")
+    refusals.append((rope.get("rope_type", rope.get("type", "default")) != "default",
+                     f"rope type {rope.get('rope_type', rope.get('type'))!r}: dsslm has plain RoPE only"))
+    for bad, why in refusals:
+        if bad:
+            raise HFError(f"config.json: {why}")
+    theta = _get(rope, "rope_theta", float) if "rope_theta" in rope else _get(hf, "rope_theta", float, 10000.0)
+    return {"d_model": d, "n_layers": _get(hf, "num_hidden_layers", int), "n_heads": heads,
+            "ffn_hidden": _get(hf, "intermediate_size", int), "vocab_size": _get(hf, "vocab_size", int),
+            "qk_norm": model_type == "qwen3", "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False),
+            "rope_theta": theta, "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6)}
+
+
+def byte_tokenizer():
+    """dsslm's byte tokenizer as a `tokenizers` definition: id b is byte b, 256 is EOS.
+
+    A BPE with no merges over ByteLevel's 256 byte characters, the regex split off (it only groups
+    bytes into words, which without merges changes nothing): every byte becomes its own id."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from dsslm.data.tokenizer import EOS_TOKEN, byte_level_chars
+
+    vocab = {char: b for b, char in enumerate(byte_level_chars())}
+    vocab[EOS_TOKEN] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    return tok

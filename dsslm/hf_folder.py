@@ -1,0 +1,189 @@
+"""Reading a Hugging Face model folder for `run.init_from=hf:HF_DIR`: its config.json, its
+safetensors weights (never a pickle) and its tokenizer, checked against the run's data.
+
+Everything in the folder is someone else's file, so it is validated before it is trusted:
+config.json's fields (`hf.model_values`), the index's file names (plain names inside the
+folder), and every tensor's name, shape and dtype, read from the safetensors headers before any
+data is loaded. The weight files' SHA-256 go into the run's lineage.
+
+    apply_shape(cfg, hf_dir, data_dir, manifest)   # in setup, before the model is built: model.* from config.json
+    HFWeights(hf_dir, cfg.model, engine.param_shapes).read()   # the weights, as dsslm names them
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsslm.config import HF_PREFIX, Config, ModelCfg, validate
+from dsslm.data.tokenizer import load_tokenizer
+from dsslm.hf import EXPORTED_KEYS, PROBE_TEXT, HFError, architecture_of, from_hf, hf_shapes, model_values
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
+# Buffers older exports saved; they are computed from the config, never learned.
+_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def hf_dir_of(init_from: str) -> Path | None:
+    return Path(init_from[len(HF_PREFIX):]) if init_from.startswith(HF_PREFIX) else None
+
+
+def read_config(hf_dir: Path) -> dict:
+    if not hf_dir.is_dir():
+        raise HFError("no such folder; name a Hugging Face model folder")
+    try:
+        config = json.loads((hf_dir / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise HFError(f"no {CONFIG_FILE} there; name a Hugging Face model folder") from None
+    except (OSError, ValueError) as exc:
+        raise HFError(f"{hf_dir / CONFIG_FILE} is unreadable ({exc})") from None
+    if not isinstance(config, dict):
+        raise HFError(f"{hf_dir / CONFIG_FILE} is not a JSON object")
+    return config
+
+
+def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> None:
+    """Set model.* from the folder's config.json. A key the user moved off its default must agree:
+    a disagreement names the key instead of training some other shape. The data must use the
+    model's tokenizer."""
+    try:
+        values = model_values(read_config(hf_dir))
+        data_tok = load_tokenizer(data_dir, manifest)
+    except ValueError as exc:  # HFError, or a DATA_DIR whose tokenizer does not match its manifest
+        raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
+    defaults = ModelCfg()
+    for key, value in values.items():
+        now = getattr(cfg.model, key)
+        if now != value and now != getattr(defaults, key):
+            raise HFError(f"model.{key}={now!r} disagrees with {hf_dir / CONFIG_FILE} ({EXPORTED_KEYS[key]}="
+                          f"{value!r}); drop the override or set model.{key}={value!r}")
+        setattr(cfg.model, key, value)
+    if data_tok.vocab_size > cfg.model.vocab_size:
+        raise HFError(f"the data's tokenizer has {data_tok.vocab_size} ids but {hf_dir}'s embedding has "
+                      f"{cfg.model.vocab_size} rows; prepare the data with --tokenizer {hf_dir}")
+    check_tokenizer(hf_dir, data_tok)
+    validate(cfg)
+
+
+def check_tokenizer(hf_dir: Path, data_tok) -> None:
+    """The model's tokenizer.json must give the data's ids: a model trained on other ids learns
+    nothing from its weights but noise."""
+    from tokenizers import Tokenizer
+
+    path = hf_dir / TOKENIZER_FILE
+    if not path.is_file():
+        raise HFError(f"{hf_dir} has no {TOKENIZER_FILE}, so its tokenizer cannot be checked against the data's; "
+                      "add the model's tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust parser's errors are plain Exceptions
+        raise HFError(f"{path} is not a tokenizer.json `tokenizers` can read ({exc})") from None
+    tok.encode_special_tokens = True  # as dsslm reads data: special strings in text are text
+    if tok.encode(PROBE_TEXT, add_special_tokens=False).ids != list(data_tok.encode(PROBE_TEXT)):
+        raise HFError(f"{path} gives other ids than the data's tokenizer on a probe text; prepare the data with "
+                      f"`python -m dsslm.data prepare --tokenizer {hf_dir}`")
+
+
+def weight_files(hf_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files and the index's name -> file map ({} for one unsharded file)."""
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise HFError(f"{index} is unreadable or has no weight_map ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and _SAFE_NAME.fullmatch(v) for k, v in weight_map.items()):
+            raise HFError(f"{index}: weight_map must map names to plain *.safetensors file names in {hf_dir}")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (hf_dir / f).is_file()]
+        if missing:
+            raise HFError(f"{index} names {missing[0]}, which is not in {hf_dir}")
+        return files, weight_map
+    if (hf_dir / WEIGHTS_FILE).is_file():
+        return [WEIGHTS_FILE], {}
+    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise HFError(f"{hf_dir} holds only pickle weights ({pickles[0]}); dsslm never unpickles: save the model "
+                      "with safetensors (save_pretrained(dir, safe_serialization=True)) and import that")
+    raise HFError(f"{hf_dir} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every tensor a `cfg` model needs, by HF name, after checking each header; and the lineage
+    record (the folder, its architecture and the weight files' SHA-256)."""
+    from safetensors import safe_open
+
+    files, weight_map = weight_files(hf_dir)
+    want = hf_shapes(cfg)
+    found: dict[str, tuple[str, tuple, str]] = {}
+    for name in files:
+        try:
+            with safe_open(hf_dir / name, framework="pt") as f:
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    if key in found:
+                        raise HFError(f"{hf_dir}: tensor {key} is in both {found[key][0]} and {name}")
+                    found[key] = (name, tuple(view.get_shape()), view.get_dtype())
+        except HFError:
+            raise
+        except Exception as exc:  # safetensors' header errors
+            raise HFError(f"{hf_dir / name} is not a readable safetensors file ({exc})") from None
+    _check_found(hf_dir, found, want, weight_map, cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        keys = [k for k in sorted(want) if found[k][0] == name]
+        if cfg.tie_embeddings and found.get("lm_head.weight", ("",))[0] == name:
+            keys.append("lm_head.weight")
+        with safe_open(hf_dir / name, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in keys})
+    head = tensors.pop("lm_head.weight", None) if cfg.tie_embeddings else None
+    if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
+    record = {"run_dir": "", "step": 0, "checkpoint": f"{HF_PREFIX}{hf_dir.resolve()}", "source": "huggingface",
+              "architecture": architecture_of(cfg), "files": {n: file_sha256(hf_dir / n) for n in files}}
+    return tensors, record
+
+
+def _check_found(hf_dir: Path, found: dict, want: dict, weight_map: dict, cfg: ModelCfg) -> None:
+    extra = sorted(k for k in set(found) - set(want) if not _DERIVED.fullmatch(k)
+                   and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    missing = sorted(set(want) - set(found))
+    if missing or extra:
+        what = f"no tensor {missing[0]}" if missing else f"tensor {extra[0]}, which a {architecture_of(cfg)} has not"
+        raise HFError(f"{hf_dir}: {what}; the weights do not fit its config.json")
+    for key, (name, shape, dtype) in found.items():
+        if key in weight_map and weight_map[key] != name:
+            raise HFError(f"{hf_dir}: {key} is in {name}, the index says {weight_map[key]}")
+        if key in want and (shape != want[key] or dtype not in _DTYPES):
+            raise HFError(f"{hf_dir / name}: {key} is {list(shape)} {dtype}, its config.json needs "
+                          f"{list(want[key])} in F32, BF16 or F16")
+
+
+class HFWeights:
+    """The weights of `run.init_from=hf:HF_DIR`, as dsslm names them, for Checkpointer.start_from."""
+
+    def __init__(self, hf_dir: Path, cfg: ModelCfg, shapes: dict[str, tuple]):
+        self.hf_dir, self.cfg, self.shapes = hf_dir, cfg, shapes
+
+    def read(self, expect: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """`expect`: the record rank 0 read; another rank must read the same files."""
+        hf, record = read_weights(self.hf_dir, self.cfg)
+        if expect is not None and record["files"] != expect["files"]:
+            raise HFError(f"{self.hf_dir}: its weight files changed while the job started; start it again")
+        return from_hf(hf, self.cfg, self.shapes), record

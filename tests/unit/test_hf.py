@@ -1,0 +1,134 @@
+"""The dsslm <-> Hugging Face mapping as pure functions: layouts, RoPE, config.json, the byte tokenizer.
+
+No transformers here: HF's rotate-half RoPE is written out in the test, so the mapping is checked
+against the math itself; tests/scenarios/test_export_import.py checks it against transformers."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsslm.config import ModelCfg, load
+from dsslm.data.tokenizer import ByteTokenizer
+from dsslm.hf import (LLAMA, QWEN3, HFError, architecture_of, byte_tokenizer, from_hf, hf_shapes, model_values,
+                      rope_order, to_hf)
+from dsslm.model import apply_rope, build_model, rope_tables
+
+MULTIBYTE = "naïve café — 日本語 🙂 ß∑ <|endoftext|> \x00\x7f end"
+
+
+def model_cfg(*overrides: str) -> ModelCfg:
+    cfg = load(None, ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=16",
+                      "model.vocab_size=50", *overrides]).model
+    return cfg
+
+
+def random_state(cfg: ModelCfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()  # norm gains too: a permutation of ones would hide a wrong one
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb: the first half of each head against the second."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.tie_embeddings=false",), ("model.qk_norm=true",),
+                                       ("model.qk_norm=true", "model.tie_embeddings=false")])
+def test_round_trip_returns_every_bit(overrides):
+    cfg = model_cfg(*overrides)
+    sd = random_state(cfg)
+    hf = to_hf(sd, cfg)
+    assert {n: tuple(t.shape) for n, t in hf.items()} == hf_shapes(cfg)
+    back = from_hf(hf, cfg, {n: tuple(t.shape) for n, t in sd.items()})
+    assert back.keys() == sd.keys()
+    for name in sd:
+        assert torch.equal(back[name], sd[name]), name
+    assert ("lm_head.weight" in hf) == (not cfg.tie_embeddings)
+
+
+def test_permuted_rows_give_hf_rope_the_same_scores():
+    heads, head_dim, seq = 3, 8, 5
+    cos, sin = rope_tables(seq, head_dim, 10000.0)
+    torch.manual_seed(1)
+    x = torch.randn(seq, 16)
+    wq, wk = torch.randn(heads * head_dim, 16), torch.randn(heads * head_dim, 16)
+
+    def scores(w_q, w_k, rope):
+        q = (x @ w_q.T).view(seq, heads, head_dim).transpose(0, 1)
+        k = (x @ w_k.T).view(seq, heads, head_dim).transpose(0, 1)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        return q @ k.transpose(-1, -2)
+
+    order = rope_order(head_dim)
+    hf_q = wq.view(heads, head_dim, 16)[:, order].reshape_as(wq)
+    hf_k = wk.view(heads, head_dim, 16)[:, order].reshape_as(wk)
+    dsslm = scores(wq, wk, apply_rope)
+    assert torch.allclose(scores(hf_q, hf_k, hf_rope), dsslm, atol=1e-5)
+    assert not torch.allclose(scores(wq, wk, hf_rope), dsslm, atol=1e-2)  # unpermuted: wrong
+
+
+def test_export_cuts_padded_vocab_rows_and_import_pads_them_back_with_zeros():
+    cfg = model_cfg("model.tie_embeddings=false")
+    sd = random_state(cfg)
+    padded = {**sd, **{n: torch.cat([sd[n], torch.randn(14, 32)]) for n in ("tok_emb.weight", "lm_head.weight")}}
+    hf = to_hf(padded, cfg)  # a model with 64 rows for a 50-id vocabulary
+    assert hf["model.embed_tokens.weight"].shape == (50, 32) and torch.equal(hf["lm_head.weight"], sd["lm_head.weight"])
+    shapes = {n: tuple(t.shape) for n, t in padded.items()}
+    back = from_hf(hf, cfg, shapes)
+    assert back["tok_emb.weight"].shape == (64, 32)
+    assert torch.equal(back["tok_emb.weight"][:50], sd["tok_emb.weight"]) and not back["tok_emb.weight"][50:].any()
+
+
+def test_architecture_is_llama_or_qwen3_and_anything_else_is_refused():
+    assert architecture_of(model_cfg()) == LLAMA and architecture_of(model_cfg("model.qk_norm=true")) == QWEN3
+    assert architecture_of(model_cfg("model.dropout=0.1")) == LLAMA  # inference has no dropout
+    # A model option transformers' Llama and Qwen3 do not have (as a future dsslm key would be).
+    extended = dataclasses.make_dataclass("ExtendedCfg", [("parallel_blocks", bool, False)], bases=(ModelCfg,))
+    assert architecture_of(extended(vocab_size=50)) == LLAMA
+    with pytest.raises(HFError, match="model.parallel_blocks=True has no Llama or Qwen3 equivalent"):
+        architecture_of(extended(vocab_size=50, parallel_blocks=True))
+
+
+def llama_config(**fields) -> dict:
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 300, "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "tie_word_embeddings": False}
+    return {**base, **fields}
+
+
+def test_config_json_becomes_model_values():
+    assert model_values(llama_config()) == {
+        "d_model": 64, "n_layers": 2, "n_heads": 4, "ffn_hidden": 128, "vocab_size": 300, "qk_norm": False,
+        "tie_embeddings": False, "rope_theta": 5e5, "norm_eps": 1e-5}
+    old_style = llama_config(rope_theta=1e4, rope_parameters=None, model_type="qwen3", tie_word_embeddings=True)
+    values = model_values(old_style)  # transformers 4.x wrote rope_theta at the top
+    assert values["rope_theta"] == 1e4 and values["qk_norm"] and values["tie_embeddings"]
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"model_type": "gpt2"}, "model_type"), ({"num_key_value_heads": 2}, "grouped-query"),
+    ({"attention_bias": True}, "biases"), ({"hidden_act": "gelu"}, "silu"), ({"head_dim": 8}, "head_dim"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope type"),
+    ({"use_sliding_window": True}, "sliding"), ({"hidden_size": "64"}, "hidden_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"), ({"vocab_size": True}, "vocab_size"),
+])
+def test_config_json_that_dsslm_cannot_build_is_refused(fields, says):
+    with pytest.raises(HFError, match=says):
+        model_values(llama_config(**fields))
+
+
+def test_byte_tokenizer_definition_gives_dsslm_byte_ids():
+    tok, ours = byte_tokenizer(), ByteTokenizer()
+    tok.encode_special_tokens = True
+    assert tok.encode(MULTIBYTE, add_special_tokens=False).ids == ours.encode(MULTIBYTE)
+    assert tok.get_vocab_size() == ours.vocab_size and tok.token_to_id("<|endoftext|>") == ours.eos_id
+    assert tok.decode(ours.encode(MULTIBYTE)) == MULTIBYTE

@@ -128,10 +128,10 @@ def test_sigterm_during_the_resume_exits_0_at_once_with_an_event(tmp_path):
         import os, time
         from dsslm.ckpt import resume
         real = resume.Checkpointer.resume_or_init
-        def slow(self):
+        def slow(self, *args, **kwargs):
             open(os.environ["MARKER"], "a").close()
             time.sleep(60)  # a resume hashing a large checkpoint
-            return real(self)
+            return real(self, *args, **kwargs)
         resume.Checkpointer.resume_or_init = slow
     """
     proc = start_train(run_dir, "train.total_steps=20", "ckpt.every=5",

@@ -1,10 +1,10 @@
 """The cost of the per-step health check on 2 gloo ranks (train.check_health: rank 0's writer,
-log and lock failures raised on every rank through engine.decide).
+log and lock failures raised on every rank through engine.raise_together).
 
     python bench/bench_health.py [--calls 2000] [--steps 150] [--rounds 3]
 
-(1) One engine.decide() round trip (rank 0 runs a no-op, every rank gets its result), against one
-    all_reduce of a float: median microseconds over --calls calls.
+(1) One engine.raise_together() (rank 0 runs a no-op check), one engine.decide() round trip and
+    one all_reduce of a float: median microseconds over --calls calls.
 (2) train() on 2 ranks at the tests' tiny shape, alternating rounds with check_health as shipped
     (A) and with check_health replaced by the old rank-0-only store.check() (B): median wall
     seconds per step of the loop (first step excluded), per round and over rounds.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -51,8 +52,11 @@ def collectives(rank: int, world_size: int, port: int, calls: int, out) -> None:
     torch.set_num_threads(1)
     cfg = load(None, [*TINY, "model.vocab_size=256"])
     engine = build_engine(cfg, build_model(cfg.model))
-    timings = {"decide": [], "all_reduce": []}
+    timings = {"raise_together": [], "decide": [], "all_reduce": []}
     for _ in range(calls):
+        started = time.perf_counter()
+        engine.raise_together(lambda: None)
+        timings["raise_together"].append(time.perf_counter() - started)
         started = time.perf_counter()
         engine.decide(lambda: None)
         timings["decide"].append(time.perf_counter() - started)
@@ -74,9 +78,9 @@ def training(rank: int, world_size: int, port: int, run_dir: str, steps: int, va
     marks: list[float] = []
     real_account = train_module.account
 
-    def account(job, verdict, record):  # one timestamp per step, at the same point of every step
+    def account(*args, **kwargs):  # one timestamp per step, at the same point of every step
         marks.append(time.perf_counter())
-        return real_account(job, verdict, record)
+        return real_account(*args, **kwargs)
 
     train_module.account = account
     cfg = train_module.load(None, [f"run.dir={run_dir}", *TINY, f"train.total_steps={steps}", "ckpt.every=100000"])
@@ -91,7 +95,17 @@ def spawn(target, *args) -> object:
     procs = [ctx.Process(target=target, args=(r, 2, port, *args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    result = out.get(timeout=600)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            result = out.get(timeout=1.0)
+            break
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a rank failed (exit codes {failed}) or timed out; see its traceback above")
     for p in procs:
         p.join(timeout=120)
     return result
@@ -105,8 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()}")
     us = spawn(collectives, args.calls)
-    print(f"(1) 2 gloo ranks, median of {args.calls}: engine.decide {us['decide']:.0f} us, "
-          f"all_reduce of one float {us['all_reduce']:.0f} us")
+    print(f"(1) 2 gloo ranks, median of {args.calls}: engine.raise_together {us['raise_together']:.0f} us, "
+          f"engine.decide {us['decide']:.0f} us, all_reduce of one float {us['all_reduce']:.0f} us")
     per_step: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory(prefix="dsslm-bench-health-") as tmp:
         for round_ in range(args.rounds):
@@ -115,7 +129,7 @@ def main() -> None:
                 per_step[variant].append(spawn(training, str(run_dir), args.steps, variant))
     a, b = statistics.median(per_step["A"]), statistics.median(per_step["B"])
     print(f"(2) train(), 2 ranks, tiny shape, {args.steps} steps, median ms/step over {args.rounds} rounds:")
-    print(f"    A check_health (decide) {a * 1e3:.2f} ms  rounds {json.dumps([round(x * 1e3, 2) for x in per_step['A']])}")
+    print(f"    A check_health          {a * 1e3:.2f} ms  rounds {json.dumps([round(x * 1e3, 2) for x in per_step['A']])}")
     print(f"    B rank-0 store.check()  {b * 1e3:.2f} ms  rounds {json.dumps([round(x * 1e3, 2) for x in per_step['B']])}")
     print(f"    A/B = {a / b:.3f}")
     print(f"load average after: {os.getloadavg()}")

@@ -301,7 +301,7 @@ def check_health(job: Job, wait: bool = False) -> None:
         job.store.check()
         job.sinks.check()
         job.lock.check()
-    job.engine.decide(rank0)
+    job.engine.raise_together(rank0)
 
 
 def save(job: Job, sync: bool = False) -> None:

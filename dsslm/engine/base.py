@@ -178,6 +178,25 @@ class Engine(abc.ABC):
             raise value
         return value
 
+    def raise_together(self, fn: Callable[[], None]) -> None:
+        """`fn()` on rank 0 alone; what it raises is raised on every rank. decide() for a check that
+        almost never fails, run at every step boundary: one all-reduce of a flag when nothing failed
+        (half what decide's two broadcasts and pickling cost), the exception shipped only when
+        there is one."""
+        if not self.distributed:
+            fn()
+            return
+        failure: BaseException | None = None
+        if self.is_main:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
+                failure = exc
+        if float(self.all_reduce_sum(torch.tensor([float(failure is not None)]))[0]) > 0:
+            def reraise() -> None:
+                raise failure
+            self.decide(reraise)
+
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]

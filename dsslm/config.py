@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -37,6 +38,7 @@ class RunCfg:
     init_from: str = ""         # a checkpoint folder of another run to branch from, or hf:HF_DIR
     tensorboard: bool = True    # write TensorBoard files when the package is installed
     alert_command: str = ""     # shell command fed each alert event as JSON on stdin
+    lock_stale_s: float = 600.0  # a run.dir lock held from another node is taken over after this long without a heartbeat
 
 
 @dataclass
@@ -156,6 +158,9 @@ class ObserveCfg:
     slow_steps: int = 5         # consecutive slow steps before the alert (once per episode)
     val_margin: float = 0.02    # alert when one domain's val loss is this fraction above its best...
     val_evals: int = 2          # ...for this many evaluations in a row while the others fall
+    # Resume audit where results are not bitwise reproducible (CUDA, another world size): the
+    # relative loss / grad-norm difference tolerated between a recomputed step and its record.
+    audit_tol: float = 0.05
 
 
 @dataclass
@@ -176,7 +181,7 @@ class Config:
 # computes up to that point. Everything else must match (or be allowed with --allow-drift).
 RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
-    "run.tensorboard", "run.alert_command", "data.dir", "data.verify", "train.total_steps",
+    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
     "observe",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
@@ -192,7 +197,19 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; pass a YAML file such as configs/tiny.yaml")
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--config {path}: YAML syntax error{where} ({problem}); fix the file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--config {path}: cannot be read ({err}); pass a YAML text file") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of sections (run:, model:, "
+                          f"train:, ...), not a list; see configs/tiny.yaml")
+    try:
+        merged = OmegaConf.merge(schema, loaded)
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
@@ -253,6 +270,9 @@ def validate(cfg: Config) -> None:
                        ("ckpt.keep_last", cfg.ckpt.keep_last), ("model.vocab_pad_to", m.vocab_pad_to),
                        ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
         _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(0 <= cfg.run.seed < 2**63, f"run.seed={cfg.run.seed} must be in [0, 2^63)")
+    _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
+    _check(cfg.observe.audit_tol >= 0, f"observe.audit_tol={cfg.observe.audit_tol} must be >= 0")
     _check(m.d_model % m.n_heads == 0,
            f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     _check((m.d_model // m.n_heads) % 2 == 0,

@@ -1,17 +1,23 @@
 """`python -m dsslm.train [--config FILE.yaml] [--allow-drift KEY] [dotted.key=value ...]`
 
 The same entry point under plain python, torchrun, accelerate launch and srun. Exit codes:
-0 finished (or saved on SIGTERM/SIGUSR1), 2 bad input or config, 3 escalated to a human.
+0 finished (or stopped by SIGTERM/SIGUSR1, saved where there was anything to save), 2 bad input or
+config, 3 escalated to a human, 4 the run could not write to run.dir (disk full, lost mount,
+another trainer took run.dir over; what was saved before is intact), 130 Ctrl-C.
 
 `step` everywhere is the number of optimizer steps completed: the record of the step whose
 update was just applied carries the same number as the checkpoint taken right after it.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in them must not end in -15
+    from dsslm import exits
+    exits.catch_early()
+
 import argparse
+import contextlib
 import dataclasses
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -19,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from dsslm.ckpt.lock import LockLost, RunLock
 from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
-from dsslm.ckpt.store import CheckpointStore
+from dsslm.ckpt.store import CheckpointError, CheckpointStore
 from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
@@ -28,30 +35,22 @@ from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
+from dsslm.exits import Preempted, StopFlag, ignore_from_now, note_exit
 from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.loss import accumulate, validation_sums
 from dsslm.model import build_model
+from dsslm.observe.audit import ResumeAudit, run_env
 from dsslm.observe.diagnostics import Diagnostics
-from dsslm.observe.sinks import Sinks
+from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.optim import lr_at
-from dsslm.recovery.faults import DrillAbort, Drills
+from dsslm.recovery.faults import Drills
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
 from dsslm.recovery.rewind import Escalation, Rewinder, recovery_pins
 from dsslm.rng import seed_everything
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED = 0, 2, 3
-
-
-class StopFlag:
-    """SIGTERM / SIGUSR1 (Slurm preemption, time limit) ask for a save at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.requested = True
+EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+# Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
+WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
 
 
 @dataclass
@@ -69,6 +68,8 @@ class Job:
     drills: Drills
     sinks: Sinks
     byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
+    lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
+    audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
 
 
 @dataclass
@@ -96,7 +97,8 @@ class StepRecord:
         return record
 
 
-def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
+def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
+    """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
     if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
@@ -104,19 +106,28 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
+    cleanup.callback(engine.close)
+    run_dir, state = Path(cfg.run.dir), TrainState()
+    lock = RunLock(run_dir, cfg.run.lock_stale_s)
+    takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
+    cleanup.callback(lock.release)
     if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
         engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest)
-    run_dir = Path(cfg.run.dir)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
+    cleanup.callback(sinks.close)
+    # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to write).
+    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost)))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
-                            on_event=sinks.emit if engine.is_main else None)
+                            on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
+    cleanup.push(finish_saves(store))
+    report_claim(sinks, takeover, engine.decide(store.remove_leftovers))
     drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
                     global_batch)
     drills.arm(store)
-    state, monitor = TrainState(), SpikeMonitor(cfg.monitor)
+    monitor = SpikeMonitor(cfg.monitor)
     parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler
@@ -124,7 +135,29 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
     return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks,
-               ByteCounter(data_dir, manifest))
+               ByteCounter(data_dir, manifest), lock)
+
+
+def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
+    """Say what taking run.dir over cleared: a dead holder's lock, and its half-written saves."""
+    if takeover is not None:
+        sinks.emit("lock_takeover", **takeover)
+    if removed:
+        sinks.emit("leftovers_removed", folders=removed, reason="temp folders of saves a kill cut short")
+
+
+def finish_saves(store: CheckpointStore):
+    """An ExitStack exit callback: every way out waits for the save in flight, so it is published,
+    not lost with the process. Its own failure is the error unless another one is on its way."""
+    def on_exit(exc_type, exc, tb) -> bool:
+        try:
+            store.close()
+        except CheckpointError as err:
+            if exc_type is None:
+                raise
+            print(f"dsslm: also: {err}", file=sys.stderr, flush=True)
+        return False
+    return on_exit
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
@@ -188,29 +221,31 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
-    # First thing: a preemption signal during setup or resume must not kill the process.
-    stop = StopFlag()
-    job = setup(cfg, allow_drift)
-    try:
-        return run_loop(job, stop)
-    except DrillAbort:
-        job.store.wait()  # an in-process drill models a kill between saves, not a torn write
-        raise
-    finally:
-        job.sinks.close()
-        job.engine.close()
+    stop = StopFlag()  # first: from here a SIGTERM/SIGUSR1 before the first step is a clean exit 0
+    with contextlib.ExitStack() as cleanup:  # saves finished, events recorded, lock released, group left
+        try:
+            job = setup(cfg, allow_drift, cleanup)
+            return run_loop(job, stop)
+        except Exception as exc:
+            if stop.stopped_in_setup:  # a peer that left on the same signal broke a collective
+                raise Preempted(stop.signum) from exc
+            raise
 
 
 def start(job: Job) -> None:
     """Resume, branch or start fresh; fold in the run-level skip list; say so."""
     cfg, engine = job.cfg, job.engine
     hf_dir = hf_dir_of(cfg.run.init_from)
-    job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
+    how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
     job.rewinder.merge_run_file(job.state)
+    env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
+                  cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
+    if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
+        job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
+                                             cfg.train.total_steps, job.sinks.emit)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
-                   optim_impl=engine.optim_impl,
-                   clip=cfg.optim.clip, config=to_dict(cfg))
+                   optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
     if engine.is_main:
         tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
@@ -221,6 +256,7 @@ def start(job: Job) -> None:
 def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, sinks, state = job.cfg, job.sinks, job.state
     start(job)
+    stop.save_on_signal()  # from the first step on, a stop signal saves at the next step boundary
     diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
     first_step = state.step
     while state.step < cfg.train.total_steps:
@@ -228,6 +264,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
         verdict, record, fed, stop_requested = train_step(job, stop)
+        job.audit.check(record)  # after a resume: the steps trained again must equal their records
         if verdict is Verdict.REWIND:
             sinks.log_step(diagnostics.observe(timed(record, started, state), before))
             job.rewinder.rewind(state, record.step)
@@ -244,13 +281,28 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, sync=True)
             sinks.emit("preempt_save", step=state.step)
+            check_health(job)
             return EXIT_OK
         if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
             save(job)
-        job.store.check()
-    job.store.wait()
+        check_health(job)
+    check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps)
+    check_health(job)
     return EXIT_OK
+
+
+def check_health(job: Job, wait: bool = False) -> None:
+    """What only rank 0 can see fail (its checkpoint writer, its metrics and event logs, its lock on
+    run.dir) is raised on every rank here, at the step boundary, so the job exits together and
+    with one code. `wait`: first let the save in flight finish (before leaving)."""
+    def rank0() -> None:
+        if wait:
+            job.store.wait()
+        job.store.check()
+        job.sinks.check()
+        job.lock.check()
+    job.engine.raise_together(rank0)
 
 
 def save(job: Job, sync: bool = False) -> None:
@@ -308,7 +360,18 @@ def main(argv: list[str] | None = None) -> int:
     except Escalation as err:
         print(f"dsslm: escalated to a human: {err}", file=sys.stderr)
         return EXIT_ESCALATED
+    except WRITE_FAILURES as err:
+        print(f"dsslm: {err}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    except Preempted as stopped:
+        print(f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save", file=sys.stderr)
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("dsslm: interrupted; the save in flight, if any, was finished", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    ignore_from_now()  # the exit code is decided: a SIGTERM while the interpreter shuts down must not change it
+    sys.exit(code)

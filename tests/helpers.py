@@ -8,6 +8,7 @@ import queue
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -104,6 +105,24 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, check: bool = True
     if check and proc.returncode != 0:
         raise AssertionError(f"train exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def start_train(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """run_train's command, started in the background (pipes for stdout and stderr)."""
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(train_cmd() + [f"run.dir={run_dir}", *TINY, *overrides], cwd=ROOT, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def hook_env(folder: Path, code: str) -> dict:
+    """Environment for a subprocess whose interpreter runs `code` first, from a sitecustomize.py on
+    PYTHONPATH: how a test patches a real `python -m dsslm.train` (or each torchrun rank of one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(textwrap.dedent(code))
+    # ROOT too: sitecustomize runs before `-m` puts the working directory on sys.path, so without it
+    # an `import dsslm` there would find the installed copy, not this checkout's.
+    paths = [str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,11 @@ ASIDE_SUFFIX = ".replaced"
 _NAME_RE = re.compile(r"step-(\d{8})(\.replaced)?")
 _GROUP_RE = re.compile(r"[A-Za-z0-9_]+")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+# Read whole into memory before they are checked, so bounded: a MANIFEST lists a few files, and
+# state.json holds ~20 KB of RNG state per rank (64 MiB is ~3,000 ranks). A hostile 64 MiB of
+# small JSON numbers parses to ~1 GB of Python objects: the most a bad file can cost rank 0.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_STATE_BYTES = 64 << 20
 # 64 MiB pieces: large enough that per-call overhead is nil, small enough that hashing one piece
 # overlaps writing the next (see store._write_file).
 CHUNK_BYTES = 64 << 20
@@ -121,15 +127,30 @@ def _hash_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _check_regular(path: Path, max_bytes: int | None = None) -> int:
+    """The size of `path` if it is a regular file (not a link, FIFO or device: reading one of
+    those could hang or never end) of at most `max_bytes`; CheckpointError saying why not."""
+    st = os.lstat(path)  # FileNotFoundError is the caller's
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path.name} is a symbolic link; a checkpoint holds only regular files")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path.name} is not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise CheckpointError(f"{path.name} is {st.st_size} bytes, more than the {max_bytes} a checkpoint's "
+                              f"{path.name} can be")
+    return st.st_size
+
+
 def read_manifest(folder: Path) -> dict:
     try:
+        _check_regular(folder / MANIFEST, MAX_MANIFEST_BYTES)
         manifest = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
         raise CheckpointError("no MANIFEST (a save or a delete did not finish)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"unreadable MANIFEST: {exc}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict):
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"MANIFEST is not format {FORMAT} with a files table")
     for name, entry in files.items():
         if (not _FILE_RE.fullmatch(name) or name == MANIFEST or not isinstance(entry, dict)
@@ -150,9 +171,7 @@ def _check_files(folder: Path, manifest: dict) -> None:
         raise CheckpointError(f"file {missing[0]} is missing")
     for name, entry in sorted(files.items()):
         path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{name} is not a regular file")
-        size = path.stat().st_size
+        size = _check_regular(path, MAX_STATE_BYTES if name == STATE_FILE else None)
         if size != entry["size"]:
             raise CheckpointError(f"{name} is {size} bytes, MANIFEST says {entry['size']}")
         if _hash_file(path) != entry["sha256"]:
@@ -201,7 +220,10 @@ def load_verified(folder: Path) -> Checkpoint:
 
 
 def remove_checkpoint(folder: Path) -> None:
-    """MANIFEST first: a crash half way leaves a folder every reader already ignores."""
+    """MANIFEST first: a crash half way leaves a folder every reader already ignores. A symbolic
+    link is refused, never followed: what it points to may be another run's checkpoint."""
+    if folder.is_symlink():
+        raise CheckpointError(f"{folder} is a symbolic link; not deleting through it")
     manifest = folder / MANIFEST
     if manifest.exists():
         manifest.unlink()

@@ -102,18 +102,19 @@ class Checkpointer:
         model_sd, optim = self.engine.full_state()
         parts = {name: part.state_dict() for name, part in self.parts.items()}  # collectives inside
         if not self.engine.is_main:
+            if sync or not async_save:
+                self.engine.decide(self.store.wait)
             return
         state = {"schema": SCHEMA_VERSION, "step": self.train.step, "skip_list": self.train.skip_list,
                  **parts, "world_size": self.engine.world_size, "engine": self.engine.name,
                  "fingerprint": self.fingerprint, "config": self.config}
         tensors = {"model": model_sd, "optim": optim.to_tensors()}
+        self.store.save_async(self.train.step, tensors, state)
         if sync or not async_save:
-            self.store.save(self.train.step, tensors, state)
-        else:
-            self.store.save_async(self.train.step, tensors, state)
+            self.engine.decide(self.store.wait)  # a failed write reaches every rank, not rank 0 alone
 
     # --- checks before anything is loaded ----------------------------------------------------
-    def accept(self, ckpt: Checkpoint, parent: bool = False) -> dict[str, Any]:
+    def accept(self, ckpt: Checkpoint, parent: bool = False, values: bool = True) -> dict[str, Any]:
         """Check a loaded checkpoint before anything of it is used; returns the allowed drift.
 
         StateError / CheckpointError name what is malformed (the store passes such a folder
@@ -121,6 +122,7 @@ class Checkpointer:
         config, data or tokenizer), which is refused outright: passing over every checkpoint of a
         changed run would start it afresh and, by retention, delete what it had saved.
         `parent`: a branch's parent, whose schedule, length and data may differ on purpose.
+        `values`: also scan every tensor for NaN/inf (once per checkpoint is enough: it reads all).
         Upgrades an old state.json in place."""
         ckpt.state = upgrade_state(ckpt.state)
         self.check_state(ckpt.state)
@@ -131,7 +133,7 @@ class Checkpointer:
             allowed += tuple(k for k in saved["config_items"] if not k.startswith("model.")) + ("data", "global_batch_size")
             where = f"parent checkpoint {ckpt.path}"
         drifted = check_fingerprint(saved, self.fingerprint, self.cfg, where, allowed)
-        self.check_tensors(ckpt.tensors)
+        self.check_tensors(ckpt.tensors, values)
         return drifted
 
     def check_state(self, state: Any) -> None:
@@ -153,7 +155,7 @@ class Checkpointer:
         if len(state["rng"]) != state["world_size"]:
             raise StateError(f"state.rng: {len(state['rng'])} ranks' streams for world_size {state['world_size']}")
 
-    def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], values: bool = True) -> None:
         """Every tensor's name, shape and dtype against this model, before any is loaded: a
         broadcastable wrong shape would otherwise load silently."""
         if sorted(tensors) != sorted(TENSOR_GROUPS):
@@ -174,6 +176,8 @@ class Checkpointer:
         for name, step in optim.step.items():
             if not 0 <= step <= MAX_STEP or step != int(step):
                 raise CheckpointError(f"optim step/{name}: {step} is not a step count")
+        if values:
+            _check_values(tensors["model"], optim)
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> None:
@@ -224,7 +228,7 @@ class Checkpointer:
         "branch" or "fresh"."""
         ckpt = self.latest()
         if ckpt is not None:
-            allowed = self.accept(ckpt)  # pure and cheap: again on every rank, for the event
+            allowed = self.accept(ckpt, values=False)  # pure and cheap: again on every rank, for the event
             self.restore(ckpt)
             self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed)
             return "resume"
@@ -278,7 +282,7 @@ class Checkpointer:
 
         self.engine.decide(open_parent)  # hashed on rank 0; refused there means refused on every rank
         parent_ckpt = opened[0] if opened else self.open(path, verified=True, parent=True)
-        drifted = self.accept(parent_ckpt, parent=True)
+        drifted = self.accept(parent_ckpt, parent=True, values=False)
         self.restore(parent_ckpt)
         train = self.train
         data = "continues the parent's stream"
@@ -302,6 +306,21 @@ def check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, 
         if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32:
             raise CheckpointError(f"{group} {name}: shape {tuple(tensor.shape)} {tensor.dtype}, this model has "
                                   f"{shapes[name]} float32")
+
+
+def _check_values(model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
+    """No NaN or inf in weights or moments, and no negative second moment: a run saves only states
+    it reached through applied steps (the spike policy never applies a non-finite one), so such a
+    checkpoint was damaged after the fact and would poison every step trained from it."""
+    tables = [("model", model_sd), ("optim exp_avg", optim.exp_avg), ("optim exp_avg_sq", optim.exp_avg_sq)]
+    for group, table in tables:
+        for name, tensor in table.items():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise CheckpointError(f"{group} {name}: {bad} non-finite value(s)")
+    for name, tensor in optim.exp_avg_sq.items():
+        if bool((tensor < 0).any()):
+            raise CheckpointError(f"optim exp_avg_sq {name}: negative values (a second moment is >= 0)")
 
 
 def upgrade_state(state: Any) -> Any:

@@ -26,7 +26,6 @@ import collections
 import hashlib
 import json
 import os
-import queue
 import secrets
 import shutil
 import threading
@@ -81,7 +80,8 @@ class CheckpointStore:
     """Saves and finds checkpoints under `run_dir/checkpoints/`. Call it from one training thread."""
 
     def __init__(self, run_dir, keep_last: int = 3, keep_every: int = 0,
-                 on_event: Callable[..., None] | None = None, reuse_host_buffers: bool = True):
+                 on_event: Callable[..., None] | None = None, reuse_host_buffers: bool = True,
+                 fence: Callable[[], None] | None = None):
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last} would delete the checkpoint just saved; set ckpt.keep_last >= 1")
         if keep_every < 0:
@@ -90,6 +90,9 @@ class CheckpointStore:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.keep_last, self.keep_every = keep_last, keep_every
         self._on_event = on_event
+        # Raises if this process may no longer write here (the run.dir lock was taken over): checked
+        # by the writer right before it publishes or deletes anything.
+        self._fence = fence or (lambda: None)
         self._crash_in_save_step, self._crash_after_files = -1, 1
         self._buffers = HostBuffers(reuse_host_buffers)
         # Guards every rename, delete and read of checkpoint folders (writer vs training thread).
@@ -99,7 +102,6 @@ class CheckpointStore:
         self._refused: set[str] = set()  # verified, but their contents were refused on load
         self._pinned: set[int] = set()
         self._events: collections.deque = collections.deque()
-        self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
@@ -124,11 +126,14 @@ class CheckpointStore:
         step_name(step)  # an unnameable step fails here, not in the writer
         state = json.loads(json.dumps(state))  # a deep copy; a non-JSON value fails here too
         snapshot = self._buffers.snapshot(tensors)
+        if self._thread is not None:
+            self._thread.join()  # idle, so it has returned or is returning
         self._idle.clear()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._work, name="dsslm-ckpt-writer", daemon=True)
-            self._thread.start()
-        self._jobs.put((step, snapshot, state))
+        # One thread per save, not a daemon: whatever path the process leaves by, the interpreter
+        # waits for a save in flight instead of killing it half written.
+        self._thread = threading.Thread(target=self._work, args=((step, snapshot, state),),
+                                        name="dsslm-ckpt-writer")
+        self._thread.start()
 
     def save(self, step: int, tensors: dict, state: dict) -> Path:
         """Synchronous save: the same path as save_async, then wait. Returns the published folder."""
@@ -158,11 +163,28 @@ class CheckpointStore:
         return not self._idle.is_set()
 
     def close(self) -> None:
-        """wait(), then stop the writer thread."""
-        self.wait()
-        if self._thread is not None and self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
+        """wait() (raising a failed save's error), then join the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._thread is not None:
+                self._thread.join()
+
+    def remove_leftovers(self) -> list[str]:
+        """Delete `checkpoints/.tmp-*`: saves that a kill cut short. Only for the run.dir lock's
+        holder, so none of them can still be in progress. Returns their names."""
+        removed = []
+        if not self.ckpt_dir.is_dir():
+            return removed
+        for path in sorted(self.ckpt_dir.glob(".tmp-*")):
+            if path.is_symlink() or not path.is_dir():
+                path.unlink()  # a link is removed, never followed
+            else:
+                shutil.rmtree(path)
+            removed.append(path.name)
+        if removed:
+            fsync_dir(self.ckpt_dir)
+        return removed
 
     def valid_steps(self) -> list[int]:
         """Steps with a valid folder, ascending. Verification is cached per folder file stats."""
@@ -226,14 +248,13 @@ class CheckpointStore:
 
     # Writer thread.
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._last_path = self._write(*job)
-            except BaseException as exc:  # OSError(ENOSPC) included: kept for the training thread
-                self._error = (job[0], exc)
-            finally:
-                self._idle.set()
+    def _work(self, job: tuple) -> None:
+        try:
+            self._last_path = self._write(*job)
+        except BaseException as exc:  # OSError(ENOSPC) included: kept for the training thread
+            self._error = (job[0], exc)
+        finally:
+            self._idle.set()
 
     def _write(self, step: int, tensors: dict, state: dict) -> Path:
         start = time.perf_counter()
@@ -254,6 +275,7 @@ class CheckpointStore:
                         "files": {n: {"sha256": h, "size": size} for n, (h, size) in files.items()}}
             self._write_one(tmp / MANIFEST, [memoryview(json.dumps(manifest, indent=1).encode())], step)
             fsync_dir(tmp)
+            self._fence()
             with self._lock:
                 path = self._publish(tmp, step)
         except BaseException:
@@ -262,6 +284,7 @@ class CheckpointStore:
         self._emit("save", checkpoint=path.name, step=step, seconds=round(time.perf_counter() - start, 3),
                    bytes=sum(size for _, size in files.values()))
         try:
+            self._fence()
             self.apply_retention()
         except OSError as exc:
             raise CheckpointError(f"{path.name} was saved, but retention could not delete: {exc}") from exc
@@ -292,8 +315,9 @@ class CheckpointStore:
         """
         final = self.ckpt_dir / step_name(step)
         self._settle_aside(step)
-        if final.exists():
-            reason = verify(final)  # full hash: deciding what to delete deserves more than the cache
+        if final.exists() or final.is_symlink():
+            # Full hash: deciding what to delete deserves more than the cache. A link is never valid.
+            reason = "a symbolic link" if final.is_symlink() else verify(final)
             if reason is None and final.name not in self._refused:
                 _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
             else:
@@ -334,6 +358,9 @@ class CheckpointStore:
             parsed = parse_name(name)
             if parsed is None:
                 self._pass_over(name, f"name {name!r} is not step-XXXXXXXX")
+            elif os.path.islink(self.ckpt_dir / name):
+                # Never followed: retention would delete what it points to (another run's checkpoint).
+                self._pass_over(name, "is a symbolic link; a checkpoint folder must be a real folder")
             else:
                 found[parsed[0]].append(self.ckpt_dir / name)
         for paths in found.values():
@@ -358,6 +385,8 @@ class CheckpointStore:
 
     def _reason(self, folder: Path, rehash: bool = False) -> str | None:
         """verify(folder), cached per stat_key unless rehash (the one a loader returns)."""
+        if folder.is_symlink():
+            return "is a symbolic link; a checkpoint folder must be a real folder"
         key = stat_key(folder)
         cached = self._verified.get(folder.name)
         if key is not None and not rehash and cached is not None and cached[0] == key:

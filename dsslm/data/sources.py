@@ -35,6 +35,9 @@ def find_sources(inputs: list[str | Path]) -> list[Source]:
     for given in inputs:
         path = Path(given)
         _check_readable(path)
+        if path.is_file() and _kind_of(path) == "text" and _looks_binary(path):
+            raise DataError(f"--input {path} is a binary file (a NUL byte in its first 8 KiB), not text; "
+                            "give text, JSONL, Parquet or a save_to_disk folder")
         sources += _walk(path) if path.is_dir() else [Source(path, _kind_of(path))]
     if not sources:
         raise DataError(f"--input {' '.join(map(str, inputs))} holds no files; "

@@ -6,16 +6,19 @@ events is decided in `observe.alerts`.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dsslm.config import ConfigError, ObserveCfg
 
@@ -34,40 +37,106 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _parse(line: bytes) -> dict | None:
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):  # a torn line, or not JSON at all
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
     """Parsed objects and the count of unreadable lines (a run killed mid-write truncates one)."""
-    if not path.exists():
+    if not path.is_file():  # missing, or a FIFO / device a read would hang on
         return [], 0
     records, bad = [], 0
-    for line in filter(str.strip, path.read_text(errors="replace").splitlines()):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            obj = _parse(line)
+            if obj is None:
+                bad += 1
+            else:
+                records.append(obj)
     return records, bad
 
 
+def read_jsonl_backward(path: Path, chunk_bytes: int = 1 << 16) -> Iterator[dict]:
+    """The objects of a JSONL file from the last to the first, reading only as far back as the
+    caller iterates (a resume looks at the last few hundred steps of a long run); unreadable lines,
+    such as a torn last one, are skipped."""
+    if not path.is_file():
+        return
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        tail = b""
+        while end > 0:
+            start = max(0, end - chunk_bytes)
+            f.seek(start)
+            lines = (f.read(end - start) + tail).split(b"\n")
+            end = start
+            tail = lines.pop(0) if end > 0 else b""  # maybe the end of a line that starts earlier
+            for line in reversed(lines):
+                if line.strip() and (obj := _parse(line)) is not None:
+                    yield obj
+
+
+class LogWriteError(RuntimeError):
+    """A line could not be appended to a run's log (a full disk, a lost mount): the run stops."""
+
+
 class JsonlLog:
+    """One JSON object per line, appended with one write(2) per line: a failed write (ENOSPC) is cut
+    back off, so the file never ends in a torn line of ours, and the failure is kept for `check()`.
+
+    Opened at the first write, so a run that stops before it has anything to say leaves no file."""
+
     def __init__(self, path: Path, enabled: bool):
-        self.enabled = enabled
-        self.file = None
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", encoding="utf-8")
+        self.path, self.enabled = path, enabled
+        self.fd: int | None = None
+        self.failure: LogWriteError | None = None
 
     def write(self, record: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(_clean(record)) + "\n")
-            self.file.flush()  # a killed run keeps every line written before the kill
+        if not self.enabled or self.failure is not None:
+            return  # after a failure nothing more is written: the run is stopping at the step boundary
+        line = (json.dumps(_clean(record)) + "\n").encode()
+        size = None
+        try:
+            if self.fd is None:
+                self._open()
+            size = os.fstat(self.fd).st_size
+            view = memoryview(line)
+            while view:  # O_APPEND: lands at the end; a short write is retried, and gives the real errno
+                written = os.write(self.fd, view)
+                if written == 0:
+                    raise OSError(errno.EIO, "write(2) wrote nothing")
+                view = view[written:]
+        except OSError as exc:
+            if size is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, size)  # shrinking needs no space: the torn line goes
+            self.failure = LogWriteError(f"cannot append to {self.path}: {exc.strerror or exc}; free space "
+                                         f"or fix the mount, then run again (it resumes from the last checkpoint)")
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # read: the last byte
+        size = os.fstat(self.fd).st_size
+        if size and os.pread(self.fd, 1, size - 1) != b"\n":
+            # A run killed mid-line left a torn last line: end it, so our first line stays whole.
+            os.write(self.fd, b"\n")
+
+    def check(self) -> None:
+        """Raise the write failure, if any (from the training thread, at a step boundary)."""
+        if self.failure is not None:
+            raise self.failure
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
 
 
 class EventLog(JsonlLog):
@@ -102,16 +171,19 @@ class EventLog(JsonlLog):
 
 
 class TensorBoard:
+    """Opened at the first record, like the logs: a run that never trains writes no event file."""
+
     def __init__(self, run_dir: Path, enabled: bool):
-        self.writer = None
-        if enabled:
+        self.writer, self.run_dir, self.enabled = None, run_dir, enabled
+
+    def write(self, record: dict) -> None:
+        if self.writer is None and self.enabled:
+            self.enabled = False
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # the tensorboard extra is optional
                 return
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def write(self, record: dict) -> None:
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         if self.writer is None:
             return
         step = record["step"]
@@ -219,6 +291,11 @@ class Sinks:
 
     def emit(self, event: str, **fields: Any) -> dict:
         return self.events.emit(event, **fields)
+
+    def check(self) -> None:
+        """LogWriteError if metrics.jsonl or events.jsonl could not be appended to."""
+        self.metrics.check()
+        self.events.check()
 
     def close(self) -> None:
         self.progress.close()

@@ -204,7 +204,7 @@ class Rewinder:
             self.emit("escalation", step=spike_step, rewinds=len(state.rewinds), window=rewind_plan.window)
             raise Escalation(f"spike at step {spike_step} after {len(state.rewinds)} rewinds; "
                              f"see {self.run_dir / 'events.jsonl'}")
-        self.checkpointer.store.wait()
+        self.engine.decide(self.checkpointer.store.wait)  # rank 0's writer error reaches every rank
         ckpt = self.checkpointer.latest(rewind_plan.to_step)
         if ckpt is None:
             self.emit("escalation", step=spike_step, reason="no checkpoint before the spike")

@@ -68,7 +68,7 @@ def inprocess(run_dir, *extra):
     return tiny_cfg(run_dir, *STEPS, *extra)
 
 
-def test_corrupt_newest_checkpoint_falls_back_and_tmp_and_manifestless_ignored(reference, tmp_path):
+def test_corrupt_newest_checkpoint_falls_back_manifestless_ignored_and_tmp_removed(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     ckpts = run_dir / "checkpoints"
@@ -86,7 +86,10 @@ def test_corrupt_newest_checkpoint_falls_back_and_tmp_and_manifestless_ignored(r
     assert events(run_dir, "resume")[-1]["step"] == 10
     passed = {e["checkpoint"] for e in events(run_dir, "passed_over")}
     assert {"step-00000030", "step-00000020", "step-00000025"} <= {p.split("/")[-1] for p in passed}
-    assert (ckpts / "step-00000025").exists() and (ckpts / ".tmp-step-00000028-1-x").exists()
+    assert (ckpts / "step-00000025").exists()  # invalid folders are never deleted...
+    # ...but a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
+    assert not (ckpts / ".tmp-step-00000028-1-x").exists()
+    assert events(run_dir, "leftovers_removed")[-1]["folders"] == [".tmp-step-00000028-1-x"]
     redone = read_jsonl(run_dir / "metrics.jsonl")[metrics_before:]
     ref = losses_by_step(reference)
     assert [r["step"] for r in redone if "loss" in r] == list(range(11, 31))

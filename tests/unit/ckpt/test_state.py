@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsslm.ckpt import format as ckpt_format
 from dsslm.ckpt.resume import upgrade_state
 from dsslm.ckpt.schema import Fields, Float, Int, ListOf, StateError, Window, check
 from dsslm.train import main, train
-from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
+from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
 
 STEPS = ["train.total_steps=12", "ckpt.every=4", "ckpt.keep_last=5"]
 
@@ -67,6 +70,27 @@ def edit_tensor(group: str, name: str, make):
     return edit
 
 
+def edit_header(group: str, name: str, **entry):
+    """Rewrite one tensor's entry in a safetensors header (offsets overlapping another's, say)."""
+    def edit(folder: Path) -> None:
+        path = folder / f"{group}.safetensors"
+        raw = path.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        header[name].update(entry)
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    return edit
+
+
+def symlink_out(path: Path) -> None:
+    """Replace `path` by a link to a copy outside the folder: the hashes (read through it) match."""
+    outside = path.parent.parent.parent / f"outside-{path.name}"
+    shutil.move(path, outside)
+    path.symlink_to(outside)
+
+
 def set_field(path: str, value):
     def change(state):
         node = state
@@ -100,6 +124,16 @@ CASES = {
     "wrong dtype": (edit_tensor("model", "tok_emb.weight", lambda t: t.double()), "tok_emb.weight"),
     "unknown tensor": (edit_tensor("model", "extra.weight", lambda t: torch.zeros(2)), "extra.weight"),
     "moment of the wrong shape": (edit_tensor("optim", "exp_avg/norm.weight", lambda t: t[:3]), "norm.weight"),
+    # Values no run saves: every applied step was finite, and a second moment is a mean of squares.
+    "NaN weight": (edit_tensor("model", "norm.weight", lambda t: t.clone().index_fill_(0, torch.tensor([3]),
+                                                                                     float("nan"))),
+                   "model norm.weight: 1 non-finite"),
+    "inf moment": (edit_tensor("optim", "exp_avg/norm.weight", lambda t: torch.full_like(t, float("inf"))),
+                   "optim exp_avg norm.weight"),
+    "negative second moment": (edit_tensor("optim", "exp_avg_sq/norm.weight", lambda t: -torch.ones_like(t)),
+                               "exp_avg_sq norm.weight: negative"),
+    "hostile safetensors header": (edit_header("model", "norm.weight", data_offsets=[0, 8]), "did not load"),
+    "file is a symlink": (lambda folder: symlink_out(folder / "state.json"), "state.json is a symbolic link"),
 }
 
 
@@ -112,6 +146,45 @@ def test_malformed_checkpoint_is_passed_over_and_the_previous_one_used(reference
     assert len(passed) == 1 and field in passed[0]["reason"], passed
     assert events(run_dir, "resume")[-1]["step"] == 4
     assert losses_by_step(run_dir) == losses_by_step(reference)  # resumed from 4, to the bit
+
+
+def test_a_checkpoint_folder_that_is_a_symlink_is_passed_over_and_never_deleted_through(reference, tmp_path):
+    """A link in checkpoints/ could point at another run's checkpoint: retention deleting "it"
+    would delete that one. It is never followed: passed over, and left alone."""
+    other = tmp_path / "other-run-step-00000008"
+    run_dir = tampered_run(reference, tmp_path, lambda folder: None)
+    folder = run_dir / "checkpoints" / "step-00000008"
+    shutil.move(folder, other)
+    folder.symlink_to(other, target_is_directory=True)
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    assert train(tiny_cfg(run_dir, *STEPS, "ckpt.keep_last=1", "train.total_steps=16")) == 0
+    passed = [e for e in events(run_dir, "passed_over") if e["checkpoint"] == "step-00000008"]
+    assert len(passed) == 1 and "symbolic link" in passed[0]["reason"]
+    assert events(run_dir, "resume")[-1]["step"] == 4
+    # The re-save of step 8 put the link aside for a person to look at; what it points to is intact.
+    kept = list((run_dir / "checkpoints").glob("step-00000008.invalid-*"))
+    assert len(kept) == 1 and kept[0].is_symlink()
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+
+
+def test_a_manifest_that_is_a_fifo_is_passed_over_without_hanging(reference, tmp_path):
+    run_dir = tampered_run(reference, tmp_path, lambda folder: None)
+    manifest = run_dir / "checkpoints" / "step-00000008" / "MANIFEST"
+    manifest.unlink()
+    os.mkfifo(manifest)  # reading it would block for ever
+    run_train(run_dir, *STEPS, timeout_s=120)
+    passed = [e for e in events(run_dir, "passed_over") if e["checkpoint"] == "step-00000008"]
+    assert len(passed) == 1 and "MANIFEST is not a regular file" in passed[0]["reason"]
+    assert events(run_dir, "resume")[-1]["step"] == 4
+
+
+def test_an_oversized_state_json_is_passed_over_before_it_is_read(reference, tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt_format, "MAX_STATE_BYTES", 1 << 20)  # real ones here are ~30 KB
+    run_dir = tampered_run(reference, tmp_path, edit_state(set_field("config.padding", "x" * (2 << 20))))
+    assert train(tiny_cfg(run_dir, *STEPS)) == 0
+    passed = [e for e in events(run_dir, "passed_over") if e["checkpoint"].endswith("step-00000008")]
+    assert len(passed) == 1 and "state.json is" in passed[0]["reason"] and "more than" in passed[0]["reason"]
+    assert events(run_dir, "resume")[-1]["step"] == 4
 
 
 def test_a_checkpoint_of_another_config_is_refused_not_passed_over(reference, tmp_path, capsys):

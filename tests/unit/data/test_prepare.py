@@ -162,9 +162,11 @@ def test_manifest_catches_one_flipped_byte(tmp_path):
         load_manifest(tmp_path)
 
 
-@pytest.mark.parametrize("case", ["empty_file", "missing_file", "missing_field", "unknown_tokenizer", "bad_fraction"])
+@pytest.mark.parametrize("case", ["empty_file", "missing_file", "missing_field", "unknown_tokenizer", "bad_fraction",
+                                  "binary_file"])
 def test_bad_input_exits_2_and_leaves_nothing(tmp_path, capsys, case):
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 4)  # a NUL byte: not text
     (tmp_path / "a.jsonl").write_text('{"body": "no text field"}\n')
     (tmp_path / "a.txt").write_text("fine")
     argv = {
@@ -173,12 +175,13 @@ def test_bad_input_exits_2_and_leaves_nothing(tmp_path, capsys, case):
         "missing_field": ["--input", str(tmp_path / "a.jsonl")],
         "unknown_tokenizer": ["--input", str(tmp_path / "a.txt"), "--tokenizer", "wordpiece"],
         "bad_fraction": ["--input", str(tmp_path / "a.txt"), "--val-fraction", "1.5"],
+        "binary_file": ["--input", str(tmp_path / "model.bin")],  # given directly, as a folder's would be skipped
     }[case]
     assert main(["prepare", *argv, "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     hint = {"empty_file": "no text", "missing_file": "does not exist", "missing_field": "--text-field",
-            "unknown_tokenizer": "--tokenizer", "bad_fraction": "--val-fraction"}[case]
+            "unknown_tokenizer": "--tokenizer", "bad_fraction": "--val-fraction", "binary_file": "binary"}[case]
     assert hint in err
     assert not (tmp_path / "d").exists()
 

@@ -1,0 +1,324 @@
+"""One trainer per run.dir: the lock rank 0 takes before anything is written there.
+
+    lock = RunLock(run_dir, stale_after_s=600)
+    takeover = lock.acquire()   # LockHeld (exit 2, naming the holder); a dict when a dead holder's lock was taken
+    ...
+    lock.check()                # at every step boundary: LockLost if another trainer took run.dir over
+    lock.release()
+
+`run.dir/LOCK` is JSON: the holder's host, boot id, pid namespace, pid and that process's start
+time, its start date, SLURM_JOB_ID / SLURM_RESTART_COUNT, TORCHELASTIC_RUN_ID /
+TORCHELASTIC_RESTART_COUNT and a random token. It is written whole into a temp file and hard-linked
+into place, so it appears complete or not at all (link(2) is atomic and exclusive on NFS too).
+The holder refreshes its mtime every HEARTBEAT_S and checks that it still names the holder.
+
+A lock is respected unless one of these shows its holder is gone; then it is taken over and the
+caller reports the old holder:
+- the same machine (boot id) and pid namespace, and that pid is not running, or is another process
+  (its start time differs: the pid was reused);
+- the same Slurm job at a later SLURM_RESTART_COUNT (a requeue), or the same torchrun run at a
+  later TORCHELASTIC_RESTART_COUNT (a restart of the worker group);
+- its heartbeat is older than `stale_after_s`, measured against a file just made in run.dir, so
+  both times are the file server's clock and clock skew between nodes does not matter.
+A takeover renames the stale file aside first (only one contender's rename of it succeeds), so two
+trainers that start together on a stale lock never both win.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dsslm.ckpt.schema import Fields, Int, Optional, StateError, Str, check
+from dsslm.config import ConfigError
+from dsslm.durable import fsync_dir
+
+LOCK_FILE = "LOCK"
+HEARTBEAT_S = 10.0
+MAX_LOCK_BYTES = 64 << 10  # a lock is a few hundred bytes; anything bigger was not written by us
+LOCK_SCHEMA = Fields(open=True, host=Str(255), boot_id=Str(64), pid_ns=Str(64), pid=Int(1, 2**31),
+                     pid_start=Optional(Int(0)), started=Str(64), slurm_job_id=Str(64), slurm_restart=Int(0),
+                     elastic_run_id=Str(255), elastic_restart=Int(0), token=Str(64))
+
+
+class LockHeld(ConfigError):
+    """Another live trainer holds run.dir (exit 2: the message names it)."""
+
+
+class LockLost(RuntimeError):
+    """run.dir/LOCK no longer names this trainer: another one took it over, or it was deleted."""
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read(256).strip()
+    except OSError:
+        return ""
+
+
+def _pid_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None if gone
+    or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # fields after "(comm)" start at field 3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def identity() -> dict[str, Any]:
+    """What this process writes into LOCK."""
+    env = os.environ
+    return {"host": socket.gethostname(), "boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": _pid_ns(), "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "slurm_job_id": env.get("SLURM_JOB_ID", ""),
+            "slurm_restart": int(env.get("SLURM_RESTART_COUNT") or 0),
+            "elastic_run_id": env.get("TORCHELASTIC_RUN_ID", ""),
+            "elastic_restart": int(env.get("TORCHELASTIC_RESTART_COUNT") or 0), "token": secrets.token_hex(8)}
+
+
+def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> str | None:
+    """Why the holder of a lock is certainly gone, or None if it may be alive. Pure."""
+    same_machine = holder["boot_id"] == me["boot_id"] if me["boot_id"] else holder["host"] == me["host"]
+    if same_machine and holder["pid_ns"] == me["pid_ns"]:
+        pid = holder["pid"]
+        start = _pid_start(pid)
+        if not _pid_running(pid):
+            return f"pid {pid} is not running on {holder['host']}"
+        if start is not None and holder["pid_start"] is not None and start != holder["pid_start"]:
+            return f"pid {pid} on {holder['host']} is another process now (the holder's pid was reused)"
+        return None  # alive here: its heartbeat does not matter
+    for job, restart in (("slurm_job_id", "slurm_restart"), ("elastic_run_id", "elastic_restart")):
+        if holder[job] and holder[job] == me[job] and me[restart] > holder[restart]:
+            return f"{job} {holder[job]} restarted ({holder[restart]} -> {me[restart]}): its old processes are gone"
+    if age_s > stale_after_s:
+        return f"its heartbeat is {age_s:.0f} s old (run.lock_stale_s={stale_after_s:g})"
+    return None
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def describe(holder: dict) -> str:
+    slurm = f" (Slurm job {holder['slurm_job_id']})" if holder.get("slurm_job_id") else ""
+    return f"pid {holder['pid']} on host {holder['host']}{slurm}, started {holder['started']}"
+
+
+class RunLock:
+    """The lock on one run.dir. Only rank 0 acquires; every rank may hold the object."""
+
+    def __init__(self, run_dir: Path, stale_after_s: float = 600.0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.stale_after_s = stale_after_s
+        self.me: dict | None = None
+        self._created: list[Path] = []   # folders acquire() made, removed again if still empty on release
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # --- taking it ------------------------------------------------------------------------------
+    def acquire(self) -> dict | None:
+        """Take the lock; None, or {"previous": holder, "reason": why it was gone} after a takeover.
+        LockHeld naming the holder when it may be alive; ConfigError when run.dir cannot be a folder."""
+        self._make_run_dir()
+        try:
+            return self._take(identity())
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def _take(self, me: dict) -> dict | None:
+        takeover = None
+        for _ in range(5):  # each lap either wins, meets a live holder, or clears a stale lock
+            if self._link(me):
+                self.me = me
+                self._start_heartbeat()
+                return takeover
+            raw, holder, age_s = self._inspect()
+            if raw is None:
+                continue  # released between our link and our read
+            reason = self._gone(holder, me, age_s)
+            if reason is None:
+                what = describe(holder) if holder else f"an unreadable {self.path}"
+                raise LockHeld(f"run.dir={self.run_dir} is in use by {what}, lock refreshed {age_s:.0f} s ago; "
+                               f"stop that trainer or use another run.dir (a holder that is gone is taken over "
+                               f"after run.lock_stale_s={self.stale_after_s:g} s, or delete {self.path})")
+            if self._remove_stale(raw):
+                takeover = {"previous": holder or {"unreadable": raw[:200].decode(errors="replace")},
+                            "reason": reason}
+        raise LockHeld(f"run.dir={self.run_dir}: could not take {self.path}, other trainers keep starting on it")
+
+    def _make_run_dir(self) -> None:
+        missing = [p for p in (self.run_dir, *self.run_dir.parents) if not p.exists()]
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"run.dir={self.run_dir} is a file (or under one); point run.dir at a folder") from None
+        except OSError as exc:
+            raise ConfigError(f"run.dir={self.run_dir} cannot be created ({exc.strerror}); "
+                              f"point run.dir at a folder you can write") from None
+        if not self.run_dir.is_dir():
+            raise ConfigError(f"run.dir={self.run_dir} is not a folder; point run.dir at a folder")
+        self._created = missing  # deepest first
+
+    def _link(self, me: dict) -> bool:
+        """Create LOCK holding `me`, whole, unless it exists."""
+        tmp = self.run_dir / f".{LOCK_FILE}.tmp-{me['token']}"
+        try:
+            with open(tmp, "x") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return False
+            except OSError:  # a filesystem without hard links: exclusive create (a reader may see it empty)
+                try:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+        except OSError as exc:
+            raise ConfigError(f"run.dir={self.run_dir}: cannot write {self.path} ({exc.strerror}); "
+                              f"point run.dir at a folder you can write") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(self.run_dir)
+        return True
+
+    def _inspect(self) -> tuple[bytes | None, dict | None, float]:
+        """(raw bytes, the holder if well formed, heartbeat age in s) of LOCK; raw None if it is gone."""
+        try:
+            st = os.lstat(self.path)
+            if not os.path.isfile(self.path) or os.path.islink(self.path) or st.st_size > MAX_LOCK_BYTES:
+                return b"not a small regular file", None, self._fs_now() - st.st_mtime
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None, None, 0.0
+        try:
+            holder = json.loads(raw)
+            check(holder, LOCK_SCHEMA, LOCK_FILE)
+        except (ValueError, StateError):
+            holder = None  # written by no dsslm: only its age can say it is abandoned
+        return raw, holder, self._fs_now() - st.st_mtime
+
+    def _gone(self, holder: dict | None, me: dict, age_s: float) -> str | None:
+        if holder is None:
+            return f"it is unreadable and {age_s:.0f} s old" if age_s > self.stale_after_s else None
+        return gone_reason(holder, me, age_s, self.stale_after_s)
+
+    def _fs_now(self) -> float:
+        """Now, by the clock that stamps files in run.dir (the file server's, on a network filesystem)."""
+        probe = self.run_dir / f".{LOCK_FILE}.probe-{secrets.token_hex(4)}"
+        try:
+            probe.touch()
+            return probe.stat().st_mtime
+        except OSError:
+            return time.time()
+        finally:
+            probe.unlink(missing_ok=True)
+
+    def _remove_stale(self, raw: bytes) -> bool:
+        """Move the stale LOCK aside; True if what we moved was the file we judged (so it is gone)."""
+        aside = self.run_dir / f".{LOCK_FILE}.stale-{secrets.token_hex(4)}"
+        try:
+            os.rename(self.path, aside)  # atomic: of two contenders, one moves it and one finds nothing
+        except FileNotFoundError:
+            return False
+        try:
+            if aside.read_bytes() == raw:
+                return True
+            # Someone replaced the stale lock between our read and our rename: put theirs back. If a
+            # third trainer got in meanwhile, the displaced one sees at its next heartbeat that LOCK
+            # no longer names it and stops (LockLost).
+            try:
+                os.link(aside, self.path)
+            except OSError:
+                pass
+            return False
+        finally:
+            aside.unlink(missing_ok=True)
+            fsync_dir(self.run_dir)
+
+    # --- holding it -----------------------------------------------------------------------------
+    def _start_heartbeat(self) -> None:
+        self._heartbeat = threading.Thread(target=self._beat, name="dsslm-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            reason = self.holds()
+            if reason is not None:
+                self._lost = reason
+                return
+            try:
+                os.utime(self.path)  # now, by the file server's clock
+            except OSError:
+                pass  # a transient error on a network filesystem; the next beat retries
+
+    def holds(self) -> str | None:
+        """None while LOCK names this trainer; else what happened to it."""
+        try:
+            with open(self.path, "rb") as f:  # bounded: LOCK could have been replaced by anything
+                holder = json.loads(f.read(MAX_LOCK_BYTES))
+        except FileNotFoundError:
+            return f"{self.path} was deleted while this trainer held it"
+        except (OSError, ValueError) as exc:
+            return f"{self.path} became unreadable ({exc})"
+        if not isinstance(holder, dict) or holder.get("token") != self.me["token"]:
+            who = describe(holder) if isinstance(holder, dict) and "pid" in holder else "something else"
+            return f"{self.path} now names {who}"
+        return None
+
+    def check(self, fresh: bool = False) -> None:
+        """LockLost if run.dir was taken over (from the last heartbeat, or read now if `fresh`)."""
+        if self.me is None:
+            return
+        reason = self._lost or (self.holds() if fresh else None)
+        if reason is not None:
+            self._lost = reason
+            raise LockLost(f"{reason}; stopping so that two trainers never write into run.dir={self.run_dir}")
+
+    def release(self) -> None:
+        """Delete LOCK if it still names us, and the folders acquire() made if they stayed empty."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()  # it wakes at once: never touching a LOCK that is no longer ours
+        if self.me is not None and self.holds() is None:
+            self.path.unlink(missing_ok=True)
+            fsync_dir(self.run_dir)
+        self.me = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        for folder in self._created:
+            try:
+                folder.rmdir()  # only an empty folder: a run that wrote nothing leaves no trace
+            except OSError:
+                break
+        self._created = []
+

@@ -1,0 +1,97 @@
+"""How a training process reacts to SIGTERM / SIGUSR1 (Slurm preemption, time limit, scancel) in
+each part of its life, so that a stopped job ends with exit 0 and never with -15, which Slurm
+counts as a failure:
+
+| when                              | what a stop signal does                                           |
+|-----------------------------------|-------------------------------------------------------------------|
+| imports (`python -m dsslm.train`) | noted; `main()` then exits 0 before reading anything              |
+| setup and start (resume, branch)  | raises `Preempted` at once: nothing is trained, nothing to save   |
+| the loop                          | noted; the loop saves at the next step boundary and exits 0       |
+| after the end event, interpreter  | ignored (SIG_IGN): the run is finished, and Python resets its     |
+|   shutdown                        | own handlers to the default (death by -15) while it shuts down    |
+
+Only this module installs signal handlers; no rank-specific logic lives here.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Callable
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(BaseException):
+    """A stop signal before the first step: nothing to save, exit 0. A BaseException, so no
+    `except Exception` on the way out swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signal = signal.Signals(signum).name
+
+
+_early: list[int] = []  # stop signals that arrived during the imports, for the first StopFlag
+
+
+def _note(signum: int, frame: object) -> None:
+    _early.append(signum)
+
+
+def catch_early() -> None:
+    """Note stop signals from the very start of `python -m dsslm.train`, before the imports."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _note)
+
+
+def ignore_from_now() -> None:
+    """A finished process ignores stop signals to its end (its exit code is decided)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class StopFlag:
+    """SIGTERM / SIGUSR1 during training ask for a save at the next step boundary; before the
+    first step they stop the run at once (`Preempted`). Create it first thing in `train()`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.in_loop = False
+        self.signum: int | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        if _early:  # arrived during the imports
+            self.signum = _early.pop()
+            raise Preempted(self.signum)
+
+    def save_on_signal(self) -> None:
+        """From here on a signal is answered at the next step boundary (a save, exit 0)."""
+        self.in_loop = True
+
+    @property
+    def stopped_in_setup(self) -> bool:
+        """A signal came before the first step (a peer rank may have left first because of it)."""
+        return self.signum is not None and not self.in_loop
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested, self.signum = True, signum
+        if not self.in_loop:
+            raise Preempted(signum)
+
+
+def note_exit(emit: Callable[..., object], step_of: Callable[[], int],
+              quiet: tuple[type[BaseException], ...] = ()) -> Callable[..., bool]:
+    """An ExitStack exit callback recording in events.jsonl why a run ends early: `preempted` (a
+    stop signal before the first step), `interrupted` (Ctrl-C) or `failed` (an exception; not for
+    `quiet` ones, such as a refused config, which have their own line or event). Never suppresses
+    the exception."""
+    def on_exit(exc_type, exc, tb) -> bool:
+        if exc_type is None or issubclass(exc_type, quiet):
+            return False
+        if issubclass(exc_type, Preempted):
+            emit("preempted", step=step_of(), signal=exc.signal, saved=False,
+                 reason="the signal came before the first step: nothing trained, nothing to save")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            emit("interrupted", step=step_of())
+        elif issubclass(exc_type, Exception):
+            emit("failed", step=step_of(), error=f"{exc_type.__name__}: {exc}"[:2000])
+        return False
+    return on_exit

@@ -1,0 +1,168 @@
+"""The resume audit: every real resume proves that it was exact.
+
+A job killed at step k had written the records of steps c+1..k (metrics.jsonl) after its last
+checkpoint c. The job that resumes from c trains those steps again; each must give the loss and
+grad norm that was recorded. The loop hands every step's record to the audit:
+
+    audit = ResumeAudit.after_resume(run_dir, from_step=c, env=run_env(...), ...)   # rank 0, before any record of ours
+    audit.check(record)   # every step; compares while inside c+1..k, then emits one `resume_audit` event
+
+Where the computation is deterministic (CPU, and the same world size, engine, micro-batch split,
+torch version and thread count as the job that wrote the records) the two must be equal to the
+bit, and any difference is an `alert`: a piece of state was not restored. Elsewhere (CUDA kernels
+are not bitwise deterministic; another world size sums in another order) a relative difference
+up to `observe.audit_tol` is expected, and more is an alert.
+
+Which records: the unbroken run of step records (steps rising by one) at the end of metrics.jsonl,
+if it passes through or starts right after step c; that is the trajectory that left the
+checkpoint. Records whose inputs differ from the recomputed step (`lr`, the data position: a
+changed schedule, a skip window merged from skip_list.json) are not comparable and are counted,
+not compared. Rank 0 only; no control flow depends on the audit.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from dsslm.observe.sinks import read_jsonl_backward
+
+INPUT_KEYS = ("lr", "lr_scale", "data_batch", "data_position", "batch_sequences")  # what the step was fed
+NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def run_env(device: str, world_size: int, engine: str, micro_batch_size: int, grad_accum: int,
+            torch_version: str, torch_threads: int) -> dict[str, Any]:
+    """What must match for a recomputed step to be bitwise equal (recorded in the `start` event)."""
+    return {"device": device, "world_size": world_size, "engine": engine, "micro_batch_size": micro_batch_size,
+            "grad_accum": grad_accum, "torch": torch_version, "torch_threads": torch_threads}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, str):
+        return NON_FINITE.get(value.lower())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _diff(a: float, b: float) -> float:
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0  # inf == inf; both NaN is the same outcome
+    d = abs(a - b)
+    return math.inf if math.isnan(d) else d
+
+
+def recorded_after(metrics: Path, from_step: int) -> dict[int, dict]:
+    """The records of steps after `from_step` of the trajectory that left checkpoint `from_step`
+    (see the module docstring); {} when the log has none."""
+    run: list[dict] = []
+    for record in read_jsonl_backward(metrics):
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or "loss" not in record:
+            continue  # validation records, or not ours
+        if run and step != run[-1]["step"] - 1:
+            break  # a resume or a rewind: older records belong to another trajectory
+        run.append(record)
+        if step <= from_step:
+            break
+    run.reverse()
+    if not run or run[0]["step"] > from_step + 1:
+        return {}
+    return {r["step"]: r for r in run if r["step"] > from_step}
+
+
+def last_start_env(events: Path) -> dict | None:
+    """The `env` of the newest `start` event: the job that wrote the newest records."""
+    for event in read_jsonl_backward(events):
+        if event.get("event") == "start":
+            env = event.get("env")
+            return env if isinstance(env, dict) else None
+    return None
+
+
+class ResumeAudit:
+    """Compares recomputed steps with recorded ones and reports once (see the module docstring)."""
+
+    def __init__(self, emit: Callable[..., Any], expected: dict[int, dict] | None = None, from_step: int = 0,
+                 exact_why: str = "", tol: float = 0.0, last_step: int = 0):
+        self.emit, self.expected, self.from_step = emit, expected or {}, from_step
+        self.exact = not exact_why   # "" when bitwise equality is expected; else why not
+        self.exact_why, self.tol = exact_why, tol
+        self.last_step = min(max(self.expected, default=0), last_step)
+        self.compared: list[int] = []
+        self.incomparable = 0
+        self.worst = {"loss": 0.0, "gnorm": 0.0}
+        self.first_mismatch: dict | None = None
+
+    @classmethod
+    def off(cls) -> "ResumeAudit":
+        return cls(lambda *a, **k: None)
+
+    @classmethod
+    def after_resume(cls, run_dir: Path, from_step: int, env: dict, tol: float, total_steps: int,
+                     emit: Callable[..., Any]) -> "ResumeAudit":
+        """Read what the crashed job recorded after `from_step` (call before this job writes)."""
+        expected = recorded_after(run_dir / "metrics.jsonl", from_step)
+        audit = cls(emit, expected, from_step, _why_not_exact(last_start_env(run_dir / "events.jsonl"), env),
+                    tol, total_steps)
+        if not audit.expected or audit.last_step <= from_step:
+            audit.expected = {}
+            emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",
+                 reason="no records of steps after the checkpoint (it was taken at the crash, or the log lost them)")
+        return audit
+
+    def check(self, record: Any) -> None:
+        """One recomputed step (a StepRecord, or its dict)."""
+        if not self.expected:
+            return
+        got = record.to_json() if hasattr(record, "to_json") else record
+        want = self.expected.pop(got["step"], None)
+        if want is not None:
+            self._compare(got, want)
+        if got["step"] >= self.last_step or got.get("verdict") == "rewind" or not self.expected:
+            self._report(got["step"])
+            self.expected = {}
+
+    def _compare(self, got: dict, want: dict) -> None:
+        if any(key in got and key in want and got[key] != want[key] for key in INPUT_KEYS):
+            self.incomparable += 1
+            return
+        self.compared.append(got["step"])
+        for key in ("loss", "gnorm"):
+            a, b = _number(got[key]), _number(want[key])
+            d = _diff(a, b) if a is not None and b is not None else math.inf
+            self.worst[key] = max(self.worst[key], d)
+            scale = max((abs(x) for x in (a, b) if x is not None and math.isfinite(x)), default=0.0)
+            allowed = 0.0 if self.exact else self.tol * scale  # NaN against a number is never within it
+            if d > allowed and self.first_mismatch is None:
+                self.first_mismatch = {"at_step": got["step"], "field": key, "recorded": b, "recomputed": a}
+
+    def _report(self, step: int) -> None:
+        if not self.compared:
+            verdict = "nothing_to_compare"
+        elif self.first_mismatch is not None:
+            verdict = "mismatch"
+        else:
+            verdict = "exact" if max(self.worst.values()) == 0 else "within_tolerance"
+        expected = "exact" if self.exact else f"relative difference <= {self.tol:g} ({self.exact_why})"
+        steps = [self.compared[0], self.compared[-1]] if self.compared else []
+        self.emit("resume_audit", step=step, from_step=self.from_step, steps=steps, compared=len(self.compared),
+                  incomparable=self.incomparable, max_loss_diff=self.worst["loss"],
+                  max_gnorm_diff=self.worst["gnorm"], expected=expected, verdict=verdict)
+        if verdict == "mismatch":
+            m = self.first_mismatch
+            self.emit("alert", step=step, reason="resume_audit", **m,
+                      message=f"after resuming from step {self.from_step}, step {m['at_step']} recomputed {m['field']} "
+                              f"{m['recomputed']!r} where the interrupted job recorded {m['recorded']!r} (expected "
+                              f"{expected}): the resume did not restore everything; compare the two runs' state")
+
+
+def _why_not_exact(before: dict | None, now: dict) -> str:
+    """"" if the recorded steps and ours ran where results are bitwise reproducible; else why not."""
+    if before is None:
+        return "the job that wrote the records did not record its environment"
+    if now.get("device") != "cpu":
+        return f"{now.get('device')} kernels are not bitwise deterministic"
+    changed = [f"{k} {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+    return ", ".join(changed)

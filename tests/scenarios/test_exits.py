@@ -1,0 +1,170 @@
+"""Every way out of a run: the save in flight is finished (escalation, Ctrl-C), a failure only
+rank 0 sees stops every rank together with one exit code, and a stop signal before the first
+step or after the end event exits 0 (Slurm reads -15 as a failure)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from dsslm.ckpt.format import verify
+from helpers import TINY, events, hook_env, read_jsonl, run_distributed, run_train, start_train
+
+EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 4, 130
+SLOW_SAVE = """
+    import os, time
+    from dsslm.ckpt import store
+    real = store._write_file
+    def slow(path, chunks):
+        if "{step}" in str(path):
+            open(os.environ["MARKER"], "a").close()
+            time.sleep(3)
+        return real(path, chunks)
+    store._write_file = slow
+"""
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_escalation_with_a_save_in_flight_keeps_that_save(tmp_path):
+    """Step 70's save is still being written (3 s) when the spike from step 71 on escalates (exit 3)."""
+    env = {**hook_env(tmp_path / "hook", SLOW_SAVE.format(step="step-00000070")), "MARKER": str(tmp_path / "m")}
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, "model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=100", "ckpt.every=5",
+                     "monitor.min_history=15", "monitor.window=30", "monitor.max_rewinds=0",
+                     "faults.poison_batches=[[70,100000]]", check=False, env=env)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert 71 <= events(run_dir, "escalation")[0]["step"] <= 74  # skips, then the rewind that escalates
+    assert verify(run_dir / "checkpoints" / "step-00000070") is None
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_ctrl_c_with_a_save_in_flight_finishes_it_and_exits_130(tmp_path):
+    marker = tmp_path / "m"
+    env = {**hook_env(tmp_path / "hook", SLOW_SAVE.format(step="step-00000010")), "MARKER": str(marker)}
+    run_dir = tmp_path / "run"
+    proc = start_train(run_dir, "train.total_steps=200", "ckpt.every=10", env=env)
+    wait_for(marker.exists, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert verify(run_dir / "checkpoints" / "step-00000010") is None
+    assert len(events(run_dir, "interrupted")) == 1 and not (run_dir / "LOCK").exists()
+
+
+def _fail_on_rank0(rank: int, world_size: int, run_dir: str, what: str) -> tuple[int, float]:
+    """Train on 2 gloo ranks while rank 0 alone fails to write (its checkpoint writer, or its
+    metrics.jsonl): every rank must leave at the next step boundary with the same code."""
+    import errno
+    from dsslm.ckpt import store
+    from dsslm.observe import sinks
+    from dsslm.train import main
+    real_write_file, real_write = store._write_file, os.write
+
+    def failing_save(path, chunks):
+        if "step-00000006" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_file(path, chunks)
+
+    def failing_append(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl") and b'"step": 7,' in bytes(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    patch = (mock.patch.object(store, "_write_file", failing_save) if what == "checkpoint"
+             else mock.patch.object(sinks.os, "write", failing_append))
+    started = time.monotonic()
+    with patch:
+        rc = main([f"run.dir={run_dir}", *TINY, "train.micro_batch_size=2", "train.total_steps=40", "ckpt.every=3"])
+    return rc, time.monotonic() - started
+
+
+@pytest.mark.parametrize("what", ["checkpoint", "metrics"])
+def test_a_write_failure_on_rank_0_stops_both_ranks_with_exit_4(tmp_path, what):
+    results = run_distributed(_fail_on_rank0, world_size=2, args=(str(tmp_path / "run"), what), timeout_s=120)
+    assert [rc for rc, _ in results] == [EXIT_WRITE_FAILED, EXIT_WRITE_FAILED]
+    assert max(seconds for _, seconds in results) < 60  # a hang would wait out the 1800 s collective timeout
+    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert steps and max(steps) < 12  # stopped at a step boundary right after the failure, long before 40
+    assert verify(tmp_path / "run" / "checkpoints" / "step-00000003") is None  # what was saved is intact
+
+
+def sigcgt_has(pid: int, sig: int) -> bool:
+    """/proc says the process has a handler for `sig` (it has caught up to that point)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def test_sigterm_during_the_imports_exits_0_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_train(run_dir, "train.total_steps=50")
+    wait_for(lambda: sigcgt_has(proc.pid, signal.SIGTERM), proc)  # train.py's first lines ran; torch is loading
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "SIGTERM before the first step" in err, err
+    assert not run_dir.exists()
+
+
+def test_sigterm_during_the_resume_exits_0_at_once_with_an_event(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(run_dir, "train.total_steps=10", "ckpt.every=5")
+    marker = tmp_path / "m"
+    slow_resume = """
+        import os, time
+        from dsslm.ckpt import resume
+        real = resume.Checkpointer.resume_or_init
+        def slow(self, *args, **kwargs):
+            open(os.environ["MARKER"], "a").close()
+            time.sleep(60)  # a resume hashing a large checkpoint
+            return real(self, *args, **kwargs)
+        resume.Checkpointer.resume_or_init = slow
+    """
+    proc = start_train(run_dir, "train.total_steps=20", "ckpt.every=5",
+                       env={**hook_env(tmp_path / "hook", slow_resume), "MARKER": str(marker)})
+    wait_for(marker.exists, proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - sent < 20  # at once, not after the 60 s resume and a step
+    preempted = events(run_dir, "preempted")
+    assert len(preempted) == 1 and preempted[0]["signal"] == "SIGTERM" and preempted[0]["saved"] is False
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000005", "step-00000010"]
+    assert not (run_dir / "LOCK").exists()
+
+
+def test_sigterm_while_the_finished_process_shuts_down_exits_0(tmp_path):
+    """Python resets its own signal handlers to the default while the interpreter shuts down; a
+    SIGTERM then (torch tearing down its threads) used to end a finished run with -15."""
+    marker = tmp_path / "m"
+    slow_shutdown = """
+        import os, time
+        class _SlowShutdown:  # freed with the modules, after Python dropped its signal handlers
+            def __del__(self, mknod=os.mknod, sleep=time.sleep, path=os.environ["MARKER"]):
+                mknod(path)
+                sleep(3)
+        _slow = _SlowShutdown()
+    """
+    run_dir = tmp_path / "run"
+    proc = start_train(run_dir, "train.total_steps=6", env={**hook_env(tmp_path / "hook", slow_shutdown),
+                                                           "MARKER": str(marker)})
+    wait_for(marker.exists, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert events(run_dir, "end")[0]["step"] == 6

@@ -1,0 +1,185 @@
+"""dsslm.ckpt.lock: one trainer per run.dir. Who holds a lock, when a holder counts as gone, and a
+takeover race between contenders that start together."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dsslm.ckpt import lock as lock_module
+from dsslm.ckpt.lock import LOCK_FILE, LockHeld, LockLost, RunLock, identity
+from dsslm.config import ConfigError
+from helpers import ROOT
+
+
+def write_lock(run_dir, age_s: float = 0.0, **fields) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    holder = {**identity(), **fields}
+    (run_dir / LOCK_FILE).write_text(json.dumps(holder))
+    if age_s:
+        stamp = time.time() - age_s
+        os.utime(run_dir / LOCK_FILE, (stamp, stamp))
+    return holder
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_live_holder_on_this_host_is_respected_and_named(tmp_path):
+    first = RunLock(tmp_path / "run")
+    assert first.acquire() is None
+    with pytest.raises(LockHeld) as info:
+        RunLock(tmp_path / "run").acquire()
+    message = str(info.value)
+    assert f"pid {os.getpid()}" in message and socket.gethostname() in message and "\n" not in message
+    first.release()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    assert RunLock(tmp_path / "run").acquire() is None  # released: free again
+
+
+def test_a_dead_pid_on_this_host_is_taken_over(tmp_path):
+    pid = dead_pid()
+    write_lock(tmp_path, pid=pid)
+    lock = RunLock(tmp_path)
+    takeover = lock.acquire()
+    assert takeover["previous"]["pid"] == pid and "not running" in takeover["reason"]
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == lock.me["token"]
+
+
+def test_a_reused_pid_is_taken_over(tmp_path):
+    write_lock(tmp_path, pid=os.getpid(), pid_start=1)  # our pid, but a process that started at boot
+    assert "reused" in RunLock(tmp_path).acquire()["reason"]
+
+
+def test_a_live_holder_on_another_host_is_respected(tmp_path):
+    write_lock(tmp_path, host="node-17", boot_id="other-boot", pid=4242)
+    with pytest.raises(LockHeld, match=r"pid 4242 on host node-17"):
+        RunLock(tmp_path).acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "node-17"  # untouched
+
+
+def test_another_hosts_lock_without_a_heartbeat_is_taken_over(tmp_path):
+    write_lock(tmp_path, age_s=3600, host="node-17", boot_id="other-boot", pid=4242)
+    takeover = RunLock(tmp_path, stale_after_s=600).acquire()
+    assert takeover["previous"]["host"] == "node-17" and "heartbeat" in takeover["reason"]
+
+
+def test_a_requeued_slurm_job_takes_its_own_lock(tmp_path, monkeypatch):
+    write_lock(tmp_path, host="node-17", boot_id="other-boot", pid=4242, slurm_job_id="777", slurm_restart=0)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    with pytest.raises(LockHeld, match="Slurm job 777"):  # the same run of the job: a second job step
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # scontrol requeue, a node failure's requeue
+    assert "restarted" in RunLock(tmp_path).acquire()["reason"]
+
+
+def test_an_unreadable_lock_is_respected_until_it_is_stale(tmp_path):
+    (tmp_path / LOCK_FILE).write_text('{"host": "nod')
+    with pytest.raises(LockHeld, match="unreadable"):
+        RunLock(tmp_path).acquire()
+    stamp = time.time() - 3600
+    os.utime(tmp_path / LOCK_FILE, (stamp, stamp))
+    assert "unreadable" in RunLock(tmp_path, stale_after_s=600).acquire()["reason"]
+
+
+def test_a_lock_taken_over_is_noticed_and_not_released_by_the_old_holder(tmp_path):
+    mine = RunLock(tmp_path)
+    mine.acquire()
+    mine.check(fresh=True)
+    theirs = write_lock(tmp_path, host="node-17", boot_id="other-boot", pid=4242)
+    with pytest.raises(LockLost, match="node-17"):
+        mine.check(fresh=True)
+    with pytest.raises(LockLost):
+        mine.check()  # remembered
+    mine.release()
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == theirs
+
+
+def test_the_heartbeat_refreshes_the_lock_and_sees_it_deleted(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    stamp = time.time() - 3600
+    os.utime(tmp_path / LOCK_FILE, (stamp, stamp))
+    deadline = time.time() + 10
+    while os.stat(tmp_path / LOCK_FILE).st_mtime < time.time() - 60 and time.time() < deadline:
+        time.sleep(0.02)
+    assert os.stat(tmp_path / LOCK_FILE).st_mtime > time.time() - 60
+    (tmp_path / LOCK_FILE).unlink()
+    while lock._lost is None and time.time() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(LockLost, match="deleted"):
+        lock.check()
+    lock.release()
+
+
+def test_run_dir_that_is_a_file_is_a_config_error_and_created_folders_go_when_empty(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        RunLock(tmp_path / "afile").acquire()
+    with pytest.raises(ConfigError, match="is a file"):
+        RunLock(tmp_path / "afile" / "run").acquire()
+    lock = RunLock(tmp_path / "a" / "b" / "run")
+    lock.acquire()
+    lock.release()
+    assert not (tmp_path / "a").exists()  # nothing was written: no trace left
+    lock = RunLock(tmp_path / "c" / "run")
+    lock.acquire()
+    (tmp_path / "c" / "run" / "metrics.jsonl").write_text("")
+    lock.release()
+    assert (tmp_path / "c" / "run" / "metrics.jsonl").exists()
+
+
+CONTENDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from dsslm.ckpt.lock import LockHeld, RunLock
+    run_dir, signals, me = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    inspect = RunLock._inspect
+    def slow_inspect(self):  # contenders judge the stale lock together, then remove it one by one
+        seen = inspect(self)
+        time.sleep(0.03 * int(me))
+        return seen
+    RunLock._inspect = slow_inspect
+    (signals / f"ready-{me}").touch()
+    while not (signals / "go").exists():
+        time.sleep(0.001)
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except LockHeld:
+        print("held")
+        sys.exit(0)
+    print("won", flush=True)
+    while not (signals / "done").exists():  # hold it until every other contender has tried
+        time.sleep(0.01)
+    lock.release()
+""")
+
+
+def test_contenders_on_a_stale_lock_have_exactly_one_winner(tmp_path):
+    for round_ in range(3):
+        run_dir, signals = tmp_path / f"run{round_}", tmp_path / f"signals{round_}"
+        signals.mkdir()
+        write_lock(run_dir, pid=dead_pid())
+        procs = [subprocess.Popen([sys.executable, "-c", CONTENDER, str(run_dir), str(signals), str(i)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True) for i in range(4)]
+        deadline = time.time() + 60
+        while len(list(signals.glob("ready-*"))) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+        (signals / "go").touch()  # all four try at the same moment
+        while sum(p.poll() is not None for p in procs) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        (signals / "done").touch()
+        outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert outcomes == ["held", "held", "held", "won"], outcomes

@@ -1,0 +1,103 @@
+"""dsslm.observe.audit: which records a resume is compared with, and the verdicts."""
+from __future__ import annotations
+
+import json
+
+from dsslm.observe.audit import ResumeAudit, _why_not_exact, recorded_after, run_env
+
+ENV = run_env("cpu", 1, "ddp", 4, 1, "2.13.0+cpu", 1)
+
+
+def record(step: int, loss: float = None, verdict: str = "ok", **fields) -> dict:
+    loss = 10.0 - step / 10 if loss is None else loss
+    gnorm = fields.pop("gnorm", loss / 4 if isinstance(loss, float) else loss)
+    return {"step": step, "loss": loss, "gnorm": gnorm, "lr": 1e-3, "data_batch": step - 1, "verdict": verdict,
+            **fields}
+
+
+def write(path, records, torn: bool = False):
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    path.write_text(text + ('{"step": 99, "lo' if torn else ""))
+    return path
+
+
+def steps_after(tmp_path, records, from_step, **kw):
+    return sorted(recorded_after(write(tmp_path / "metrics.jsonl", records, **kw), from_step))
+
+
+def test_the_trajectory_that_left_the_checkpoint_is_chosen(tmp_path):
+    plain = [record(s) for s in range(1, 18)]
+    assert steps_after(tmp_path, plain, 10) == list(range(11, 18))
+    # Validation records between steps, and a torn last line, change nothing.
+    with_val = plain[:12] + [{"step": 12, "val_loss": {"code": 3.0}}] + plain[12:]
+    assert steps_after(tmp_path, with_val, 10, torn=True) == list(range(11, 18))
+    # A rewind at 13 back to 5, then steps 6..15: only the run after the rewind left checkpoint 10.
+    rewound = [record(s) for s in range(1, 13)] + [record(13, verdict="rewind")] + [record(s) for s in range(6, 16)]
+    assert steps_after(tmp_path, rewound, 10) == list(range(11, 16))
+    # A job that resumed from 10 and died before saving again: its records, not the older job's.
+    twice = [record(s) for s in range(1, 16)] + [record(s, loss=1.0) for s in range(11, 14)]
+    got = recorded_after(write(tmp_path / "metrics.jsonl", twice), 10)
+    assert sorted(got) == [11, 12, 13] and {r["loss"] for r in got.values()} == {1.0}
+    # The newest checkpoint belongs to a trajectory abandoned by a rewind: nothing to compare.
+    abandoned = [record(s) for s in range(1, 52)] + [record(52, verdict="rewind")] + [record(s) for s in range(41, 46)]
+    assert steps_after(tmp_path, abandoned, 50) == []
+    # Records that start after the checkpoint's next step did not leave it.
+    assert steps_after(tmp_path, [record(s) for s in range(30, 41)], 10) == []
+    assert steps_after(tmp_path, [], 10) == []
+
+
+def audit_of(records, exact_why: str = "", tol: float = 0.0, last_step: int = 100):
+    emitted = []
+    expected = {r["step"]: r for r in records}
+    audit = ResumeAudit(lambda event, **f: emitted.append((event, f)), expected, 10, exact_why, tol, last_step)
+    return audit, emitted
+
+
+def test_equal_steps_are_exact_and_one_differing_bit_is_an_alert():
+    audit, emitted = audit_of([record(11), record(12)])
+    audit.check(record(11))
+    assert emitted == []  # reports once, when the window is done
+    audit.check(record(12))
+    assert emitted[0][0] == "resume_audit" and emitted[0][1]["verdict"] == "exact"
+    assert emitted[0][1]["steps"] == [11, 12] and emitted[0][1]["max_loss_diff"] == 0.0
+    audit, emitted = audit_of([record(11), record(12)])
+    audit.check(record(11))
+    audit.check(record(12, loss=record(12)["loss"] + 1e-12, gnorm=record(12)["gnorm"]))
+    assert [e for e, _ in emitted] == ["resume_audit", "alert"] and emitted[0][1]["verdict"] == "mismatch"
+    assert emitted[1][1]["reason"] == "resume_audit" and emitted[1][1]["at_step"] == 12
+
+
+def test_a_tolerance_applies_where_results_are_not_reproducible():
+    audit, emitted = audit_of([record(11)], exact_why="cuda kernels are not bitwise deterministic", tol=0.05)
+    audit.check(record(11, loss=record(11)["loss"] * 1.01, gnorm=record(11)["gnorm"] * 0.99))
+    assert emitted[0][1]["verdict"] == "within_tolerance" and "cuda" in emitted[0][1]["expected"]
+    for loss in (record(11)["loss"] * 1.2, float("nan")):
+        audit, emitted = audit_of([record(11)], exact_why="world_size 1 -> 2", tol=0.05)
+        audit.check(record(11, loss=loss, gnorm=record(11)["gnorm"]))
+        assert [e for e, _ in emitted] == ["resume_audit", "alert"]
+
+
+def test_steps_fed_other_inputs_are_counted_not_compared_and_nan_equals_nan():
+    audit, emitted = audit_of([record(11), record(12, loss="nan", gnorm="nan")], last_step=12)
+    audit.check(record(11, lr=5e-4, loss=0.0))  # another schedule (train.total_steps changed)
+    audit.check(record(12, loss=float("nan"), gnorm=float("nan")))
+    fields = emitted[0][1]
+    assert fields["incomparable"] == 1 and fields["compared"] == 1 and fields["verdict"] == "exact"
+
+
+def test_a_run_shorter_than_the_window_reports_at_its_end_and_a_rewind_ends_it():
+    audit, emitted = audit_of([record(s) for s in range(11, 20)], last_step=13)
+    for s in (11, 12, 13):
+        audit.check(record(s))
+    assert emitted[0][1]["steps"] == [11, 13]
+    audit, emitted = audit_of([record(s) for s in range(11, 20)])
+    audit.check(record(11, verdict="rewind"))
+    assert emitted[0][1]["compared"] == 1 and len(emitted) == 1
+
+
+def test_exactness_needs_the_same_environment():
+    assert _why_not_exact(ENV, ENV) == ""
+    assert "world_size 1 -> 2" in _why_not_exact(ENV, {**ENV, "world_size": 2})
+    assert "torch_threads" in _why_not_exact(ENV, {**ENV, "torch_threads": 2})
+    assert "not bitwise" in _why_not_exact({**ENV, "device": "cuda"}, {**ENV, "device": "cuda"})
+    assert "did not record" in _why_not_exact(None, ENV)

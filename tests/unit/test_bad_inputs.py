@@ -1,0 +1,49 @@
+"""Bad input to `python -m dsslm.train`: exit 2, one line on stderr naming what to fix, and
+nothing written (no run.dir, no lock)."""
+from __future__ import annotations
+
+import pytest
+
+from dsslm.data.__main__ import main as prepare
+from dsslm.train import main
+from helpers import TINY
+
+
+def small_data(tmp_path):
+    (tmp_path / "a.txt").write_text("a short line of text\n" * 30)  # ~600 byte tokens
+    assert prepare(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "data")]) == 0
+    return tmp_path / "data"
+
+
+def case_args(case: str, tmp_path) -> tuple[list[str], str]:
+    """(the case's arguments, a phrase the error line must contain)."""
+    if case == "yaml syntax error":
+        (tmp_path / "c.yaml").write_text("train:\n  total_steps: [10,\n")
+        return [f"--config={tmp_path / 'c.yaml'}"], "YAML syntax error at line"
+    if case == "yaml top level is a list":
+        (tmp_path / "c.yaml").write_text("- run\n- train\n")
+        return [f"--config={tmp_path / 'c.yaml'}"], "not a list"
+    if case == "negative seed":
+        return ["run.seed=-3"], "run.seed=-3"
+    if case == "run.dir is a file":
+        (tmp_path / "run").write_text("my notes")
+        return [], "is a file"
+    if case == "init_from missing":
+        return [f"run.init_from={tmp_path / 'nowhere'}"], "run.init_from="
+    if case == "seq_len longer than the data":
+        return [f"data.dir={small_data(tmp_path)}", "model.seq_len=4096"], "model.seq_len"
+    raise KeyError(case)
+
+
+@pytest.mark.parametrize("case", ["yaml syntax error", "yaml top level is a list", "negative seed",
+                                  "run.dir is a file", "init_from missing", "seq_len longer than the data"])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, case):
+    args, phrase = case_args(case, tmp_path)
+    capsys.readouterr()
+    rc = main([f"run.dir={tmp_path / 'run'}", *TINY, "train.total_steps=10", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and phrase in err[0], err
+    if case == "run.dir is a file":
+        assert (tmp_path / "run").read_text() == "my notes"
+    else:
+        assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import signal
 import sys
@@ -25,6 +26,7 @@ from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.corpus import default_data_dir
+from dsslm.data.prefetch import Prefetcher
 from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
 from dsslm.loss import accumulate, token_losses
@@ -60,6 +62,7 @@ class Job:
     run_dir: Path
     engine: Engine
     loader: Loader
+    feed: Prefetcher             # the loader's steps, the next one read in the background
     store: CheckpointStore
     checkpointer: Checkpointer   # save / restore over the table of stateful parts
     state: TrainState            # the table's "train" part: the loop mutates it in place
@@ -86,6 +89,7 @@ class StepRecord:
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     clip_frac: float = 0.0
+    data_wait_s: float = 0.0     # time the step waited for its batch (0 when the prefetch was ready)
 
     def to_json(self) -> dict:
         record = dataclasses.asdict(self)
@@ -103,7 +107,9 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
         engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
+    feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum, batch_schedule(cfg, engine.world_size),
+                      pin_memory=engine.device.type == "cuda", enabled=cfg.data.prefetch)
     run_dir = Path(cfg.run.dir)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
@@ -119,7 +125,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks)
+    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, drills, sinks)
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
@@ -154,12 +160,13 @@ def evaluate(job: Job) -> dict[str, float]:
     return out
 
 
-def batch_size(job: Job) -> int:
-    """This step's global batch in sequences: the full one, or less while train.batch_ramp ramps."""
-    t, world_size = job.cfg.train, job.engine.world_size
-    full = t.micro_batch_size * t.grad_accum * world_size
-    return batch_size_at(job.state.next_sequence, full, t.grad_accum * world_size, t.batch_ramp.start,
-                         t.batch_ramp.tokens, job.cfg.model.seq_len)
+def batch_schedule(cfg: Config, world_size: int):
+    """The global batch in sequences of the step starting at a position: the full one, or less
+    while train.batch_ramp ramps."""
+    t = cfg.train
+    return functools.partial(batch_size_at, full=t.micro_batch_size * t.grad_accum * world_size,
+                             granule=t.grad_accum * world_size, ramp_start=t.batch_ramp.start,
+                             ramp_tokens=t.batch_ramp.tokens, seq_len=cfg.model.seq_len)
 
 
 def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
@@ -167,8 +174,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
     lr = lr_at(state.step, cfg) * state.lr_scale
-    fed, batches = job.loader.step(state.next_sequence, state.skip_list, batch_size(job), engine.rank,
-                                   engine.world_size, cfg.train.grad_accum)
+    fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
     job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.poison(batches, fed.indices)
     result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
@@ -180,7 +186,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
                         verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
-                        batch_tokens=result.batch_tokens, reason=reason)
+                        batch_tokens=result.batch_tokens, reason=reason, data_wait_s=job.feed.wait_s)
     return verdict, record, fed, result.stop_requested
 
 
@@ -194,6 +200,7 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
         job.store.wait()  # an in-process drill models a kill between saves, not a torn write
         raise
     finally:
+        job.feed.close()
         job.sinks.close()
         job.engine.close()
 
@@ -233,7 +240,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
             val_loss = evaluate(job)
-            sinks.log_val({"step": state.step, "val_loss": val_loss})
+            sinks.log_val({"step": state.step, "val_loss": val_loss, "domain_tokens": dict(state.domain_tokens)})
             diagnostics.check_val(state.step, val_loss)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
@@ -244,7 +251,8 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job)
         job.store.check()
     job.store.wait()
-    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps)
+    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
+               domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
     return EXIT_OK
 
 
@@ -267,6 +275,7 @@ def report_memory(job: Job) -> None:
 def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
     """A step was applied or skipped: either way its data is consumed (a skipped batch is not replayed)."""
     state = job.state
+    count_domains(job, fed)
     state.step += 1
     state.next_sequence = fed.end
     state.tokens_seen += record.batch_tokens
@@ -275,6 +284,21 @@ def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> N
         state.skipped_steps += 1
         job.sinks.emit("skip", step=state.step, loss=record.loss, gnorm=record.gnorm,
                        data_position=record.data_position, reason=record.reason)
+
+
+def count_domains(job: Job, fed: StepSlice) -> None:
+    """Add the step's tokens per domain; a `domain_epoch` event when a domain starts another pass
+    over its chunks (under data.mix each domain repeats on its own schedule)."""
+    state, loader = job.state, job.loader
+    if state.domain_tokens is None:  # restored from a checkpoint that predates the count
+        state.domain_tokens = loader.domain_tokens_before(state.next_sequence, state.skip_list)
+    for domain, tokens in fed.domain_tokens.items():
+        state.domain_tokens[domain] = state.domain_tokens.get(domain, 0) + tokens
+    before, after = loader.epochs_before(fed.first), loader.epochs_before(fed.end)
+    for domain in sorted(after):
+        if after[domain] > before[domain]:
+            job.sinks.emit("domain_epoch", step=state.step + 1, domain=domain, epoch=after[domain],
+                           data_position=fed.first)
 
 
 def timed(record: StepRecord, started: float, state: TrainState) -> dict:

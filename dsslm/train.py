@@ -27,6 +27,7 @@ from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.prefetch import Prefetcher
+from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
 from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
 from dsslm.loss import accumulate, token_losses
@@ -100,19 +101,21 @@ class StepRecord:
 
 def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
-    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
+    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
-    if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
-        engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
+    verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
-    feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum, batch_schedule(cfg, engine.world_size),
-                      pin_memory=engine.device.type == "cuda", enabled=cfg.data.prefetch)
+    feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
+                      batch_schedule(cfg, engine.world_size), pin_memory=engine.device.type == "cuda",
+                      enabled=cfg.data.prefetch)
     run_dir = Path(cfg.run.dir)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
+    if verified is not None:
+        sinks.emit("data_verified", **verified)
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None)
     drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
@@ -126,6 +129,34 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
     return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, drills, sinks)
+
+
+def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:
+    """Hash the shards their cached verification cannot vouch for (all of them for
+    data.verify=full), split over the ranks and each rank's threads. Every rank reaches the same
+    verdict (a DataError on every rank); rank 0 updates the cache."""
+    started = time.perf_counter()
+    cache = cache_path(data_dir, Path(cfg.run.dir))
+    plan = engine.decide(lambda: plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full"))
+    mine = share_of(plan["hash"], engine.rank, engine.world_size)
+    hashed_bytes = sum(size for _, size in plan["hash"])
+    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress), "hashing the data shards",
+                               total_units=hashed_bytes)
+    found = {path: digest for part in parts for path, digest in part.items()}
+    if engine.is_main and found:
+        try:
+            update_cache(cache, manifest, found)
+        except OSError as exc:
+            print(f"dsslm: cannot write {cache} ({exc}); the next start hashes these shards again", file=sys.stderr)
+    check_digests(data_dir, manifest, found)
+    summary = {"hashed_shards": len(found), "hashed_per_rank": [len(part) for part in parts],
+               "hashed_bytes": hashed_bytes, "cached_shards": plan["cached"],
+               "cached_bytes": plan["cached_bytes"], "full": cfg.data.verify == "full", "cache": str(cache),
+               "seconds": round(time.perf_counter() - started, 3)}
+    if engine.is_main:
+        print(f"dsslm: data verified: hashed {len(found)} shards ({hashed_bytes / 1e9:.2f} GB) in "
+              f"{summary['seconds']:.1f} s; {plan['cached']} unchanged since their cached verification", flush=True)
+    return summary
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:

@@ -27,8 +27,8 @@ from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.prefetch import Prefetcher
-from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
 from dsslm.data.stream import StepSlice, batch_size_at
+from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
 from dsslm.engine import Engine, build_engine
 from dsslm.loss import accumulate, token_losses
 from dsslm.model import build_model

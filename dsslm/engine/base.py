@@ -198,6 +198,8 @@ class Engine(abc.ABC):
         carries the results. An exception `fn` raises on any rank is raised on every rank."""
         if not self.distributed:
             return [fn(lambda units: None)]
+        # The default group's key-value store (what torch's own store-based barrier uses): every
+        # launcher's group has one, and a get or add on it returns at once, whatever others do.
         store = dist.PrefixStore(f"dsslm/long/{self._long_calls}/", dist.distributed_c10d._get_default_store())
         self._long_calls += 1
         worker = _Worker(fn)

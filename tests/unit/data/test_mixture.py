@@ -136,3 +136,9 @@ GOLDEN = ["52ead348381b677e", "4bf7aa53ed6d555d", "e3bddd8e796c2dad"]
 def test_a_mix_naming_a_domain_the_data_lacks_names_the_domains_it_has(data_dir):
     with pytest.raises(DataError, match=r"data.mix names domain 'web'.*big, mid, tiny"):
         Loader(data_dir, SEQ_LEN, seed=5, mix={"big": 1.0, "web": 1.0})
+
+
+def test_without_a_mix_every_domain_repeats_when_the_corpus_does(data_dir):
+    lo = Loader(data_dir, SEQ_LEN, seed=5)
+    assert lo.epochs_before(lo.n_chunks) == {"big": 0, "mid": 0, "tiny": 0}  # the last sequence of pass 0
+    assert lo.epochs_before(lo.n_chunks + 1) == {"big": 1, "mid": 1, "tiny": 1}

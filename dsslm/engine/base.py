@@ -9,6 +9,7 @@ import contextlib
 import gc
 import os
 import pickle
+import secrets
 import sys
 import threading
 import time
@@ -110,7 +111,6 @@ class Engine(abc.ABC):
         self.param_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.n_params = sum(p.numel() for p in model.parameters())
         self.scaler = LossScaler(cfg.train.loss_scale_init) if cfg.train.precision == "fp16" else None
-        self._long_calls = 0  # gather_long's calls so far: the same count on every rank names its store keys
 
     # --- the training step -------------------------------------------------------------------
     @abc.abstractmethod
@@ -200,8 +200,9 @@ class Engine(abc.ABC):
             return [fn(lambda units: None)]
         # The default group's key-value store (what torch's own store-based barrier uses): every
         # launcher's group has one, and a get or add on it returns at once, whatever others do.
-        store = dist.PrefixStore(f"dsslm/long/{self._long_calls}/", dist.distributed_c10d._get_default_store())
-        self._long_calls += 1
+        # Keys under a name rank 0 draws: a group outlives a job (the drill runs several in one).
+        name = self.decide(lambda: secrets.token_hex(8))
+        store = dist.PrefixStore(f"dsslm/long/{name}/", dist.distributed_c10d._get_default_store())
         worker = _Worker(fn)
         self._wait_for_ranks(store, worker, what, total_units, stall_timeout_s)
         outcomes = self.all_gather(worker.outcome)
@@ -228,7 +229,7 @@ class Engine(abc.ABC):
             now = time.monotonic()
             if seen != last_seen:
                 last_seen, last_change = seen, now
-            if seen[0] == self.world_size:
+            if seen[0] >= self.world_size:
                 return
             if now - last_change > stall_s:
                 raise RuntimeError(f"{what}: no rank made progress for {stall_s:.0f} s ({seen[0]} of "

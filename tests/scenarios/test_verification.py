@@ -83,12 +83,18 @@ def long_work(rank: int, world_size: int) -> list[str]:
             results.append(" / ".join(engine.gather_long(lambda p: work(case, p), "test work", stall_timeout_s=1.5)))
         except (RuntimeError, ValueError) as exc:
             results.append(f"{type(exc).__name__}: {exc}")
+    # A second job in the same process group (as the resume drill runs them) must not see the
+    # first one's counters: it waits for its own work.
+    again = build_engine(cfg, build_model(cfg.model))
+    results.append(" / ".join(again.gather_long(lambda p: time.sleep(0.5) or f"again {rank}", "test work")))
+    again.close()
     engine.close()
     return results
 
 
 def test_long_work_waits_outside_collectives_fails_on_a_stall_and_raises_everywhere_on_2_ranks():
-    for steady, raised, stuck in run_distributed(long_work, 2):
+    for steady, raised, stuck, again in run_distributed(long_work, 2):
+        assert again == "again 0 / again 1"
         assert steady == "rank 0 done / rank 1 done"  # longer than the stall timeout, but progressing
         assert raised == "ValueError: rank 1's shard is bad"  # rank 1's error, on both ranks
         assert stuck.startswith("RuntimeError: test work: no rank made progress for 2 s (1 of 2 ranks done)"), stuck

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -44,7 +45,12 @@ class RunCfg:
 @dataclass
 class DataCfg:
     dir: str = ""               # "" = the embedded stdlib corpus, prepared on first use
-    verify: bool = True         # hash every shard at start (a flipped byte is refused)
+    # At start: true = hash the shards that changed since their cached verification (DATA_DIR's
+    # .dsslm-verified.json), false = sizes only, full = hash every shard, ignoring the cache.
+    verify: Union[bool, str] = True
+    prefetch: bool = True       # read the next step's batch in a background thread
+    # {domain: weight}: each sequence's domain drawn by weight; {} = by token count. Unnamed domains get 0.
+    mix: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,7 +187,8 @@ class Config:
 # computes up to that point. Everything else must match (or be allowed with --allow-drift).
 RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
-    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "train.total_steps",
+    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "data.prefetch",
+    "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
     "observe",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
@@ -304,6 +311,10 @@ def validate(cfg: Config) -> None:
     _check((ramp.start > 0) == (ramp.tokens > 0),
            "train.batch_ramp needs both start (sequences) and tokens, or neither; e.g. "
            "train.batch_ramp.start=32 train.batch_ramp.tokens=1000000")
+    _check(cfg.data.verify in (True, False, "full"),
+           f"data.verify={cfg.data.verify!r} is not allowed; use true (hash what changed since the cached "
+           "verification), false (sizes only) or full (hash every shard)")
+    validate_mix(cfg.data.mix)
     _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
     _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
     _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")
@@ -313,6 +324,21 @@ def validate(cfg: Config) -> None:
     for window in cfg.faults.poison_batches:
         _check(isinstance(window, list) and len(window) == 2 and 0 <= window[0] < window[1],
                f"faults.poison_batches entry {window!r} must be [start, end] with 0 <= start < end")
+
+
+def validate_mix(mix: dict[str, float]) -> None:
+    """data.mix: finite weights >= 0 with a positive total; each named positive weight at least a
+    millionth of the total (weights are kept in parts per million: a smaller one would be 0)."""
+    for domain, weight in mix.items():
+        _check(math.isfinite(weight) and weight >= 0, f"data.mix.{domain}={weight} must be a finite number >= 0")
+    if not mix:
+        return
+    total = sum(mix.values())
+    _check(total > 0, "data.mix has no positive weight; give at least one domain a weight > 0, or drop data.mix")
+    for domain, weight in mix.items():
+        _check(weight == 0 or weight >= total * 1e-6,
+               f"data.mix.{domain}={weight} is below a millionth of the total {total}; raise it or set it to 0")
+    _check(sum(w > 0 for w in mix.values()) <= 256, "data.mix gives more than 256 domains a positive weight")
 
 
 def to_dict(cfg: Config) -> dict:

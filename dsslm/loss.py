@@ -86,7 +86,8 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     real_total = torch.zeros((), dtype=torch.float64, device=engine.device)
     last = len(micro_batches) - 1
     for i, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = inputs.to(engine.device), targets.to(engine.device)
+        # non_blocking: the prefetcher pins host batches on CUDA, so the copy overlaps the host
+        inputs, targets = inputs.to(engine.device, non_blocking=True), targets.to(engine.device, non_blocking=True)
         sync = contextlib.nullcontext() if i == last else engine.no_sync()
         with sync:
             with autocast(precision, engine.device):

@@ -17,6 +17,7 @@ if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in th
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -33,7 +34,9 @@ from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
+from dsslm.data.prefetch import Prefetcher
 from dsslm.data.stream import StepSlice, batch_size_at
+from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
 from dsslm.engine import Engine, build_engine
 from dsslm.exits import Preempted, StopFlag, ignore_from_now, note_exit
 from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
@@ -60,6 +63,7 @@ class Job:
     run_dir: Path
     engine: Engine
     loader: Loader
+    feed: Prefetcher             # the loader's steps, the next one read in the background
     store: CheckpointStore
     checkpointer: Checkpointer   # save / restore over the table of stateful parts
     state: TrainState            # the table's "train" part: the loop mutates it in place
@@ -69,6 +73,7 @@ class Job:
     sinks: Sinks
     byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
     lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
+    verified: dict | None         # what verify_data hashed: reported by start(), once nothing can refuse the run
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
 
 
@@ -89,6 +94,7 @@ class StepRecord:
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     clip_frac: float = 0.0
+    data_wait_s: float = 0.0     # time the step waited for its batch (0 when the prefetch was ready)
 
     def to_json(self) -> dict:
         record = dataclasses.asdict(self)
@@ -100,7 +106,7 @@ class StepRecord:
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
     """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
-    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked once below
+    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
     if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
         apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
@@ -111,10 +117,13 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     lock = RunLock(run_dir, cfg.run.lock_stale_s)
     takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
     cleanup.callback(lock.release)
-    if cfg.data.verify:  # rank 0 hashes every shard and tells the others: one read per job, not per rank
-        engine.decide(lambda: load_manifest(data_dir, verify=True) and None)
+    verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
+    feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
+                      batch_schedule(cfg, engine.world_size), pin_memory=engine.device.type == "cuda",
+                      enabled=cfg.data.prefetch)
+    cleanup.callback(feed.close)
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     cleanup.callback(sinks.close)
@@ -134,8 +143,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks,
-               ByteCounter(data_dir, manifest), lock)
+    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, drills, sinks,
+               ByteCounter(data_dir, manifest), lock, verified)
 
 
 def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
@@ -158,6 +167,34 @@ def finish_saves(store: CheckpointStore):
             print(f"dsslm: also: {err}", file=sys.stderr, flush=True)
         return False
     return on_exit
+
+
+def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:
+    """Hash the shards their cached verification cannot vouch for (all of them for
+    data.verify=full), split over the ranks and each rank's threads. Every rank reaches the same
+    verdict (a DataError on every rank); rank 0 updates the cache."""
+    started = time.perf_counter()
+    cache = cache_path(data_dir, Path(cfg.run.dir))
+    plan = engine.decide(lambda: plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full"))
+    mine = share_of(plan["hash"], engine.rank, engine.world_size)
+    hashed_bytes = sum(size for _, size in plan["hash"])
+    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress), "hashing the data shards",
+                               total_units=hashed_bytes)
+    found = {path: digest for part in parts for path, digest in part.items()}
+    if engine.is_main and found:
+        try:
+            update_cache(cache, manifest, found)
+        except OSError as exc:
+            print(f"dsslm: cannot write {cache} ({exc}); the next start hashes these shards again", file=sys.stderr)
+    check_digests(data_dir, manifest, found)
+    summary = {"hashed_shards": len(found), "hashed_per_rank": [len(part) for part in parts],
+               "hashed_bytes": hashed_bytes, "cached_shards": plan["cached"],
+               "cached_bytes": plan["cached_bytes"], "full": cfg.data.verify == "full", "cache": str(cache),
+               "seconds": round(time.perf_counter() - started, 3)}
+    if engine.is_main:
+        print(f"dsslm: data verified: hashed {len(found)} shards ({hashed_bytes / 1e9:.2f} GB) in "
+              f"{summary['seconds']:.1f} s; {plan['cached']} unchanged since their cached verification", flush=True)
+    return summary
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
@@ -189,12 +226,13 @@ def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
     return losses, bpb
 
 
-def batch_size(job: Job) -> int:
-    """This step's global batch in sequences: the full one, or less while train.batch_ramp ramps."""
-    t, world_size = job.cfg.train, job.engine.world_size
-    full = t.micro_batch_size * t.grad_accum * world_size
-    return batch_size_at(job.state.next_sequence, full, t.grad_accum * world_size, t.batch_ramp.start,
-                         t.batch_ramp.tokens, job.cfg.model.seq_len)
+def batch_schedule(cfg: Config, world_size: int):
+    """The global batch in sequences of the step starting at a position: the full one, or less
+    while train.batch_ramp ramps."""
+    t = cfg.train
+    return functools.partial(batch_size_at, full=t.micro_batch_size * t.grad_accum * world_size,
+                             granule=t.grad_accum * world_size, ramp_start=t.batch_ramp.start,
+                             ramp_tokens=t.batch_ramp.tokens, seq_len=cfg.model.seq_len)
 
 
 def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
@@ -202,8 +240,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
     lr = lr_at(state.step, cfg) * state.lr_scale
-    fed, batches = job.loader.step(state.next_sequence, state.skip_list, batch_size(job), engine.rank,
-                                   engine.world_size, cfg.train.grad_accum)
+    fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
     job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.poison(batches, fed.indices)
     # Every target of a training batch is real: the step's token count needs no collective.
@@ -216,7 +253,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
                         verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
-                        batch_tokens=result.batch_tokens, reason=reason)
+                        batch_tokens=result.batch_tokens, reason=reason, data_wait_s=job.feed.wait_s)
     return verdict, record, fed, result.stop_requested
 
 
@@ -243,6 +280,8 @@ def start(job: Job) -> None:
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
         job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
                                              cfg.train.total_steps, job.sinks.emit)
+    if job.verified is not None:
+        job.sinks.emit("data_verified", **job.verified)
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
@@ -275,7 +314,8 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
             val_loss, val_bpb = evaluate(job)
-            sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb})
+            sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb,
+                           "domain_tokens": dict(state.domain_tokens)})
             diagnostics.check_val(state.step, val_loss)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
@@ -287,7 +327,8 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job)
         check_health(job)
     check_health(job, wait=True)
-    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps)
+    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
+               domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
     check_health(job)
     return EXIT_OK
 
@@ -324,6 +365,7 @@ def report_memory(job: Job) -> None:
 def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
     """A step was applied or skipped: either way its data is consumed (a skipped batch is not replayed)."""
     state = job.state
+    count_domains(job, fed)
     state.step += 1
     state.next_sequence = fed.end
     state.tokens_seen += record.batch_tokens
@@ -332,6 +374,21 @@ def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> N
         state.skipped_steps += 1
         job.sinks.emit("skip", step=state.step, loss=record.loss, gnorm=record.gnorm,
                        data_position=record.data_position, reason=record.reason)
+
+
+def count_domains(job: Job, fed: StepSlice) -> None:
+    """Add the step's tokens per domain; a `domain_epoch` event when a domain starts another pass
+    over its chunks (under data.mix each domain repeats on its own schedule)."""
+    state, loader = job.state, job.loader
+    if state.domain_tokens is None:  # restored from a checkpoint that predates the count
+        state.domain_tokens = loader.domain_tokens_before(state.next_sequence, state.skip_list)
+    for domain, tokens in fed.domain_tokens.items():
+        state.domain_tokens[domain] = state.domain_tokens.get(domain, 0) + tokens
+    before, after = loader.epochs_before(fed.first), loader.epochs_before(fed.end)
+    for domain in sorted(after):
+        if after[domain] > before[domain]:
+            job.sinks.emit("domain_epoch", step=state.step + 1, domain=domain, epoch=after[domain],
+                           data_position=fed.first)
 
 
 def timed(record: StepRecord, started: float, state: TrainState) -> dict:

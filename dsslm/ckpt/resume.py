@@ -291,6 +291,11 @@ class Checkpointer:
             data = (f"another corpus: starts at its sequence 0; the parent's position {train.next_sequence} "
                     f"and {len(train.skip_list)} skip windows are not carried over")
             train.next_sequence, train.skip_list, train.rewinds = 0, [], []
+        elif any(key.startswith("data.mix") for key in drifted):
+            # A mixture is a function of its weights: other weights draw other domains at each position.
+            data = (f"continues at the parent's position {train.next_sequence} under another data.mix: each "
+                    "domain's sequence numbers follow the new weights, so a domain may repeat or pass over "
+                    "some of its sequences in the current pass")
         train.lineage = train.lineage + [{"run_dir": str(path.parent.parent), "step": train.step,
                                           "checkpoint": str(path)}]
         self.emit("branch", step=train.step, parent=str(path), drift=drifted, data=data)

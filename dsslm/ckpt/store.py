@@ -19,6 +19,12 @@ Layout and file format live in `format.py`. The rules this module keeps:
 - Folders that do not verify, or whose contents the caller's `accept` refuses (a state.json
   field out of range, a tensor of the wrong shape), are passed over (one `passed_over` event
   each) and never deleted.
+- What is loaded is hashed in full first; retention bookkeeping (which folders count, which
+  to delete, what the loop pins) is not: it checks each MANIFEST, the file list and every
+  file's size, and remembers every full-hash failure. So the first save after a restart costs
+  no hashing on the training thread, however many checkpoints are kept, and a folder whose
+  bytes rotted at the same size is caught when something loads it (then passed over, and no
+  longer counted). Only an `.replaced` aside is deleted on the word of a full hash.
 """
 from __future__ import annotations
 
@@ -97,7 +103,8 @@ class CheckpointStore:
         self._buffers = HostBuffers(reuse_host_buffers)
         # Guards every rename, delete and read of checkpoint folders (writer vs training thread).
         self._lock = threading.RLock()
-        self._verified: dict[str, tuple[tuple, str | None]] = {}  # name -> (stat_key, reason)
+        # name -> (stat_key, reason): a reason found by hashing holds until the files change.
+        self._verified: dict[str, tuple[tuple, str | None]] = {}
         self._reported: set[str] = set()
         self._refused: set[str] = set()  # verified, but their contents were refused on load
         self._pinned: set[int] = set()
@@ -187,13 +194,13 @@ class CheckpointStore:
         return removed
 
     def valid_steps(self) -> list[int]:
-        """Steps with a valid folder, ascending. Verification is cached per folder file stats."""
+        """Steps with a valid folder, ascending: sizes checked, not hashes (cached per folder file stats)."""
         self._flush_events()
         with self._lock:
             return sorted(self._valid_paths())
 
     def valid_paths(self) -> list[Path]:
-        """The valid folders, oldest first (verification cached per folder file stats)."""
+        """The valid folders, oldest first (sizes checked, not hashes; cached per folder file stats)."""
         self._flush_events()
         with self._lock:
             valid = self._valid_paths()
@@ -212,7 +219,7 @@ class CheckpointStore:
         with self._lock:
             found = self._scan()
             for candidate in sorted((s for s in found if s <= step), reverse=True):
-                path = self._resolve(found[candidate], rehash=True)
+                path = self._resolve(found[candidate], hashed=True)
                 if path is None:
                     continue
                 try:
@@ -337,10 +344,10 @@ class CheckpointStore:
         aside = final.with_name(final.name + ASIDE_SUFFIX)
         if not aside.exists():
             return
-        if self._reason(final) is None:
+        if self._reason(final, hashed=True) is None:  # a delete deserves a full hash
             remove_checkpoint(aside)  # the new copy made it in; the aside was going to be deleted
             self._verified.pop(aside.name, None)
-        elif not final.exists() and self._reason(aside) is None:
+        elif not final.exists() and self._reason(aside, hashed=True) is None:
             _rename(aside, final)  # died between the renames: the old copy is still the step
             fsync_dir(self.ckpt_dir)
             self._verified.pop(aside.name, None)
@@ -371,27 +378,29 @@ class CheckpointStore:
         """step -> its valid folder; a folder whose contents were refused counts as neither valid
         (retention must not keep it instead of a good one) nor deletable."""
         found = self._scan()
-        valid = {step: self._resolve(paths, rehash=False) for step, paths in found.items()}
+        valid = {step: self._resolve(paths, hashed=False) for step, paths in found.items()}
         return {step: path for step, path in valid.items() if path is not None and path.name not in self._refused}
 
-    def _resolve(self, paths: list[Path], rehash: bool) -> Path | None:
+    def _resolve(self, paths: list[Path], hashed: bool) -> Path | None:
         """The first valid candidate; reports the invalid ones it passes over."""
         for path in paths:
-            reason = self._reason(path, rehash)
+            reason = self._reason(path, hashed)
             if reason is None:
                 return path
             self._pass_over(path.name, reason)
         return None
 
-    def _reason(self, folder: Path, rehash: bool = False) -> str | None:
-        """verify(folder), cached per stat_key unless rehash (the one a loader returns)."""
+    def _reason(self, folder: Path, hashed: bool) -> str | None:
+        """Why `folder` is not a valid checkpoint (None: it is). `hashed`: every file hashed now
+        (what a loader returns); else sizes only, or what an earlier check of the same file
+        stats found (a hash failure holds until the files change)."""
         if folder.is_symlink():
             return "is a symbolic link; a checkpoint folder must be a real folder"
         key = stat_key(folder)
         cached = self._verified.get(folder.name)
-        if key is not None and not rehash and cached is not None and cached[0] == key:
+        if key is not None and not hashed and cached is not None and cached[0] == key:
             return cached[1]
-        reason = verify(folder) if folder.exists() else "missing"
+        reason = verify(folder, hash_files=hashed) if folder.exists() else "missing"
         if key is not None:
             self._verified[folder.name] = (key, reason)
         return reason

@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsslm.ckpt.schema import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Str, Window)
+from dsslm.ckpt.schema import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, Str,
+                               Window)
 from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
@@ -31,20 +32,25 @@ class TrainState:
     skipped_steps: int = 0
     clipped_steps: int = 0
     lineage: list = field(default_factory=list)    # parent runs this run branched from
+    # Target tokens trained per domain, like tokens_seen (metrics.jsonl's domain_tokens). None: restored
+    # from a checkpoint that predates it; the loop then derives it from the position.
+    domain_tokens: dict | None = field(default_factory=dict)
 
     state_schema = Fields(
+        optional=("domain_tokens",),
         step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
         skip_list=ListOf(Window(), max_len=100_000),
         lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
         skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
-        lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000))
+        lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000),
+        domain_tokens=Optional(MapOf(Int(0, MAX_COUNT), max_len=10_000)))
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
+            setattr(self, f.name, state.get(f.name) if f.name == "domain_tokens" else state[f.name])
 
 
 class ResumeRefused(ConfigError):
@@ -62,6 +68,11 @@ def fingerprint(cfg: Config, manifest_sha: str, tokenizer_sha: str, global_batch
             "global_batch_size": global_batch_size}
 
 
+def _allowed(key: str, allow_drift: tuple[str, ...]) -> bool:
+    """`--allow-drift data.mix` covers data.mix.web and data.mix.code too."""
+    return any(key == a or key.startswith(a + ".") for a in allow_drift)
+
+
 def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
                       allow_drift: tuple[str, ...] = ()) -> dict[str, Any]:
     """Raise ResumeRefused naming the first difference not allowed; return the allowed ones."""
@@ -72,7 +83,7 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
                       ("global_batch_size", "global_batch_size")):
         if saved[key] != now[key]:
             differences[name] = [saved[key], now[key]]
-    refused = {k: v for k, v in differences.items() if k not in allow_drift}
+    refused = {k: v for k, v in differences.items() if not _allowed(k, allow_drift)}
     if refused:
         key, (old, new) = next(iter(refused.items()))
         more = f" (and {len(refused) - 1} more: {', '.join(list(refused)[1:4])})" if len(refused) > 1 else ""

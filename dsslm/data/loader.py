@@ -5,21 +5,29 @@ Training reads the train shards of every domain as one virtual concatenation (do
 order). Each shard is cut into non-overlapping chunks of seq_len + 1 tokens (chunk i is tokens
 [i*seq_len, i*seq_len + seq_len + 1): consecutive chunks share one token, so every token is a
 target exactly once); chunks never cross a shard boundary. Global sequence g of the run is
-chunk perm_e[g % n_chunks] with e = g // n_chunks and perm_e a permutation seeded by (seed, e).
-There is no iterator state: position 10**9 costs what position 0 costs, and a resume needs only
-(position, skip_list). Each rank reads only the chunks of its own sequences.
+chunk perm_e[g % n_chunks] with e = g // n_chunks and perm_e a permutation seeded by (seed, e):
+domains are drawn in proportion to their token counts. With `data.mix` (`mix`), the domain of
+g is drawn by weight instead and each domain shuffles and repeats its own chunks
+(`data.mixture`). There is no iterator state: position 10**9 costs what position 0 costs, and a
+resume needs only (position, skip_list). Each rank reads only the chunks of its own sequences.
+
+One background thread (`data.prefetch`) may read while the training thread reads or counts:
+the caches below are replaced whole, never mutated in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dsslm.data.manifest import load_manifest
+from dsslm.data.mixture import Mixture, domain_key, weight_units
 from dsslm.data.sources import DataError
-from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice
+from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice, take
 
 __all__ = ["Batch", "Loader", "merge_windows"]
 
@@ -27,8 +35,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [batch, se
 
 
 class Loader:
-    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, manifest: dict | None = None):
-        """`manifest` None: read it, checking shard sizes only (pass a verified one to check hashes)."""
+    def __init__(self, data_dir: str | Path, seq_len: int, seed: int, manifest: dict | None = None,
+                 mix: dict[str, float] | None = None):
+        """`manifest` None: read it, checking shard sizes only (pass a verified one to check hashes).
+        `mix` {domain: weight}: draw each sequence's domain by weight (None or {}: by token count)."""
         if seq_len < 1:
             raise DataError(f"model.seq_len={seq_len} must be >= 1")
         if seed < 0:
@@ -46,8 +56,15 @@ class Loader:
             longest = max((tokens for _, tokens in self._train), default=0)
             raise DataError(f"model.seq_len={seq_len} is longer than every train shard of {data_dir} "
                             f"(the longest holds {longest} tokens); lower model.seq_len or prepare more text")
+        # Domains are concatenated in sorted order: domain i owns chunks [_domain_first[i], _domain_first[i+1]).
+        shards_per_domain = np.cumsum([0] + [len(domains[name]["train"]) for name in self.domains])
+        self._domain_first = self._first_chunk[shards_per_domain]
+        self.domain_chunks = np.diff(self._domain_first)
+        self.mixture = self._mixture(mix) if mix else None
         self._maps: dict[str, np.memmap] = {}
-        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+        self._perm = (-1, np.empty(0, dtype=np.int64))          # (epoch, permutation of all chunks)
+        self._domain_perm: dict[int, tuple[int, np.ndarray]] = {}  # domain -> (epoch, its permutation)
+        self._count_lock = threading.Lock()
         self.chunks_read = 0  # for the benchmarks and the rank-local reads test
 
     @property
@@ -56,23 +73,45 @@ class Loader:
 
     def step(self, position: int, skip_list: list, batch_size: int, rank: int, world_size: int,
              grad_accum: int) -> tuple[StepSlice, list[Batch]]:
-        """The step starting at `position`: its bounds, and this rank's share in `grad_accum`
-        micro-batches (reading only this rank's chunks)."""
+        """The step starting at `position`: its bounds and tokens per domain (of the whole step),
+        and this rank's share in `grad_accum` micro-batches (reading only this rank's chunks)."""
         part = step_slice(position, skip_list, batch_size, rank, world_size)
         inputs, targets = self.read(part.indices)
         pieces = split_micro_batches(len(part.indices), grad_accum)
+        whole = take(part.first, batch_size, merge_windows(skip_list))  # arithmetic: no reads
+        part = dataclasses.replace(part, domain_tokens=self.domain_tokens(whole))
         return part, [(inputs[p], targets[p]) for p in pieces]
 
     def read(self, indices: np.ndarray) -> Batch:
         """The sequences with these global indices, in that order."""
-        g = np.asarray(indices, dtype=np.int64)
-        epochs, positions = np.divmod(g, self.n_chunks)
-        chunk_ids = np.empty_like(g)
-        for epoch in np.unique(epochs):  # a step straddles at most a few epochs
-            mask = epochs == epoch
-            chunk_ids[mask] = self._permutation(int(epoch))[positions[mask]]
-        self.chunks_read += len(chunk_ids)
+        chunk_ids = self._chunk_ids(np.asarray(indices, dtype=np.int64))
+        with self._count_lock:
+            self.chunks_read += len(chunk_ids)
         return _as_batch(np.stack([self._read_chunk(int(c)) for c in chunk_ids]))
+
+    def domain_tokens(self, indices: np.ndarray) -> dict[str, int]:
+        """Target tokens per domain in the sequences with these global indices (seq_len each)."""
+        counts = np.bincount(self._domain_index(np.asarray(indices, dtype=np.int64)), minlength=len(self.domains))
+        return {name: int(n) * self.seq_len for name, n in zip(self.domains, counts)}
+
+    def domain_tokens_before(self, position: int, skip_list: list) -> dict[str, int]:
+        """Tokens per domain in every sequence before `position` outside the skip windows: what a
+        run trained up to there (for a checkpoint that did not record it)."""
+        counts = self._count_before(position)
+        for lo, hi in merge_windows(skip_list):
+            if lo < position:
+                counts -= self._count_before(min(hi, position)) - self._count_before(lo)
+        return {name: int(n) * self.seq_len for name, n in zip(self.domains, counts)}
+
+    def epochs_before(self, position: int) -> dict[str, int]:
+        """Each drawn domain's epoch (0 = first pass over its chunks) at its last sequence before
+        `position`: a domain whose epoch grows across a step started repeating in it."""
+        if self.mixture is None:
+            epoch = max(position - 1, 0) // self.n_chunks
+            return {name: epoch for name in self.domains}
+        counts = self.mixture.count_before(position)
+        return {name: max(int(c) - 1, 0) // int(n)
+                for name, c, n, u in zip(self.domains, counts, self.domain_chunks, self.mixture.units) if u > 0}
 
     def val_batches(self, domain: str, n_batches: int, batch_size: int) -> list[Batch]:
         """The first n_batches * batch_size chunks of `domain`'s val shards, in order (seed
@@ -87,15 +126,73 @@ class Loader:
                 rows.append(np.asarray(tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]))
         return [_as_batch(np.stack(rows[i : i + batch_size])) for i in range(0, len(rows), batch_size)]
 
+    def _mixture(self, mix: dict[str, float]) -> Mixture:
+        unknown = sorted(set(mix) - set(self.domains))
+        if unknown:
+            raise DataError(f"data.mix names domain {unknown[0]!r}, which {self.data_dir} does not have; "
+                            f"its domains are {', '.join(self.domains)}")
+        units = weight_units(mix, self.domains)
+        empty = [d for d, u, n in zip(self.domains, units, self.domain_chunks) if u > 0 and n == 0]
+        if empty:
+            raise DataError(f"data.mix.{empty[0]} > 0, but domain {empty[0]} has no train shard longer than "
+                            f"model.seq_len={self.seq_len}; drop it from data.mix or lower model.seq_len")
+        return Mixture(units, self.seed)
+
+    def _chunk_ids(self, g: np.ndarray) -> np.ndarray:
+        chunk_ids = np.empty_like(g)
+        if self.mixture is None:
+            epochs, positions = np.divmod(g, self.n_chunks)
+            for epoch in np.unique(epochs):  # a step straddles at most a few epochs
+                mask = epochs == epoch
+                chunk_ids[mask] = self._permutation(int(epoch))[positions[mask]]
+            return chunk_ids
+        domains, numbers = self.mixture.locate(g)
+        for d in np.unique(domains):
+            mask = domains == d
+            epochs, positions = np.divmod(numbers[mask], self.domain_chunks[d])
+            picked = np.empty_like(positions)
+            for epoch in np.unique(epochs):
+                sub = epochs == epoch
+                picked[sub] = self._domain_permutation(int(d), int(epoch))[positions[sub]]
+            chunk_ids[mask] = self._domain_first[d] + picked
+        return chunk_ids
+
+    def _domain_index(self, g: np.ndarray) -> np.ndarray:
+        if self.mixture is not None:
+            return self.mixture.locate(g)[0]
+        return np.searchsorted(self._domain_first, self._chunk_ids(g), side="right") - 1
+
+    def _count_before(self, position: int) -> np.ndarray:
+        """Sequences of each domain among global indices [0, position) (skip windows included)."""
+        if self.mixture is not None:
+            return self.mixture.count_before(position).astype(np.int64)
+        epochs, rest = divmod(position, self.n_chunks)
+        counts = self.domain_chunks.astype(np.int64) * epochs
+        if rest:
+            counts += np.bincount(self._domain_index(np.arange(epochs * self.n_chunks, position, dtype=np.int64)),
+                                  minlength=len(self.domains))
+        return counts
+
     def _n_chunks(self, tokens: int) -> int:
         return max(0, (tokens - 1) // self.seq_len)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         # Only the latest epoch is cached: n_chunks int64s (80 MB per 10M chunks) is plenty to hold.
-        if epoch != self._perm_epoch:
+        cached_epoch, perm = self._perm
+        if epoch != cached_epoch:
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
-            self._perm_epoch, self._perm = epoch, rng.permutation(self.n_chunks)
-        return self._perm
+            perm = rng.permutation(self.n_chunks)
+            self._perm = (epoch, perm)  # one assignment: another thread sees the old pair or the new
+        return perm
+
+    def _domain_permutation(self, domain: int, epoch: int) -> np.ndarray:
+        cached_epoch, perm = self._domain_perm.get(domain, (-1, None))
+        if epoch != cached_epoch:
+            entropy = [self.seed, epoch, domain_key(self.domains[domain])]
+            perm = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy))).permutation(
+                int(self.domain_chunks[domain]))
+            self._domain_perm[domain] = (epoch, perm)
+        return perm
 
     def _read_chunk(self, chunk_id: int) -> np.ndarray:
         shard = int(np.searchsorted(self._first_chunk, chunk_id, side="right")) - 1

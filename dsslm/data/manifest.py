@@ -34,12 +34,18 @@ def load_manifest(data_dir: str | Path, verify: bool = True) -> dict:
     for domain in manifest["domains"].values():
         for entry in domain["train"] + domain["val"]:
             _check_shard(data_dir, entry, itemsize, verify)
-    if verify and manifest["tokenizer"]["kind"] == "bpe":
+    if verify:
+        verify_tokenizer(data_dir, manifest)
+    return manifest
+
+
+def verify_tokenizer(data_dir: Path, manifest: dict) -> None:
+    """DataError unless the tokenizer file in `data_dir` is the one the manifest pins."""
+    if manifest["tokenizer"]["kind"] == "bpe":
         try:
             load_tokenizer(data_dir, manifest)
         except ValueError as e:
             raise DataError(str(e)) from e
-    return manifest
 
 
 def verify_split(data_dir: str | Path, manifest: dict, split: str) -> None:

@@ -5,10 +5,13 @@ read through `datasets` in streaming mode so that memory stays bounded by one ch
 """
 from __future__ import annotations
 
+import collections
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -183,7 +186,20 @@ def _open_records(kind: str, group: list[Source]) -> list:
 def iter_token_arrays(sources: list[Source], tok, text_field: str,
                       text_bytes: list[int] | None = None) -> Iterator[np.ndarray]:
     """Token ids of every document in input order, EOS after each, in arrays of bounded size.
-    `text_bytes[0]`, if given, grows by the UTF-8 size of the text read (what the tokens stand for)."""
+    `text_bytes[0]`, if given, grows by the UTF-8 size of the text read (what the tokens stand for).
+
+    Batches are encoded in threads, several at a time, and handed back in input order: the
+    tokenizer's batch encoding fans each call out over every core (and releases the GIL), so
+    reading the next batch and writing the last overlap with it, and a batch's long last
+    document no longer leaves the other cores idle. The batches themselves are cut as before,
+    so the shards are the same bytes whatever the number of threads.
+    """
+    return _in_order(functools.partial(_encode, tok), _piece_batches(sources, text_field, text_bytes),
+                     encode_in_flight(tok))
+
+
+def _piece_batches(sources: list[Source], text_field: str,
+                   text_bytes: list[int] | None) -> Iterator[list[str | None]]:
     pieces: list[str | None] = []
     chars = 0
     for piece in iter_pieces(sources, text_field):
@@ -192,10 +208,36 @@ def iter_token_arrays(sources: list[Source], tok, text_field: str,
         if text_bytes is not None and piece:
             text_bytes[0] += len(piece.encode("utf-8"))
         if chars >= ENCODE_BATCH_CHARS or len(pieces) >= 8192:
-            yield _encode(tok, pieces)
+            yield pieces
             pieces, chars = [], 0
     if pieces:
-        yield _encode(tok, pieces)
+        yield pieces
+
+
+def encode_in_flight(tok) -> int:
+    """Batches encoded at once: two keep the cores busy through a batch's tail on a small machine;
+    a batch holds ~2 MB of text in a few to thousands of documents, so wide machines take more.
+    The byte tokenizer is a copy under the GIL (~1 GB/s): threads would only contend for it
+    (prepare measured 55 MB/s inline, 45 MB/s with two in flight), so it encodes inline."""
+    if tok.kind == "byte":
+        return 1
+    return min(16, 2 + len(os.sched_getaffinity(0)) // 4)
+
+
+def _in_order(fn: Callable, items: Iterable, in_flight: int) -> Iterator:
+    """fn(item) for every item, up to `in_flight` computed at once in threads, yielded in item
+    order. `in_flight` 1 computes inline."""
+    if in_flight <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(in_flight, thread_name_prefix="dsslm-encode") as pool:
+        pending: collections.deque = collections.deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _encode(tok, pieces: list[str | None]) -> np.ndarray:

@@ -14,7 +14,7 @@ only its own indices: `nth` walks the windows once, whatever the world size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
@@ -74,6 +74,7 @@ class StepSlice:
     end: int              # the position after the step: its last sequence + 1
     batch_size: int       # the step's global batch, in sequences
     indices: np.ndarray   # this rank's sequences, in micro-batch order
+    domain_tokens: dict = field(default_factory=dict)  # the whole step's target tokens per domain (the loader's)
 
 
 def step_slice(position: int, skip_list: list, batch_size: int, rank: int, world_size: int) -> StepSlice:

@@ -9,7 +9,10 @@ import contextlib
 import gc
 import os
 import pickle
+import secrets
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -25,6 +28,14 @@ from dsslm.precision import LossScaler
 
 T = TypeVar("T")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# The collectives' timeout. Nothing waits in a collective for longer than a step, a checkpoint
+# gather or rank 0 hashing the one checkpoint it loads (a 16 GB folder hashes in ~10-30 s); the
+# one wait that grows with the corpus (hashing its shards) goes through `gather_long` instead.
+COLLECTIVE_TIMEOUT_S = 1800
+# gather_long fails when no rank has reported progress for this long: a rank stuck on I/O, not
+# one that is slow (progress arrives every READ_BYTES hashed, many times a second).
+STALL_TIMEOUT_S = 600
+PROGRESS_EVERY_S = 30
 
 
 @dataclass
@@ -68,7 +79,7 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: int = 1800) -> None:
+def init_distributed(device: torch.device, timeout_s: int = COLLECTIVE_TIMEOUT_S) -> None:
     """Join the process group that torchrun / accelerate launch / srun described in the environment.
 
     Plain `python -m dsslm.train` (no WORLD_SIZE) stays a single process with no group at all.
@@ -200,6 +211,57 @@ class Engine(abc.ABC):
             def reraise() -> None:
                 raise failure
             self.decide(reraise)
+    def gather_long(self, fn: Callable[[Callable[[int], None]], T], what: str, total_units: int = 0,
+                    stall_timeout_s: float = STALL_TIMEOUT_S) -> list[T]:
+        """[fn(progress) of every rank], for work that may outlast any collective timeout (hashing
+        a corpus). `fn` runs in a thread and calls `progress(units)` as it goes. The ranks do not
+        wait in a collective: each adds its progress and, when done, itself to counters in the
+        process group's store and polls them there, failing only when no rank has made progress
+        for `stall_timeout_s`. Once every rank is done, one all_gather (with everyone ready)
+        carries the results. An exception `fn` raises on any rank is raised on every rank."""
+        if not self.distributed:
+            return [fn(lambda units: None)]
+        # The default group's key-value store (what torch's own store-based barrier uses): every
+        # launcher's group has one, and a get or add on it returns at once, whatever others do.
+        # Keys under a name rank 0 draws: a group outlives a job (the drill runs several in one).
+        name = self.decide(lambda: secrets.token_hex(8))
+        store = dist.PrefixStore(f"dsslm/long/{name}/", dist.distributed_c10d._get_default_store())
+        worker = _Worker(fn)
+        self._wait_for_ranks(store, worker, what, total_units, stall_timeout_s)
+        outcomes = self.all_gather(worker.outcome)
+        for kind, value in outcomes:
+            if kind == "raise":
+                raise value
+        return [value for _, value in outcomes]
+
+    def _wait_for_ranks(self, store: Any, worker: "_Worker", what: str, total_units: int, stall_s: float) -> None:
+        published, announced, poll_s = 0, False, 0.01
+        last_seen, last_change = (-1, -1), time.monotonic()
+        last_print = last_change
+        while True:
+            worker.thread.join(timeout=poll_s)
+            poll_s = min(1.0, poll_s * 2)  # a quick job returns at once; a long one polls once a second
+            done_units = worker.units
+            if done_units > published:
+                store.add("units", done_units - published)
+                published = done_units
+            if not worker.thread.is_alive() and not announced:
+                store.add("ranks_done", 1)
+                announced = True
+            seen = (store.add("ranks_done", 0), store.add("units", 0))
+            now = time.monotonic()
+            if seen != last_seen:
+                last_seen, last_change = seen, now
+            if seen[0] >= self.world_size:
+                return
+            if now - last_change > stall_s:
+                raise RuntimeError(f"{what}: no rank made progress for {stall_s:.0f} s ({seen[0]} of "
+                                   f"{self.world_size} ranks done); a rank may be stuck reading its files")
+            if self.is_main and now - last_print >= PROGRESS_EVERY_S:
+                share = f" of {total_units / 1e9:.1f} GB" if total_units else ""
+                print(f"dsslm: {what}: {seen[1] / 1e9:.1f}{share}, {seen[0]} of {self.world_size} ranks done",
+                      flush=True)
+                last_print = now
 
     def all_gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
@@ -254,6 +316,29 @@ class TorchAdamWEngine(Engine):
     def skip_step(self) -> None:
         # Dropping the gradients is the whole skip: AdamW's state (moments, step) is untouched.
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class _Worker:
+    """`fn(progress)` in a daemon thread (a rank stuck in I/O must not keep the process alive),
+    counting the units it reports and keeping its result or exception."""
+
+    def __init__(self, fn: Callable[[Callable[[int], None]], Any]):
+        self.units = 0
+        self.outcome: tuple[str, Any] = ("raise", RuntimeError("the work did not finish"))
+        self._lock = threading.Lock()
+        self._fn = fn
+        self.thread = threading.Thread(target=self._run, name="dsslm-long-work", daemon=True)
+        self.thread.start()
+
+    def _progress(self, units: int) -> None:
+        with self._lock:  # called from the work's own threads (hash_shards hashes several files at once)
+            self.units += units
+
+    def _run(self) -> None:
+        try:
+            self.outcome = ("ok", self._fn(self._progress))
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank by gather_long
+            self.outcome = ("raise", _picklable(exc))
 
 
 def _picklable(exc: BaseException) -> BaseException:

@@ -19,6 +19,11 @@ def test_default_loads_and_overrides_apply():
     ("model.n_heads=3", "model.n_heads"),
     ("train.total_steps=abc", "train.total_steps"),
     ("optim.schedule=wsd", "optim.decay_steps"),
+    ("data.verify=sometimes", "data.verify"),
+    ("data.mix.web=-1", "data.mix.web"),
+    ("data.mix.web=nan", "data.mix.web"),
+    ("data.mix.web=0", "data.mix"),
+    ("data.mix.web=abc", "data.mix.web"),
 ])
 def test_bad_key_or_value_names_the_key(override, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
@@ -75,3 +80,15 @@ def test_from_dict_checks_a_saved_config_like_a_loaded_one():
     tree["model"]["n_heads"], tree["model"]["colour"] = 4, "red"
     with pytest.raises(ConfigError, match=r"state\.json: unknown config key 'model\.colour'"):
         config.from_dict(tree, "state.json")
+def test_data_verify_takes_true_false_or_full_and_mix_weights_of_any_scale():
+    assert [load(None, [f"data.verify={v}"]).data.verify for v in ("true", "false", "full")] == [True, False, "full"]
+    cfg = load(None, ["data.mix.web=7", "data.mix.code=3", "data.mix.books=0"])
+    assert cfg.data.mix == {"web": 7.0, "code": 3.0, "books": 0.0}
+    with pytest.raises(ConfigError, match=r"data\.mix\.rare=1e-09 is below a millionth"):
+        load(None, ["data.mix.web=1", "data.mix.rare=1e-9"])
+
+
+def test_a_mix_changes_the_config_hash_and_prefetch_does_not():
+    base = load(None, [])
+    assert config_hash(base) == config_hash(load(None, ["data.prefetch=false", "data.verify=full"]))
+    assert config_hash(base) != config_hash(load(None, ["data.mix.code=1"]))

@@ -118,6 +118,8 @@ CASES = {
     "rng of another size": (edit_state(set_field("rng", [])), "state.rng"),
     "copies disagree": (edit_state(lambda s: {**s, "step": 4}), "state.step"),
     "position negative": (edit_state(set_field("train.next_sequence", -1)), "state.train.next_sequence"),
+    "domain tokens negative": (edit_state(set_field("train.domain_tokens", {"code": -3})),
+                               "state.train.domain_tokens.code"),
     "wrong shape": (edit_tensor("model", "blocks.0.attn.qkv.weight", lambda t: torch.zeros(t.shape[0] + 1, t.shape[1])),
                     "blocks.0.attn.qkv.weight"),
     "broadcastable shape": (edit_tensor("model", "norm.weight", lambda t: torch.ones(1)), "norm.weight"),
@@ -198,6 +200,16 @@ def test_a_checkpoint_of_another_config_is_refused_not_passed_over(reference, tm
     assert rc == 2 and len(err) == 1 and "model.d_model" in err[0]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
     assert not events(run_dir, "passed_over")
+
+
+def test_a_new_mix_is_refused_on_resume_unless_its_drift_is_allowed(reference, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    mix = ["data.mix.code=0.5", "data.mix.tests=0.5", "train.total_steps=14"]
+    assert main([f"run.dir={run_dir}", *TINY, *STEPS, *mix]) == 2
+    assert "data.mix.code" in capsys.readouterr().err
+    assert main(["--allow-drift", "data.mix", f"run.dir={run_dir}", *TINY, *STEPS, *mix]) == 0
+    assert sorted(events(run_dir, "resume")[-1]["drift"]) == ["data.mix.code", "data.mix.tests"]
 
 
 def test_broken_run_level_skip_list_is_rebuilt_from_the_checkpoints(reference, tmp_path):

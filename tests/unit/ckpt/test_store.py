@@ -460,3 +460,25 @@ def test_delete_removes_manifest_first(tmp_path, monkeypatch):
     mgr.save(2, make_tensors(2), state_for(2))
     assert unlinked[0] == "MANIFEST" and sorted(unlinked[1:]) == ["model.safetensors", "optim.safetensors", "state.json"]
     assert mgr.valid_steps() == [2]
+
+
+def test_a_restarted_store_hashes_only_what_it_loads(tmp_path, monkeypatch):
+    """After a restart, listing and retention hash nothing (sizes only); the resume hashes the one
+    folder it loads; a same-size flipped byte found by that hash keeps the folder out of the count."""
+    writer = CheckpointStore(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        writer.save(step, make_tensors(step), state_for(step))
+    flip_byte(ckpt(tmp_path, 3) / "optim.safetensors")
+    hashed = []
+    real = ckpt_io._hash_file
+    monkeypatch.setattr(ckpt_io, "_hash_file", lambda p: hashed.append(p.parent.name) or real(p))
+    events, on_event = recorder()
+    restarted = CheckpointStore(tmp_path, keep_last=3, on_event=on_event)
+    assert restarted.valid_steps() == [1, 2, 3] and restarted.apply_retention() == [] and hashed == []
+    assert restarted.load_latest().step == 2  # 3 was hashed, failed, and was passed over
+    assert set(hashed) == {"step-00000003", "step-00000002"}
+    assert restarted.valid_steps() == [1, 2]  # the hash failure is remembered: 3 no longer counts
+    restarted.save(4, make_tensors(4), state_for(4))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == \
+        ["step-00000001", "step-00000002", "step-00000003", "step-00000004"]  # 3 kept for a person, 1 kept: 3 did not count
+    assert [f["checkpoint"] for e, f in events if e == "passed_over"] == ["step-00000003"]

@@ -1,0 +1,137 @@
+"""Shard verification: hashed once, cached by (path, size, mtime_ns, ctime_ns), the cache read
+without trust; a changed shard is caught, data.verify=full ignores the cache; work split by bytes."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dsslm.data import DataError, load_manifest, prepare
+from dsslm.data import verify
+from dsslm.data.verify import (CACHE_FILE, cache_path, check_digests, hash_shards, plan_hashing, read_cache,
+                               share_of, update_cache)
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    rng = np.random.default_rng(2)
+    (tmp_path / "t.txt").write_text("".join(" ".join(map(str, rng.integers(0, 10**6, 8))) + "\n" for _ in range(500)))
+    prepare([tmp_path / "t.txt"], tmp_path / "d", val_fraction=0.05, shard_tokens=6_000)
+    return tmp_path / "d"
+
+
+def start(data_dir, full=False, cache=None) -> dict:
+    """One single-rank start's verification, as train.verify_data does it; returns what it hashed."""
+    manifest = load_manifest(data_dir, verify=False)
+    cache = cache or data_dir / CACHE_FILE
+    plan = plan_hashing(data_dir, manifest, cache, full)
+    found = hash_shards(data_dir, share_of(plan["hash"], 0, 1), lambda n: None)
+    if found:
+        update_cache(cache, manifest, found)
+    check_digests(data_dir, manifest, found)
+    return found
+
+
+def shards(data_dir) -> list[str]:
+    return [e["path"] for d in load_manifest(data_dir, verify=False)["domains"].values() for e in d["train"] + d["val"]]
+
+
+def flip_byte_keeping_size_and_mtime(path) -> None:
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_second_start_hashes_nothing_and_a_touched_shard_is_the_only_one_rehashed(data_dir, monkeypatch):
+    hashed = []
+    real = verify._hash_one
+    monkeypatch.setattr(verify, "_hash_one", lambda path, progress: hashed.append(path.name) or real(path, progress))
+    names = shards(data_dir)
+    assert len(names) >= 5
+    assert sorted(start(data_dir)) == sorted(names) and len(hashed) == len(names)
+    hashed.clear()
+    assert start(data_dir) == {} and hashed == []
+    os.utime(data_dir / names[2])  # new mtime, same bytes
+    assert list(start(data_dir)) == [names[2]] and hashed == [names[2].split("/")[-1]]
+    assert start(data_dir, full=True).keys() == set(names)  # full ignores the cache
+
+
+def test_a_changed_shard_with_a_new_mtime_is_caught_by_the_cached_verification(data_dir):
+    start(data_dir)
+    shard = data_dir / shards(data_dir)[1]
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"shard {shard} does not match its sha256"):
+        start(data_dir)
+    with pytest.raises(DataError, match="does not match"):  # the mismatch was not cached as a pass
+        start(data_dir)
+
+
+def test_a_flipped_byte_that_kept_size_and_mtime_is_caught_and_full_ignores_a_forged_cache(data_dir):
+    start(data_dir)
+    shard = data_dir / shards(data_dir)[0]
+    flip_byte_keeping_size_and_mtime(shard)
+    with pytest.raises(DataError, match="does not match"):  # the ctime moved: a miss even with mtime kept
+        start(data_dir)
+    # Someone rewrites the cache to vouch for the edited file's current times: only full catches it.
+    cache = read_cache(data_dir / CACHE_FILE)
+    st = shard.stat()
+    name = shards(data_dir)[0]
+    cache[name] = {"stat": [st.st_size, st.st_mtime_ns, st.st_ctime_ns],
+                   "sha256": load_manifest(data_dir, verify=False)["domains"]["default"]["train"][0]["sha256"]}
+    (data_dir / CACHE_FILE).write_text(json.dumps({"format": 1, "shards": cache}))
+    assert start(data_dir) == {}  # true trusts a cache entry whose times match: that is its contract
+    with pytest.raises(DataError, match=f"shard {shard} does not match"):
+        start(data_dir, full=True)
+
+
+@pytest.mark.parametrize("garbage", [
+    "not json", json.dumps([1, 2]), json.dumps({"format": 2, "shards": {}}),
+    json.dumps({"format": 1, "shards": {"default/train-00000.bin": {"stat": [1, 2], "sha256": "0" * 64}}}),
+    json.dumps({"format": 1, "shards": {"default/train-00000.bin": {"stat": [1, 2, True], "sha256": "0" * 64}}}),
+    json.dumps({"format": 1, "shards": {"default/train-00000.bin": {"stat": [1, 2, 3], "sha256": "xyz"}}}),
+])
+def test_a_malformed_cache_is_a_miss_and_is_rewritten(data_dir, garbage):
+    (data_dir / CACHE_FILE).write_text(garbage)
+    assert len(start(data_dir)) == len(shards(data_dir))
+    assert sorted(read_cache(data_dir / CACHE_FILE)) == sorted(shards(data_dir))
+
+
+def test_an_entry_for_another_size_or_time_is_a_miss(data_dir):
+    start(data_dir)
+    name = shards(data_dir)[3]
+    cache = read_cache(data_dir / CACHE_FILE)
+    for i in range(3):
+        entry = json.loads(json.dumps(cache))
+        entry[name]["stat"][i] += 1
+        (data_dir / CACHE_FILE).write_text(json.dumps({"format": 1, "shards": entry}))
+        assert list(start(data_dir)) == [name]
+
+
+def test_a_read_only_data_dir_keeps_its_cache_in_the_run_folder(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(verify.os, "access", lambda path, mode: False)
+    cache = cache_path(data_dir, tmp_path / "run")
+    assert cache == tmp_path / "run" / CACHE_FILE
+    assert len(start(data_dir, cache=cache)) == len(shards(data_dir)) and start(data_dir, cache=cache) == {}
+    assert not (data_dir / CACHE_FILE).exists()
+
+
+def test_a_shard_that_changes_while_it_is_hashed_is_refused(data_dir):
+    path = data_dir / shards(data_dir)[0]
+    with pytest.raises(DataError, match="changed while it was being hashed"):
+        hash_shards(data_dir, [shards(data_dir)[0]], lambda n: os.utime(path, ns=(1, 1)))
+
+
+def test_the_shares_partition_the_work_and_balance_the_bytes():
+    todo = [[f"s{i}", size] for i, size in enumerate([900, 100, 500, 500, 300, 300, 200, 100, 50])]
+    for world_size in (1, 2, 3, 8, 16):
+        parts = [share_of(todo, r, world_size) for r in range(world_size)]
+        assert sorted(p for part in parts for p in part) == sorted(t[0] for t in todo)
+        loads = [sum(dict(todo)[p] for p in part) for part in parts]
+        assert max(loads) - min(loads) <= 900  # never worse than the largest shard
+    assert [sum(dict(todo)[p] for p in share_of(todo, r, 2)) for r in range(2)] == [1500, 1450]

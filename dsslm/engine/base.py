@@ -7,12 +7,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import gc
+import math
 import os
 import pickle
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from dsslm.precision import LossScaler
 
 T = TypeVar("T")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# A clipping bound: a number, or a function of the pre-clip global norm that returns it (ZClip).
+ClipBound = Union[float, Callable[[float], float]]
 
 
 @dataclass
@@ -114,8 +117,9 @@ class Engine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def clip_grad_norm(self, max_norm: float) -> float:
-        ...
+    def clip_grad_norm(self, max_norm: ClipBound) -> float:
+        """The global pre-clip gradient norm (a collective); clips to `max_norm` (or to what the
+        function gives for that norm) now or inside `step()`."""
 
     @abc.abstractmethod
     def step(self, lr: float) -> None:
@@ -123,7 +127,18 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def skip_step(self) -> None:
-        ...
+        """Refuse this step's update: gradients dropped, weights and AdamW state untouched; the
+        engine's own step counters record a skipped step."""
+
+    def drop_gradients(self) -> None:
+        """Forget this step's gradients as if the step had not been computed, counters included,
+        so the same step can be computed again (an in-place re-run)."""
+        self.skip_step()
+
+    @abc.abstractmethod
+    def grad_norms(self) -> dict[str, float]:
+        """Each parameter's global L2 gradient norm before clipping, by name (every rank calls:
+        sharded engines reduce; the same table on every rank). For forensics on spike steps."""
 
     def train_mode(self, training: bool) -> None:
         self.module.train(training)
@@ -226,6 +241,22 @@ class TorchAdamWEngine(Engine):
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_params(self, params: list[nn.Parameter], max_norm: ClipBound) -> torch.Tensor:
+        """torch's clip_grad_norm_ in its two halves, so the bound may depend on the norm; the
+        same calls and order, so a fixed bound gives clip_grad_norm_'s bits."""
+        # foreach=False keeps the reduction order fixed, so equal gradients give equal norms.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+        norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        bound = max_norm(norm_value) if callable(max_norm) else max_norm
+        torch.nn.utils.clip_grads_with_norm_(params, bound, norm, foreach=False)
+        # What the gradients were multiplied by, so grad_norms() can report them before clipping.
+        self._clip_coef = min(1.0, bound / (norm_value + 1e-6)) if math.isfinite(norm_value) else 1.0
+        return norm
+
+    def pre_clip(self, norms: dict[str, float]) -> dict[str, float]:
+        coef = getattr(self, "_clip_coef", 1.0)
+        return {name: value / coef if coef > 0 else value for name, value in norms.items()}
 
     def skip_step(self) -> None:
         # Dropping the gradients is the whole skip: AdamW's state (moments, step) is untouched.

@@ -14,7 +14,9 @@ How the loop's step maps onto DeepSpeed:
   `gradient_clipping` = optim.clip (same formula as torch's clip_grad_norm_).
 - `skip_step` drops the reduced gradients the way the ZeRO optimizer's own overflow branch does
   (weights, moments and Adam's step untouched) and advances DeepSpeed's global/skipped counters
-  as an overflow would.
+  as an overflow would. `drop_gradients` (an in-place re-run of the same step) drops them too
+  but takes back the micro-batches it counted, so after the re-run every counter reads as if
+  the step had been computed once.
 - fp16: DeepSpeed's dynamic loss scaler is the only scaler. `engine.scaler` is a read-only view
   of it (`DeepSpeedLossScale`): it tells the loop's judge() that a non-finite norm means "skip",
   and `skip_step` then lets DeepSpeed's own `step()` take its overflow branch, which backs the
@@ -40,11 +42,11 @@ import deepspeed  # noqa: E402
 from deepspeed.runtime.utils import combine_grad_norm_groups  # noqa: E402
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer  # noqa: E402
-from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
-                             safe_set_full_fp32_param, safe_set_full_optimizer_state)
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # noqa: E402
+                             safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
 
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
+from dsslm.engine.base import MOMENTS, ClipBound, Engine, OptimState, check_names, storage_bytes  # noqa: E402
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.precision import SCALER_SCHEMA  # noqa: E402
@@ -159,6 +161,7 @@ class ZeroEngine(Engine):
                               f"not drive; remove data_types.grad_accum_dtype / offload settings from it")
         self.scaler = DeepSpeedLossScale(self.optimizer) if cfg.train.precision == "fp16" else None
         self._in_no_sync = False
+        self._micro_counted = 0  # micro_steps this step's no_sync backwards added (drop_gradients undoes them)
         self._last_norm = 0.0
         self._grad_bytes = 0
         self.ds.set_gradient_accumulation_boundary(True)
@@ -191,26 +194,40 @@ class ZeroEngine(Engine):
         self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
         if self._in_no_sync:
             self.ds.micro_steps += 1  # DeepSpeed counts micro-batches; step() counts the last one
+            self._micro_counted += 1
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: ClipBound) -> float:
         """Global pre-clip norm of the reduced gradients (a collective); DeepSpeed clips in step()."""
         opt = self.optimizer
-        opt.clip_grad = max_norm
         if self.stage == 3:
             scaled = combine_grad_norm_groups(opt._get_norm_groups())
         else:
             scaled = opt.scaled_global_norm()
         norm = float(scaled) / float(opt.loss_scale)
         self._last_norm = norm if math.isfinite(norm) and norm >= 0 else float("inf")
+        opt.clip_grad = max_norm(self._last_norm) if callable(max_norm) else max_norm
         self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
         return self._last_norm
+
+    @torch.no_grad()
+    def grad_norms(self) -> dict[str, float]:
+        """DeepSpeed's full fp32 gradient of every parameter (collectives under stage 3); not yet
+        clipped, since DeepSpeed clips inside step()."""
+        norms = {}
+        for name, param in self.params.items():
+            grad = safe_get_full_grad(param)
+            if grad is not None:
+                norms[name] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) / float(self.optimizer.loss_scale)
+        return norms
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.ds.step()
+        self._micro_counted = 0
 
     def skip_step(self) -> None:
+        self._micro_counted = 0
         if self.scaler is not None and not math.isfinite(self._last_norm):
             # fp16 overflow: DeepSpeed's own step() sees it, drops the step and backs the scale off.
             self.ds.step()
@@ -221,6 +238,11 @@ class ZeroEngine(Engine):
         self.ds.skipped_steps += 1
         self.ds.global_samples += self.ds.train_batch_size()
         self.ds.micro_steps += 1
+
+    def drop_gradients(self) -> None:
+        self._drop_gradients()
+        self.ds.micro_steps -= self._micro_counted
+        self._micro_counted = 0
 
     def _drop_gradients(self) -> None:
         """The ZeRO optimizer's overflow branch without the loss-scale update."""

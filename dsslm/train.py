@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
+from dsslm.clip import Clipper, build_clipper
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
@@ -27,16 +28,18 @@ from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.stream import StepSlice, batch_size_at
 from dsslm.engine import Engine, build_engine
-from dsslm.loss import accumulate, token_losses
+from dsslm.loss import StepResult, accumulate, token_losses
 from dsslm.model import build_model
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import Sinks
 from dsslm.optim import lr_at
 from dsslm.precision import autocast
 from dsslm.recovery.faults import DrillAbort, Drills
+from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
-from dsslm.recovery.rewind import Escalation, Rewinder, recovery_pins
-from dsslm.rng import seed_everything
+from dsslm.recovery.rewind import Escalation, Rewinder
+from dsslm.recovery.triage import Progress, Triage
+from dsslm.rng import seed_everything, set_step_streams, step_streams
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED = 0, 2, 3
 
@@ -65,6 +68,9 @@ class Job:
     state: TrainState            # the table's "train" part: the loop mutates it in place
     monitor: SpikeMonitor
     rewinder: Rewinder
+    triage: Triage               # the spike policy: replays that tell data / state / transient apart
+    forensics: Forensics         # run.dir/spikes/step-XXXXXXXX/
+    clipper: Clipper             # optim.clip_mode: the clip bound, and what it learns from applied steps
     drills: Drills
     sinks: Sinks
 
@@ -110,27 +116,38 @@ def setup(cfg: Config, allow_drift: tuple[str, ...]) -> Job:
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None)
     drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
-                    global_batch)
+                    global_batch, loader)
     drills.arm(store)
-    state, monitor = TrainState(), SpikeMonitor(cfg.monitor)
-    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state)}
+    state, monitor, clipper = TrainState(), SpikeMonitor(cfg.monitor), build_clipper(cfg.optim)
+    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit)
+    progress = Progress()
+    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "triage": progress,
+                                  "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler
+    if cfg.optim.clip_mode == "zclip":
+        parts["clip"] = clipper
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, drills, sinks)
+    triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
+    return Job(cfg, run_dir, engine, loader, store, checkpointer, state, monitor, rewinder, triage, forensics,
+               clipper, drills, sinks)
 
 
-def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
+FP16_OVERFLOW = "fp16_overflow"
+
+
+def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -> tuple[Verdict, str]:
     """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
-    rank 0's call, followed by all."""
+    rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
     scaler = job.engine.scaler
-    if scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
-        return Verdict.SKIP, f"fp16_overflow (loss scale now {scaler.scale:g})"
+    if not rerun and scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
+        return Verdict.SKIP, f"{FP16_OVERFLOW} (loss scale now {scaler.scale:g})"
     if not job.cfg.monitor.enabled:
         return Verdict.OK, ""
-    verdict, reason = job.engine.decide(lambda: (job.monitor.check(step, loss, gnorm), job.monitor.last_reason))
+    check = job.monitor.recheck if rerun else job.monitor.check
+    verdict, reason = job.engine.decide(lambda: (check(step, loss, gnorm), job.monitor.last_reason))
     return verdict, reason if verdict is not Verdict.OK else ""
 
 
@@ -166,22 +183,47 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     """Forward, backward and the verdict for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
-    lr = lr_at(state.step, cfg) * state.lr_scale
+    lr = lr_at(state.step, cfg) * state.lr_scale * job.drills.lr_multiplier(step)
     fed, batches = job.loader.step(state.next_sequence, state.skip_list, batch_size(job), engine.rank,
                                    engine.world_size, cfg.train.grad_accum)
     job.rewinder.note(step, fed.first, fed.end)
-    batches = job.drills.poison(batches, fed.indices)
-    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip, stop.requested,
-                        job.drills.loss_multiplier(step))
+    batches = job.drills.corrupt(batches, fed.indices)
+    streams = step_streams()  # a re-run in place draws the same dropout masks
+    result = compute(job, step, batches, stop.requested)
     verdict, reason = judge(job, step, result.loss, result.gnorm)
+    if verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW):
+        job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
+    if verdict is Verdict.SKIP and job.triage.may_rerun(step) and not reason.startswith(FP16_OVERFLOW):
+        verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
     if verdict is Verdict.OK:
         engine.step(lr)
+        job.clipper.commit()
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
                         verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
                         batch_tokens=result.batch_tokens, reason=reason)
     return verdict, record, fed, result.stop_requested
+
+
+def compute(job: Job, step: int, batches: list, stop_requested: bool) -> StepResult:
+    """Forward and backward of one step's micro-batches, clipped (the drills' faults applied)."""
+    t = job.cfg.train
+    return accumulate(job.engine, batches, t.precision, t.z_loss, job.clipper.limit, stop_requested,
+                      job.drills.loss_multiplier(step), job.drills.grad_multiplier(step))
+
+
+def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: StepResult, reason: str,
+                   stop: StopFlag) -> tuple[Verdict, str, StepResult]:
+    """Megatron-LM's rerun: the outlier's step once more with the same weights, batch and random
+    state, its gradients dropped first. A normal result means the first was a transient fault,
+    and the re-run's update is applied; a reproduced outlier is skipped as before."""
+    job.engine.drop_gradients()
+    set_step_streams(streams)
+    result = compute(job, step, batches, stop.requested or first.stop_requested)
+    verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
+    job.triage.note_rerun(step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
+    return verdict, rerun_reason, result
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
@@ -203,6 +245,8 @@ def start(job: Job) -> None:
     cfg, engine = job.cfg, job.engine
     job.checkpointer.resume_or_init()
     job.rewinder.merge_run_file(job.state)
+    if cfg.monitor.enabled:
+        job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    clip=cfg.optim.clip, config=to_dict(cfg))
@@ -223,13 +267,15 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
         verdict, record, fed, stop_requested = train_step(job, stop)
+        verdict = job.triage.review(state, verdict, record)  # during a replay: did the spike come back?
         if verdict is Verdict.REWIND:
             sinks.log_step(diagnostics.observe(timed(record, started, state), before))
-            job.rewinder.rewind(state, record.step)
+            job.triage.rewind(state, record)  # the next replay, or today's rewind
             continue
         account(job, verdict, record, fed)
-        if state.step == first_step + 1:
+        if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
+            first_step = None   # once: a rewind to the start does not report again
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
             val_loss = evaluate(job)
@@ -251,7 +297,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
 def save(job: Job, sync: bool = False) -> None:
     """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes)."""
     if job.engine.is_main:
-        job.store.pin(recovery_pins(job.state.step, job.store.valid_steps(), job.cfg))
+        job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
     job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
 
 

@@ -250,12 +250,16 @@ def test_second_spike_in_the_same_region_backs_off_the_lr():
     assert plan_rewind(191, 196, batch_of([]), far_history, cfg, 1).lr_scale_factor == 1.0
 
 
-def test_escalate_after_max_rewinds():
-    cfg = MonitorCfg(max_rewinds=4)
-    history = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5}
-               for i in range(1, 5)]
-    assert plan_rewind(7001, 7003, batch_of([]), history[:3], cfg, 1).escalate is False
-    assert plan_rewind(7001, 7003, batch_of([]), history, cfg, 1).escalate is True
+def test_escalate_after_max_rewinds_in_one_region_not_over_the_run():
+    cfg = MonitorCfg(max_rewinds=4, region_steps=50)
+    # Four rewinds long ago, each in its own region: a long run recovering from unrelated spikes.
+    far = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5} for i in range(1, 5)]
+    assert plan_rewind(7001, 7003, batch_of([]), far, cfg, 1).escalate is False
+    # Four within region_steps of this spike: it keeps coming back.
+    near = [{"step": 6960 + 10 * i, "window": [100 * i, 100 * i + 3], "to_step": 6950} for i in range(4)]
+    assert plan_rewind(7001, 7003, batch_of([]), near[:3], cfg, 1).escalate is False
+    assert plan_rewind(7001, 7003, batch_of([]), near, cfg, 1).escalate is True
+    assert plan_rewind(7001, 7003, batch_of([]), far + near[:3], cfg, 1).escalate is False
 
 
 def test_merge_windows():

@@ -144,7 +144,7 @@ class FaultsCfg:
     poison_rank: int = -1       # -1 = every rank's slice of a poisoned batch; else only this rank's
     nan_steps: list = field(default_factory=list)        # steps whose loss is made non-finite
     repeat_batches: list = field(default_factory=list)   # [[start, end], ...] data-batch windows of one repeated n-gram
-    repeat_ngram: int = 8       # tokens in the repeated n-gram (0 = the window's first document, repeated)
+    repeat_ngram: int = 4       # tokens in the repeated n-gram (0 = the window's first document, repeated)
     lr_burst: list = field(default_factory=list)         # [[start, end, multiplier], ...] steps [start, end)
     grad_fault_steps: list = field(default_factory=list)  # steps whose gradients one rank corrupts, once
     grad_fault_rank: int = 0    # the rank whose gradients the fault corrupts (-1 = every rank)

@@ -191,9 +191,10 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     streams = step_streams()  # a re-run in place draws the same dropout masks
     result = compute(job, step, batches, stop.requested)
     verdict, reason = judge(job, step, result.loss, result.gnorm)
-    if verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW):
+    spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
+    if spike and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
         job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
-    if verdict is Verdict.SKIP and job.triage.may_rerun(step) and not reason.startswith(FP16_OVERFLOW):
+    if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
         verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
     if verdict is Verdict.OK:
         engine.step(lr)

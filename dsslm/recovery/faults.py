@@ -11,9 +11,11 @@ One `Drills` object is built from `cfg.faults` and asked by the loop where a fau
 
 The spikes, by cause:
 - data: `repeat_batches=[[a, b]]` makes every sequence of data batches [a, b) one short n-gram
-  of real text repeated (`repeat_ngram` tokens of the window's first sequence; 0 repeats that
-  whole sequence), the repeated-n-gram documents OLMo 2 traced spikes to. Measured on the tiny
-  byte-level model: the grad norm is 5-20x a normal batch's and the loss 0.5-1.5 nats higher.
+  of real text repeated (`repeat_ngram` tokens of the window's first sequence, 4 by default;
+  0 repeats that whole sequence), the repeated-n-gram documents OLMo 2 traced spikes to.
+  Measured on 64-wide byte-level models: a repeated 4-gram gives a grad norm 5-20x a normal
+  batch's (the tokens' gradients all point one way instead of averaging out); a repeated
+  document only 2-3x, which the default monitor does not call a spike.
   `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: a
   replay of the same batch spikes again, a replay without it does not.
 - state: `lr_burst=[[start, end, multiplier]]` multiplies the learning rate of steps

@@ -134,11 +134,12 @@ def merge_recovery(state: TrainState, recovery: dict) -> None:
 
 
 def recovery_pins(step: int, valid_steps: list[int], cfg: Config) -> list[int]:
-    """Checkpoints retention must keep: the one a rewind starting now would need, and the last
-    one before a WSD decay (to branch cooldowns from)."""
+    """Checkpoints retention must keep: the one a rewind starting now would need (the oldest
+    while none is old enough), and the last one before a WSD decay (to branch cooldowns from)."""
     m = cfg.monitor
     horizon = step - m.rewind_margin_steps - m.max_skips - 1
-    pins = [s for s in valid_steps if s <= horizon][-1:]
+    # Until one is old enough, the oldest: the start checkpoint a spike right after a branch needs.
+    pins = [s for s in valid_steps if s <= horizon][-1:] or sorted(valid_steps)[:1]
     decay_start = decay_start_step(cfg)
     if decay_start is not None:
         pins += [s for s in valid_steps if s <= decay_start][-1:]
@@ -206,7 +207,7 @@ class Rewinder:
         rewind_plan, record, reason = self.engine.decide(plan)
         if rewind_plan.escalate:
             self.escalate(spike_step, len(state.rewinds), f"window {rewind_plan.window}")
-        ckpt = self.checkpoint_before(spike_step, rewind_plan.to_step)
+        ckpt = self.checkpoint_before(spike_step, rewind_plan.to_step, record["step"])
         old_scale = state.lr_scale
         skip_list = merge_windows(state.skip_list + [rewind_plan.window])
         self.restore(state, ckpt, skip_list, state.lr_scale * rewind_plan.lr_scale_factor, record)
@@ -226,10 +227,12 @@ class Rewinder:
         raise Escalation(f"spike at step {spike_step} after {rewinds} rewinds ({detail}); "
                          f"see {self.run_dir / 'events.jsonl'}")
 
-    def checkpoint_before(self, spike_step: int, to_step: int) -> Checkpoint:
-        """The newest valid checkpoint at or before `to_step` (every rank), or Escalation."""
+    def checkpoint_before(self, spike_step: int, to_step: int, spike_start: int) -> Checkpoint:
+        """The newest valid checkpoint at or before `to_step` (every rank); when there is none
+        (the first steps after a branch, whose only checkpoint is where it started), the newest
+        before the spike's first step; else Escalation."""
         self.checkpointer.store.wait()
-        ckpt = self.checkpointer.latest(to_step)
+        ckpt = self.checkpointer.latest(to_step) or self.checkpointer.latest(spike_start - 1)
         if ckpt is None:
             self.emit("escalation", step=spike_step, reason="no checkpoint before the spike")
             raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {to_step}")

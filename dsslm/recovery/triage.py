@@ -176,7 +176,7 @@ class Triage:
         plan = self.rewinder.plan(state, spike_start, target)
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
-        ckpt = self.rewinder.checkpoint_before(target, plan.to_step)
+        ckpt = self.rewinder.checkpoint_before(target, plan.to_step, spike_start)
         replay = Replay(phase=Phase.SAME_DATA.value, spike_start=spike_start, target=target,
                         base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(state.skip_list),
                         lr_scale=state.lr_scale, reason=reason)
@@ -198,7 +198,7 @@ class Triage:
             self.replay = None
             self._decide(state, r, "state", escalated=True)
             self.rewinder.escalate(r.target, len(state.rewinds), f"the spike persists after {r.backoffs} lr backoffs")
-        ckpt = self.rewinder.checkpoint_before(step, r.base_step)
+        ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
         if not self._affordable(r, ckpt):
             return self._fall_back(state, r, ckpt)
         self._replay_from(state, ckpt, r, window, lr_scale)

@@ -214,3 +214,27 @@ def test_spike_forensics_hold_the_batch_and_the_report_decodes_the_worst_sequenc
     summary = (data_run / "report" / "summary.md").read_text()
     text = bytes(gram.tolist()).decode("utf-8", errors="replace")
     assert "## Spikes" in summary and "| 53 | rewind" in summary and printable(text * 3, 10**6) in summary
+
+
+@pytest.mark.parametrize("extra", [["monitor.detector=mad"], ["monitor.detector=zscore"],
+                                   ["monitor.detector=max_multiple", "monitor.max_multiple_steps=30"],
+                                   ["optim.clip_mode=zclip", "optim.zclip_warmup_steps=10"]],
+                         ids=["mad", "zscore", "max_multiple", "zclip"])
+def test_detector_and_zclip_state_resume_bitwise(tmp_path, extra):
+    """Killed at 23, resumed from 20: the same losses and, at the end, the same detector (and
+    ZClip) state as the run that was never interrupted. The window (50) outlasts the run, so a
+    state that was not restored would still show in the final one."""
+    from dsslm.recovery.faults import DrillAbort
+    steps = ["train.total_steps=40", "monitor.window=50", "ckpt.keep_every=10", *extra]
+    assert train(cfg(tmp_path / "ref", *steps)) == 0
+    cut = tmp_path / "cut"
+    with pytest.raises(DrillAbort):
+        train(cfg(cut, *steps, "faults.crash_at_step=23", "faults.crash_mode=raise"))
+    assert train(cfg(cut, *steps)) == 0
+    assert events(cut, "resume")[-1]["step"] == 20
+    assert losses_by_step(cut) == losses_by_step(tmp_path / "ref")
+    mine, theirs = final_state(cut, 40), final_state(tmp_path / "ref", 40)
+    assert mine["monitor"] == theirs["monitor"] and len(mine["monitor"]["losses"]) == 40
+    assert mine.get("clip") == theirs.get("clip") and ("clip" in mine) == ("zclip" in extra[0])
+    saved = final_state(cut, 20)
+    assert saved["monitor"]["baseline_count"] == 20 and (saved.get("clip") or {"mean": 0})["mean"] is not None

@@ -62,7 +62,10 @@ def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], 
     if not 1 <= spike_start <= spike_end:
         raise ValueError(f"spike steps [{spike_start}, {spike_end}] must satisfy 1 <= start <= end")
     window = [sequences_of(spike_start)[0], sequences_of(spike_end)[1]]
-    repeats = sum(_same_region(spike_start, window, past, cfg.region_steps) for past in rewind_history)
+    same_region = [past for past in rewind_history if _same_region(spike_start, window, past, cfg.region_steps)]
+    # A transient fault says nothing about the region's data or learning rate; it still counts
+    # towards escalation (a flaky node faulting again and again needs a human too).
+    repeats = sum(past.get("verdict") != "transient" for past in same_region)
     # Bad data comes in runs longer than the few batches the detector has seen (a corrupt file,
     # a dedup failure): skip at least `skip_batches` batches, doubling each time the region spikes
     # again, so a long bad region costs a few rewinds, not one per batch.
@@ -73,7 +76,7 @@ def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], 
         window=window,
         # The same steps spiking again on other data points at the optimizer, not the data.
         lr_scale_factor=cfg.lr_backoff if repeats else 1.0,
-        escalate=repeats >= cfg.max_rewinds,
+        escalate=len(same_region) >= cfg.max_rewinds,
     )
 
 

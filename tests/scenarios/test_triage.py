@@ -238,3 +238,29 @@ def test_detector_and_zclip_state_resume_bitwise(tmp_path, extra):
     assert mine.get("clip") == theirs.get("clip") and ("clip" in mine) == ("zclip" in extra[0])
     saved = final_state(cut, 20)
     assert saved["monitor"]["baseline_count"] == 20 and (saved.get("clip") or {"mean": 0})["mean"] is not None
+
+
+THREE = ["faults.grad_fault_steps=[30]", "faults.grad_fault_mode=nan", "faults.grad_fault_rank=1",
+         "faults.repeat_batches=[[40,43]]", "faults.lr_burst=[[52,56,30.0]]", "monitor.lr_backoff=0.01"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [["engine.kind=ddp"], ["engine.kind=zero", "engine.zero_stage=1"]],
+                         ids=["ddp", "zero1"])
+def test_two_ranks_triage_each_drill_right_and_together(tmp_path, engine):
+    """One run, 2 gloo ranks, all three causes: rank 1's gradients go non-finite at step 30
+    (transient), data batches 40..42 repeat one 4-gram (data), the learning rate bursts 30x over
+    steps 52..55 (state). Rank 0 decides every replay; both ranks follow; the forensics gather
+    both ranks' sequences."""
+    from helpers import run_train
+    proc = run_train(tmp_path, *RUN, *THREE, *engine, "train.micro_batch_size=8", nproc=2, timeout_s=400)
+    assert proc.returncode == 0
+    decisions = [(d["verdict"], d["spike_start"], d["target"]) for d in triages(tmp_path, "window")]
+    assert [d[0] for d in decisions] == ["transient", "data", "state"]
+    assert decisions[0][1:] == (30, 30) and decisions[1][1:] == (41, 43) and 52 <= decisions[2][1] <= 57
+    window = triages(tmp_path, "window")[1]["window"]
+    assert window[0] == 40 * B and final_state(tmp_path)["skip_list"] == [window]  # the transient doubled nothing
+    assert final_state(tmp_path)["train"]["lr_scale"] == pytest.approx(0.01)
+    assert events(tmp_path, "end")[0]["step"] == 64 and len(events(tmp_path, "start")) == 1
+    batch = load_file(tmp_path / "spikes" / "step-00000041" / "batch.safetensors")
+    assert batch["indices"].tolist() == list(range(40 * B, 41 * B))  # both ranks' halves, in order

@@ -286,3 +286,11 @@ def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
     assert plan_rewind(301, 301, lambda step: (1200, 1204), [], cfg, 4).window == [1200, 1232]
     far = plan_rewind(901, 903, batch_of([first.window]), history, cfg, 1)
     assert far.window == [908, 916]  # another region: back to the minimum
+
+
+def test_a_transient_in_the_region_neither_doubles_the_window_nor_backs_off_but_counts():
+    cfg = MonitorCfg(skip_batches=8, region_steps=50, max_rewinds=2)
+    transient = {"step": 290, "window": [290, 290], "to_step": 280, "lr_scale_factor": 1.0, "verdict": "transient"}
+    plan = plan_rewind(301, 301, batch_of([]), [transient], cfg, 1)
+    assert plan.window == [300, 308] and plan.lr_scale_factor == 1.0 and not plan.escalate
+    assert plan_rewind(301, 301, batch_of([]), [transient, transient], cfg, 1).escalate

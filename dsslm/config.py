@@ -131,6 +131,7 @@ class MonitorCfg:
     triage: bool = True         # tell data / state / transient apart by replay before acting on a spike
     triage_max_replay_steps: int = 300  # most steps replayed per spike; beyond it, skip and back off untested
     max_backoffs: int = 2       # lr_backoff steps a state spike may take before escalating (exit 3)
+    lr_recover_steps: int = 0   # a state backoff ramps back to the full lr over this many steps (0: it stays)
     forensics: bool = True      # write run.dir/spikes/step-XXXXXXXX/ for every spike
 
 
@@ -299,6 +300,7 @@ def validate_spike_policy(cfg: Config) -> None:
            f"{m.max_multiple_steps} >= 1")
     _check(m.triage_max_replay_steps >= 0, f"monitor.triage_max_replay_steps={m.triage_max_replay_steps} must be >= 0")
     _check(m.max_backoffs >= 1, f"monitor.max_backoffs={m.max_backoffs} must be >= 1")
+    _check(m.lr_recover_steps >= 0, f"monitor.lr_recover_steps={m.lr_recover_steps} must be >= 0 (0: a backoff stays)")
     _check(0 < o.zclip_alpha < 1, f"optim.zclip_alpha={o.zclip_alpha} must be in (0, 1)")
     _check(o.zclip_z > 0 and o.zclip_warmup_steps >= 2,
            f"optim.zclip_z={o.zclip_z} must be > 0 and optim.zclip_warmup_steps={o.zclip_warmup_steps} >= 2")

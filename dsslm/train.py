@@ -183,7 +183,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     """Forward, backward and the verdict for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
-    lr = lr_at(state.step, cfg) * state.lr_scale * job.drills.lr_multiplier(step)
+    lr = lr_at(state.step, cfg) * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
     fed, batches = job.loader.step(state.next_sequence, state.skip_list, batch_size(job), engine.rank,
                                    engine.world_size, cfg.train.grad_accum)
     job.rewinder.note(step, fed.first, fed.end)

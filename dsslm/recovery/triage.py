@@ -17,7 +17,10 @@ it (the *base*) and replays to `target`:
                  Gone: **data**; the window is committed to the skip list and skip_list.json.
     backoff      still there: from the base again with the original data and lr_scale x
                  `lr_backoff`. Gone: **state**. It comes back: back off once more, up to
-                 `max_backoffs` times, then escalate (exit 3).
+                 `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
+                 the run, or, with `lr_recover_steps` = R > 0, holds through the spike and ramps
+                 linearly back to the full learning rate over the R steps after it (`lr_factor`:
+                 a pure function of the rewind history, so every resume and replay agrees).
 
 "Comes back" means a step of [spike_start, target] is outside the monitor's thresholds again
 (an outlier or a rewind). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
@@ -165,6 +168,23 @@ class Triage:
         self.emit("triage", step=step, **decision)
         self.forensics.record_decision([step], decision)
 
+    def lr_factor(self, state: TrainState, step: int) -> float:
+        """What step `step`'s learning rate is multiplied by for temporary backoffs
+        (monitor.lr_recover_steps > 0): the backoff replay in progress, and each state decision's
+        factor from its base through its spike, ramping back to 1 over the next R steps."""
+        recover = self.cfg.monitor.lr_recover_steps
+        if not recover:
+            return 1.0
+        factor = 1.0
+        r = self.replay
+        if r is not None and r.phase == Phase.BACKOFF.value:
+            factor *= self.cfg.monitor.lr_backoff ** r.backoffs
+        for record in state.rewinds:
+            if "target" in record and record["to_step"] < step < record["target"] + recover:
+                low, ramp = record["lr_scale_factor"], max(0, step - record["target"]) / recover
+                factor *= low + (1.0 - low) * ramp
+        return factor
+
     def pins(self, step: int, valid_steps: list[int]) -> list[int]:
         """Checkpoints retention must keep: today's recovery pins and a replay's base."""
         base = [self.replay.base_step] if self.replay else []
@@ -193,7 +213,9 @@ class Triage:
             r.phase, window, lr_scale = Phase.SKIP_WINDOW.value, r.window, r.lr_scale
         elif r.phase == Phase.SKIP_WINDOW.value or r.backoffs < self.cfg.monitor.max_backoffs:
             r.phase, r.backoffs = Phase.BACKOFF.value, r.backoffs + 1
-            window, lr_scale = None, r.lr_scale * backoff ** r.backoffs
+            # A temporary backoff goes through lr_factor, a lasting one through lr_scale.
+            temporary = self.cfg.monitor.lr_recover_steps > 0
+            window, lr_scale = None, r.lr_scale * (1.0 if temporary else backoff ** r.backoffs)
         else:
             self.replay = None
             self._decide(state, r, "state", escalated=True)
@@ -225,16 +247,20 @@ class Triage:
     def _decide(self, state: TrainState, r: Replay, verdict: str, escalated: bool = False) -> None:
         """Record the verdict: the rewind history, skip_list.json, the event, the forensics."""
         window = r.window if verdict == "data" else [r.window[0], r.window[0]]
-        factor = state.lr_scale / r.lr_scale if verdict == "state" else 1.0
-        state.rewinds = state.rewinds + [{"step": r.spike_start, "window": window, "to_step": r.base_step,
-                                          "lr_scale_factor": min(1.0, factor), "verdict": verdict}]
+        factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" else 1.0
+        record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
+                  "lr_scale_factor": min(1.0, factor), "verdict": verdict}
+        if verdict == "state" and self.cfg.monitor.lr_recover_steps:
+            record["target"] = r.target  # temporary: lr_factor ramps it back from here
+        state.rewinds = state.rewinds + [record]
         self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
         decision = {"verdict": verdict, "scope": "window", "spike_start": r.spike_start, "target": r.target,
                     "from_step": r.base_step, "replay_steps": r.replay_steps, "window": window,
-                    "lr_scale": state.lr_scale, "escalated": escalated, "evidence": r.evidence}
+                    "lr_scale": state.lr_scale, "lr_factor": factor, "escalated": escalated, "evidence": r.evidence}
         self.emit("triage", step=r.target, **decision)
         if verdict == "state" and not escalated:
-            self.emit("lr_scale", step=r.target, old=r.lr_scale, new=state.lr_scale)
+            self.emit("lr_scale", step=r.target, old=r.lr_scale, new=r.lr_scale * factor,
+                      recover_steps=self.cfg.monitor.lr_recover_steps)
         self.forensics.record_decision(list(range(r.spike_start, r.target + 1)), decision)
 
     def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint) -> None:

@@ -264,3 +264,26 @@ def test_two_ranks_triage_each_drill_right_and_together(tmp_path, engine):
     assert events(tmp_path, "end")[0]["step"] == 64 and len(events(tmp_path, "start")) == 1
     batch = load_file(tmp_path / "spikes" / "step-00000041" / "batch.safetensors")
     assert batch["indices"].tolist() == list(range(40 * B, 41 * B))  # both ranks' halves, in order
+
+
+def test_a_temporary_state_backoff_ramps_back_and_resumes_to_the_bit(tmp_path):
+    """monitor.lr_recover_steps=10: the backoff holds from the base through the spike, then the
+    learning rate climbs linearly back to the plan over 10 steps; lr_scale itself never moves,
+    and a resume in the middle of the ramp follows it exactly (it is a function of the history)."""
+    from dsslm.recovery.faults import DrillAbort
+    steps = [*STATE, "monitor.lr_recover_steps=10", "ckpt.keep_every=5"]
+    ref = tmp_path / "ref"
+    assert train(cfg(ref, *steps)) == 0
+    decision = triages(ref, "window")[-1]
+    target = decision["target"]
+    assert decision["verdict"] == "state" and decision["lr_factor"] == pytest.approx(0.01)
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(ref / "metrics.jsonl") if "lr" in r}
+    assert target == 53 and lrs[target] == pytest.approx(3e-3 * 30 * 0.01)  # the burst's last step, backed off
+    assert lrs[target + 5] == pytest.approx(3e-3 * (0.01 + 0.99 * 0.5))
+    assert lrs[target + 10] == pytest.approx(3e-3) and final_state(ref)["train"]["lr_scale"] == 1.0
+    cut = tmp_path / "cut"
+    with pytest.raises(DrillAbort):
+        train(cfg(cut, *steps, f"faults.crash_at_step={target + 7}", "faults.crash_mode=raise"))
+    assert train(cfg(cut, *steps)) == 0
+    assert events(cut, "resume")[-1]["step"] > target
+    assert losses_by_step(cut) == losses_by_step(ref)

@@ -8,11 +8,12 @@ Arms (the same harness, the same model, data and schedule):
     rewind     dsslm without triage (monitor.triage=false): skip isolated outliers, rewind and
                skip the window on sustained ones, back the lr off when a region repeats
     triage     dsslm as shipped: in-place re-runs and replays that tell data / state / transient apart
+    ramp       triage with monitor.lr_recover_steps=100: a state backoff ramps back over 100 steps
 
 Cells (what happens to the run; drills from `faults.*`, steps are step counts):
     clean      nothing
     data       two windows of batches made of one repeated 4-gram of real text (repeat_batches)
-    state      a 15x learning-rate burst over six steps (lr_burst)
+    state      a 12x learning-rate burst over six steps (lr_burst)
     transient  one rank's gradients x1000 once (grad_fault_steps) and a non-finite loss once (nan_steps)
     recipe     no drill, a recipe that spikes by itself (RECIPE: peak lr 3e-2, beta2 0.999, eps 1e-12,
                no z-loss, no weight decay, one head, untied embeddings)
@@ -54,6 +55,7 @@ ARMS = {
     "zclip": ["monitor.enabled=false", "optim.clip_mode=zclip", "optim.clip=1e9"],
     "rewind": ["monitor.triage=false"],
     "triage": [],
+    "ramp": ["monitor.lr_recover_steps=100"],
 }
 RECIPE = ["optim.peak_lr=3e-2", "optim.beta2=0.999", "optim.eps=1e-12", "train.z_loss=0", "optim.weight_decay=0",
           "model.n_heads=1", "model.tie_embeddings=false"]
@@ -66,7 +68,7 @@ def cells(steps: int) -> dict[str, tuple[list[str], list[tuple[str, int, int]]]]
         "clean": ([], []),
         "data": ([f"faults.repeat_batches=[[{a},{a + 3}],[{b},{b + 3}]]"],
                  [("data", a - 10, a + 6), ("data", b - 20, b + 6)]),  # an earlier skip window moves batch b earlier
-        "state": ([f"faults.lr_burst=[[{s},{s + 6},15.0]]"], [("state", s, s + 10)]),
+        "state": ([f"faults.lr_burst=[[{s},{s + 6},12.0]]"], [("state", s, s + 10)]),
         "transient": ([f"faults.grad_fault_steps=[{t1}]", f"faults.nan_steps=[{t2}]"],
                       [("transient", t1, t1), ("transient", t2, t2)]),
         "recipe": (RECIPE, []),
@@ -155,7 +157,8 @@ def summarize(results: dict, steps: int) -> list[dict]:
                 ref_arm, ref_cell = ("fixed", cell) if cell in ("clean", "recipe") else (arm, "clean")
                 ref = results[ref_arm][ref_cell][seed]["val"]
                 rel.append(100 * (r["val"] / ref - 1) if math.isfinite(r["val"]) and math.isfinite(ref) else math.nan)
-            correct = [ok for r in per_seed.values() for ok in attribution(r, drilled)] if arm == "triage" else []
+            triaged = arm in ("triage", "ramp")
+            correct = [ok for r in per_seed.values() for ok in attribution(r, drilled)] if triaged else []
             rs = list(per_seed.values())
             rows.append({
                 "arm": arm, "cell": cell, "val_delta_pct": statistics.fmean(rel) if rel else math.nan,

@@ -1,71 +1,223 @@
-"""Spike policy figures: false positives on a clean run, detection delay, and what poison costs.
+"""Spike policies against each other on real text: five arms x five cells x seeds, one table.
 
-Runs the same config twice on the stdlib corpus: clean, and with poisoned data windows (an
-isolated batch, a sustained window, and two adjacent windows). Prints skips and rewinds of the
-clean run, the delay from each poisoned step to the verdict, and both final losses.
+Arms (the same harness, the same model, data and schedule):
+    fixed      global-norm clipping at optim.clip = 1.0, no monitor
+    olmo       OLMo-core's skip-step: z-score of loss and grad norm over the last 128 steps at
+               6 sigma (detector zscore), every outlier (non-finite included) skipped, never a rewind
+    zclip      ZClip alone (optim.clip_mode=zclip, no fixed ceiling), no monitor
+    rewind     dsslm without triage (monitor.triage=false): skip isolated outliers, rewind and
+               skip the window on sustained ones, back the lr off when a region repeats
+    triage     dsslm as shipped: in-place re-runs and replays that tell data / state / transient apart
+    ramp       triage with monitor.lr_recover_steps=100: a state backoff ramps back over 100 steps
 
-    .venv/bin/python bench/bench_spikes.py [--steps 1200]
+Cells (what happens to the run; drills from `faults.*`, steps are step counts):
+    clean      nothing
+    data       two windows of batches made of one repeated 4-gram of real text (repeat_batches)
+    state      a 12x learning-rate burst over six steps (lr_burst)
+    transient  one rank's gradients x1000 once (grad_fault_steps) and a non-finite loss once (nan_steps)
+    recipe     no drill, a recipe that spikes by itself (RECIPE: peak lr 3e-2, beta2 0.999, eps 1e-12,
+               no z-loss, no weight decay, one head, untied embeddings)
+
+Per cell, over seeds (mean; per-seed values in --json): final validation loss against the same
+arm's clean run of the same seed (for `clean`, against `fixed` clean; for `recipe`, against `fixed`
+recipe), OLMo-core's spike score (the share of steps whose loss or grad norm is above mean +
+6 sigma of the previous 128, or non-finite), rewinds, steps recomputed (step records abandoned by a
+rewind, plus in-place re-runs), data batches skipped (skip-list batches plus skipped steps), runs
+that diverged (non-finite or > 1.5x the reference val loss) or escalated (exit 3), attribution
+accuracy (the last triage decision covering a drilled event against its cause), and on clean runs
+the skips and rewinds (false positives).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_spikes.py [--seeds 3] [--steps 400] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import torch
+
 from dsslm.config import load
+from dsslm.recovery.rewind import Escalation
 from dsslm.train import train
 
-SHAPE = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64",
-         "train.micro_batch_size=8", "train.precision=fp32", "train.device=cpu", "run.val_every=0",
-         "run.tensorboard=false", "optim.peak_lr=3e-3", "optim.warmup_steps=50", "ckpt.every=20",
-         "ckpt.keep_last=3"]
+SHAPE = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.seq_len=64", "train.micro_batch_size=16",
+         "train.precision=fp32", "train.device=cpu", "run.tensorboard=false", "observe.every=0", "run.val_batches=8",
+         "optim.peak_lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=30", "ckpt.every=20", "ckpt.keep_last=3"]
+ARMS = {
+    "fixed": ["monitor.enabled=false"],
+    "olmo": ["monitor.detector=zscore", "monitor.window=128", "monitor.min_history=64", "monitor.loss_z=6",
+             "monitor.hard_loss_z=1e9", "monitor.max_skips=1000000", "monitor.nonfinite=skip", "monitor.triage=false"],
+    "zclip": ["monitor.enabled=false", "optim.clip_mode=zclip", "optim.clip=1e9"],
+    "rewind": ["monitor.triage=false"],
+    "triage": [],
+    "ramp": ["monitor.lr_recover_steps=100"],
+}
+RECIPE = ["optim.peak_lr=3e-2", "optim.beta2=0.999", "optim.eps=1e-12", "train.z_loss=0", "optim.weight_decay=0",
+          "model.n_heads=1", "model.tie_embeddings=false"]
 
 
-def records(run_dir: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+def cells(steps: int) -> dict[str, tuple[list[str], list[tuple[str, int, int]]]]:
+    """cell -> (overrides, drilled events as (cause, first step, last step a spike may show))."""
+    a, b, s, t1, t2 = steps * 3 // 8, steps * 3 // 4, steps // 2, steps * 3 // 8, steps * 3 // 4
+    return {
+        "clean": ([], []),
+        "data": ([f"faults.repeat_batches=[[{a},{a + 3}],[{b},{b + 3}]]"],
+                 [("data", a - 10, a + 6), ("data", b - 20, b + 6)]),  # an earlier skip window moves batch b earlier
+        "state": ([f"faults.lr_burst=[[{s},{s + 6},12.0]]"], [("state", s, s + 10)]),
+        "transient": ([f"faults.grad_fault_steps=[{t1}]", f"faults.nan_steps=[{t2}]"],
+                      [("transient", t1, t1), ("transient", t2, t2)]),
+        "recipe": (RECIPE, []),
+    }
 
 
-def run(tmp: Path, tag: str, steps: int, extra: list[str]) -> Path:
-    run_dir = tmp / tag
-    train(load(None, SHAPE + [f"run.dir={run_dir}", f"train.total_steps={steps}", *extra]))
-    return run_dir
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def final_loss(run_dir: Path, last: int = 50) -> float:
-    losses = [r["loss"] for r in records(run_dir, "metrics.jsonl") if r.get("verdict") == "ok"]
-    return sum(losses[-last:]) / len(losses[-last:])
+def run(root: Path, arm: str, cell: str, seed: int, steps: int, overrides: list[str]) -> dict:
+    run_dir = root / f"{arm}-{cell}-{seed}"
+    cfg = load(None, SHAPE + [f"run.dir={run_dir}", f"run.seed={seed}", f"train.total_steps={steps}",
+                              f"run.val_every={steps}", *ARMS[arm], *overrides])
+    started, escalated = time.perf_counter(), False
+    try:
+        train(cfg)
+    except Escalation:
+        escalated = True
+    return measure(run_dir, escalated, time.perf_counter() - started)
+
+
+def measure(run_dir: Path, escalated: bool, wall_s: float) -> dict:
+    metrics, events = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl")
+    records = [r for r in metrics if "loss" in r]
+    final = {r["step"]: r for r in records}  # a replayed step's last record is the one kept
+    vals = [r["val_loss"] for r in metrics if "val_loss" in r]
+    val = statistics.fmean(as_float(v) for v in vals[-1].values()) if vals else math.nan
+    batch = records[0]["batch_sequences"] if records else 1
+    skip_list = (read_json(run_dir / "skip_list.json") or {}).get("skip_list", [])
+    kept_skips = sum(r["verdict"] == "skip_step" for r in final.values())
+    return {"val": val, "escalated": escalated, "wall_s": wall_s,
+            "spike_score": spike_score([final[s] for s in sorted(final)]),
+            "rewinds": sum(e["event"] == "rewind" for e in events),
+            "skips": sum(e["event"] == "skip" for e in events),
+            "recomputed": len(records) - len(final) + sum(e["event"] == "triage" and e.get("scope") == "step"
+                                                          for e in events),
+            "batches_skipped": sum(end - start for start, end in skip_list) / batch + kept_skips,
+            "decisions": [e for e in events if e["event"] == "triage"]}
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def spike_score(trajectory: list[dict], window: int = 128, sigmas: float = 6.0) -> float:
+    """OLMo-core's: the share of steps whose loss or grad norm is above mean + 6 std of the
+    previous `window` steps, or non-finite (steps with fewer than 16 finite before them: unscored)."""
+    series = {key: [as_float(r[key]) for r in trajectory] for key in ("loss", "gnorm")}
+    flagged = scored = 0
+    for i in range(16, len(trajectory)):
+        hits = []
+        for xs in series.values():
+            past = [x for x in xs[max(0, i - window):i] if math.isfinite(x)]
+            if len(past) >= 16:
+                hits.append(not math.isfinite(xs[i]) or xs[i] > statistics.fmean(past) + sigmas * statistics.pstdev(past))
+        scored += bool(hits)
+        flagged += any(hits)
+    return flagged / max(scored, 1)
+
+
+def as_float(x) -> float:
+    return float(x) if not isinstance(x, str) else float("nan")
+
+
+def attribution(result: dict, drilled: list[tuple[str, int, int]]) -> list[bool]:
+    """For each drilled event: is the last triage decision touching its steps of its cause?"""
+    out = []
+    for cause, first, last in drilled:
+        touching = [d for d in result["decisions"] if d["spike_start"] <= last and d["target"] >= first]
+        windows = [d for d in touching if d["scope"] == "window"]
+        final = (windows or touching or [None])[-1]
+        out.append(final is not None and final["verdict"] == cause)
+    return out
+
+
+def summarize(results: dict, steps: int) -> list[dict]:
+    rows = []
+    for arm in ARMS:
+        for cell, (_, drilled) in cells(steps).items():
+            per_seed = results[arm].get(cell)
+            if not per_seed:
+                continue
+            rel = []
+            for seed, r in per_seed.items():
+                ref_arm, ref_cell = ("fixed", cell) if cell in ("clean", "recipe") else (arm, "clean")
+                ref = results[ref_arm][ref_cell][seed]["val"]
+                rel.append(100 * (r["val"] / ref - 1) if math.isfinite(r["val"]) and math.isfinite(ref) else math.nan)
+            triaged = arm in ("triage", "ramp")
+            correct = [ok for r in per_seed.values() for ok in attribution(r, drilled)] if triaged else []
+            rs = list(per_seed.values())
+            rows.append({
+                "arm": arm, "cell": cell, "val_delta_pct": statistics.fmean(rel) if rel else math.nan,
+                "val_delta_max_pct": max(rel, key=lambda x: -math.inf if math.isnan(x) else abs(x)),
+                "spike_score_pct": 100 * statistics.fmean(r["spike_score"] for r in rs),
+                "rewinds": statistics.fmean(r["rewinds"] for r in rs),
+                "recomputed": statistics.fmean(r["recomputed"] for r in rs),
+                "batches_skipped": statistics.fmean(r["batches_skipped"] for r in rs),
+                "diverged": sum((not math.isfinite(r["val"])) or x > 50 for r, x in zip(rs, rel)),
+                "escalated": sum(r["escalated"] for r in rs), "seeds": len(rs),
+                "attribution": f"{sum(correct)}/{len(correct)}" if correct else "-",
+                "false_positives": (f"{statistics.fmean(r['skips'] for r in rs):.1f} skips, "
+                                    f"{statistics.fmean(r['rewinds'] for r in rs):.1f} rewinds")
+                if cell == "clean" else "-",
+            })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| arm | cell | val vs ref (mean / worst) | spike score | rewinds | steps recomputed | batches skipped "
+            "| diverged / escalated | attribution | clean: false positives |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['cell']} | {r['val_delta_pct']:+.2f}% / {r['val_delta_max_pct']:+.2f}% "
+                     f"| {r['spike_score_pct']:.2f}% | {r['rewinds']:.1f} | {r['recomputed']:.1f} "
+                     f"| {r['batches_skipped']:.1f} | {r['diverged']}/{r['seeds']} , {r['escalated']}/{r['seeds']} "
+                     f"| {r['attribution']} | {r['false_positives']} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=1200)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--cells", default="clean,data,state,transient,recipe")
+    parser.add_argument("--out", type=Path, default=None, help="keep the run folders here (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     args = parser.parse_args()
-    s = args.steps
-    windows = [[s // 4, s // 4 + 1], [s // 2, s // 2 + 6], [3 * s // 4, 3 * s // 4 + 4],
-               [3 * s // 4 + 4, 3 * s // 4 + 8]]
+    torch.set_num_threads(1)  # small runs: a second thread only waits on a shared 2-core machine
+    arms, wanted = args.arms.split(","), args.cells.split(",")
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        clean = run(Path(tmp), "clean", s, [])
-        poisoned = run(Path(tmp), "poisoned", s, [f"faults.poison_batches={json.dumps(windows)}"])
-        clean_events = [e["event"] for e in records(clean, "events.jsonl")]
-        print(f"clean run, {s} steps: {clean_events.count('skip')} skips, "
-              f"{clean_events.count('rewind')} rewinds (false positives)")
-        metrics = records(poisoned, "metrics.jsonl")
-        for start, end in windows:
-            first = next((i for i, r in enumerate(metrics)
-                          if start <= r.get("data_position", -1) // r.get("batch_sequences", 1) < end), None)
-            if first is None:
-                print(f"poison {start}-{end}: never fed (an earlier rewind's window covered it)")
-                continue
-            hit = next((i for i in range(first, len(metrics)) if metrics[i]["verdict"] != "ok"), None)
-            delay = None if hit is None else metrics[hit]["step"] - metrics[first]["step"]
-            print(f"poison {start}-{end}: first poisoned step {metrics[first]['step']}, verdict "
-                  f"{hit is not None and metrics[hit]['verdict']} after {delay} steps")
-        for e in records(poisoned, "events.jsonl"):
-            if e["event"] in ("skip", "rewind", "lr_scale", "escalation"):
-                print("  event", {k: v for k, v in e.items() if k in ("event", "step", "to_step", "window", "new")})
-        print(f"final loss (mean of last 50 ok steps): clean {final_loss(clean):.4f}, "
-              f"poisoned {final_loss(poisoned):.4f}")
+        root = args.out or Path(tmp)
+        results: dict = {arm: {} for arm in ARMS}
+        for arm in ARMS:
+            for cell, (overrides, _) in cells(args.steps).items():
+                needed = (arm in arms and cell in wanted) or (arm == "fixed" and cell in ("clean", "recipe")) \
+                    or (cell == "clean" and arm in arms)
+                if not needed:
+                    continue
+                results[arm][cell] = {seed: run(root, arm, cell, seed, args.steps, overrides)
+                                      for seed in range(1, args.seeds + 1)}
+                print(f"done {arm}/{cell} ({time.perf_counter() - started:.0f} s)", flush=True)
+    rows = [r for r in summarize(results, args.steps) if r["arm"] in arms and r["cell"] in wanted]
+    print(f"\n{args.seeds} seeds x {args.steps} steps, {time.perf_counter() - started:.0f} s\n")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "runs": results}, indent=1, default=str))
 
 
 if __name__ == "__main__":

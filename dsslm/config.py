@@ -104,7 +104,11 @@ class OptimCfg:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    clip: float = 1.0
+    clip: float = 1.0           # fixed: the global-norm bound; zclip: an absolute ceiling on top of it
+    clip_mode: str = "fixed"    # fixed | zclip (EMA z-score bound on the grad norm, ZClip)
+    zclip_alpha: float = 0.97   # zclip: EMA factor of the grad norm's mean and variance
+    zclip_z: float = 2.5        # zclip: z-score above which the norm is clipped
+    zclip_warmup_steps: int = 25  # zclip: steps of norms averaged before it clips
     decay_embeddings: bool = False
     impl: str = "auto"          # auto | single | foreach | fused: torch AdamW's kernel (auto: fused)
 
@@ -139,6 +143,15 @@ class MonitorCfg:
     lr_backoff: float = 0.7     # lr_scale factor when the same region spikes again
     region_steps: int = 50      # spikes closer than this to a past rewind count as the same region
     skip_batches: int = 8       # a rewind skips at least this many data batches (doubling per repeat)
+    detector: str = "mad"       # mad (median/MAD) | zscore (mean/std, OLMo-core) | max_multiple (Megatron)
+    max_multiple: float = 10.0  # max_multiple: a loss this many times the largest of the first steps...
+    max_multiple_steps: int = 100  # ...of these first clean steps is an outlier
+    nonfinite: str = "rewind"   # a non-finite loss or grad norm: rewind | skip (as OLMo-core's skip-step)
+    triage: bool = True         # tell data / state / transient apart by replay before acting on a spike
+    triage_max_replay_steps: int = 300  # most steps replayed per spike; beyond it, skip and back off untested
+    max_backoffs: int = 2       # lr_backoff steps a state spike may take before escalating (exit 3)
+    lr_recover_steps: int = 0   # a state backoff ramps back to the full lr over this many steps (0: it stays)
+    forensics: bool = True      # write run.dir/spikes/step-XXXXXXXX/ for every spike
 
 
 @dataclass
@@ -150,6 +163,13 @@ class FaultsCfg:
     poison_batches: list = field(default_factory=list)  # [[start, end], ...] data-batch windows
     poison_rank: int = -1       # -1 = every rank's slice of a poisoned batch; else only this rank's
     nan_steps: list = field(default_factory=list)        # steps whose loss is made non-finite
+    repeat_batches: list = field(default_factory=list)   # [[start, end], ...] data-batch windows of one repeated n-gram
+    repeat_ngram: int = 4       # tokens in the repeated n-gram (0 = the window's first document, repeated)
+    lr_burst: list = field(default_factory=list)         # [[start, end, multiplier], ...] steps [start, end)
+    grad_fault_steps: list = field(default_factory=list)  # steps whose gradients one rank corrupts, once
+    grad_fault_rank: int = 0    # the rank whose gradients the fault corrupts (-1 = every rank)
+    grad_fault_mode: str = "scale"  # scale (by grad_fault_scale) | nan (non-finite)
+    grad_fault_scale: float = 1000.0
 
 
 @dataclass
@@ -190,7 +210,7 @@ RESUME_MUTABLE_KEYS = (
     "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "data.prefetch",
     "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
-    "observe",
+    "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
     "optim.impl",
@@ -321,9 +341,39 @@ def validate(cfg: Config) -> None:
     _check(cfg.observe.every >= 0, f"observe.every={cfg.observe.every} must be >= 0 (0 = off)")
     _check(0 < cfg.observe.slow_fraction < 1, f"observe.slow_fraction={cfg.observe.slow_fraction} must be in (0, 1)")
     _check_choice("observe.wandb_mode", cfg.observe.wandb_mode, ("", "online", "offline"))
-    for window in cfg.faults.poison_batches:
-        _check(isinstance(window, list) and len(window) == 2 and 0 <= window[0] < window[1],
-               f"faults.poison_batches entry {window!r} must be [start, end] with 0 <= start < end")
+    validate_spike_policy(cfg)
+
+
+def validate_spike_policy(cfg: Config) -> None:
+    """The monitor, clipping and drill keys."""
+    m, o, f = cfg.monitor, cfg.optim, cfg.faults
+    _check_choice("monitor.detector", m.detector, ("mad", "zscore", "max_multiple"))
+    _check_choice("monitor.nonfinite", m.nonfinite, ("rewind", "skip"))
+    _check_choice("optim.clip_mode", o.clip_mode, ("fixed", "zclip"))
+    _check_choice("faults.grad_fault_mode", f.grad_fault_mode, ("scale", "nan"))
+    _check(m.max_multiple > 1 and m.max_multiple_steps >= 1,
+           f"monitor.max_multiple={m.max_multiple} must be > 1 and monitor.max_multiple_steps="
+           f"{m.max_multiple_steps} >= 1")
+    _check(m.triage_max_replay_steps >= 0, f"monitor.triage_max_replay_steps={m.triage_max_replay_steps} must be >= 0")
+    _check(m.max_backoffs >= 1, f"monitor.max_backoffs={m.max_backoffs} must be >= 1")
+    _check(m.lr_recover_steps >= 0, f"monitor.lr_recover_steps={m.lr_recover_steps} must be >= 0 (0: a backoff stays)")
+    _check(0 < o.zclip_alpha < 1, f"optim.zclip_alpha={o.zclip_alpha} must be in (0, 1)")
+    _check(o.zclip_z > 0 and o.zclip_warmup_steps >= 2,
+           f"optim.zclip_z={o.zclip_z} must be > 0 and optim.zclip_warmup_steps={o.zclip_warmup_steps} >= 2")
+    _check(f.repeat_ngram >= 0, f"faults.repeat_ngram={f.repeat_ngram} must be >= 0 (0 = one whole document)")
+    _check(f.grad_fault_scale > 0, f"faults.grad_fault_scale={f.grad_fault_scale} must be > 0")
+    for key in ("poison_batches", "repeat_batches"):
+        for window in getattr(f, key):
+            _check(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
+                   and 0 <= window[0] < window[1],
+                   f"faults.{key} entry {window!r} must be [start, end] with 0 <= start < end")
+    for burst in f.lr_burst:
+        _check(isinstance(burst, list) and len(burst) == 3 and all(isinstance(x, int) for x in burst[:2])
+               and 1 <= burst[0] < burst[1] and isinstance(burst[2], (int, float)) and burst[2] > 0,
+               f"faults.lr_burst entry {burst!r} must be [start, end, multiplier] with 1 <= start < end "
+               f"and multiplier > 0")
+    for step in f.grad_fault_steps:
+        _check(isinstance(step, int) and step >= 1, f"faults.grad_fault_steps entry {step!r} must be a step >= 1")
 
 
 def validate_mix(mix: dict[str, float]) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -27,14 +27,17 @@ class _TokenLossFn(torch.autograd.Function):
         index = targets.clamp(min=0).unsqueeze(-1)
         # Cross-entropy is log Z minus the target's logit.
         log_z = torch.logsumexp(flat, dim=-1)
-        ce_sum = torch.where(real, log_z - flat.gather(-1, index).squeeze(-1), 0.0).sum()
+        ce = torch.where(real, log_z - flat.gather(-1, index).squeeze(-1), 0.0)
         z_sum = torch.where(real, log_z.square(), 0.0).sum()
         ctx.save_for_backward(flat, log_z, index, real)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return ce_sum, z_sum
+        # Each sequence's sum too, for spike forensics: left on the device, read only on a spike.
+        of_sequences = ce.view(logits.shape[:-1]).sum(-1)
+        ctx.mark_non_differentiable(of_sequences)
+        return ce.sum(), z_sum, of_sequences
 
     @staticmethod
-    def backward(ctx, grad_ce: torch.Tensor, grad_z: torch.Tensor):
+    def backward(ctx, grad_ce: torch.Tensor, grad_z: torch.Tensor, _grad_of_sequences: torch.Tensor):
         flat, log_z, index, real = ctx.saved_tensors
         # d(ce)/dx = softmax - onehot(target); d(log Z^2)/dx = 2 log Z softmax.
         coef = torch.where(real, grad_ce + 2.0 * grad_z * log_z, 0.0)
@@ -50,7 +53,8 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
     Both in fp32. The z-loss (PaLM) pulls log Z towards 0 so the logits cannot drift upwards
     until the softmax saturates, a common source of late spikes.
     """
-    return _TokenLossFn.apply(logits, targets)
+    ce_sum, z_sum, _ = _TokenLossFn.apply(logits, targets)
+    return ce_sum, z_sum
 
 
 @dataclass
@@ -59,11 +63,14 @@ class StepResult:
     gnorm: float        # global gradient norm before clipping
     batch_tokens: int   # real target tokens in the step, over every rank
     stop_requested: bool  # any rank received SIGTERM/SIGUSR1
+    # This rank's cross-entropy sum of each sequence, one detached tensor per micro-batch, left
+    # on the device: read only when the step is a spike (forensics), so no host sync otherwise.
+    sequence_ce: list[torch.Tensor] = field(default_factory=list)
 
 
 def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
-               z_loss: float, clip: float, tokens_global: int, stop_requested: bool = False,
-               loss_multiplier: float = 1.0) -> StepResult:
+               z_loss: float, clip: float | Callable[[float], float], tokens_global: int,
+               stop_requested: bool = False, loss_multiplier: float = 1.0, grad_multiplier: float = 1.0) -> StepResult:
     """Forward and backward every micro-batch, then clip: the gradient is that of the step's
     summed token loss divided by its total real-token count, whatever the micro-batch split.
 
@@ -75,8 +82,12 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     small all-reduce and is checked against it: a caller that got it wrong fails the step
     before its update is applied. `loss_multiplier` scales the last micro-batch's loss and
     reported sum on this rank: 1 in training, NaN (or a large factor) when a fault drill strikes.
+    `grad_multiplier` scales only what is backpropagated, not the reported loss: a corrupted
+    gradient (a flipped bit, a bad reduction) with an intact forward. `clip` is the bound, or a
+    function of the pre-clip norm that gives it (`dsslm.clip.ZClip.bound`).
 
-    One host sync per step: losses and counts stay on the device until the final read.
+    One host sync per step (one more for a bound that depends on the norm): losses and counts
+    stay on the device until the final read.
     """
     if tokens_global < 1:
         raise ValueError(f"tokens_global={tokens_global}: a step needs at least one real target token")
@@ -84,6 +95,7 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     scale = engine.world_size / tokens_global
     ce_total = torch.zeros((), dtype=torch.float64, device=engine.device)
     real_total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    sequence_ce: list[torch.Tensor] = []
     last = len(micro_batches) - 1
     for i, (inputs, targets) in enumerate(micro_batches):
         # non_blocking: the prefetcher pins host batches on CUDA, so the copy overlaps the host
@@ -92,11 +104,14 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
         with sync:
             with autocast(precision, engine.device):
                 logits = engine.forward(inputs)
-            ce_sum, z_sum = token_losses(logits, targets)
+            ce_sum, z_sum, ce_of_sequences = _TokenLossFn.apply(logits, targets)
             loss = (ce_sum + z_loss * z_sum) * scale
             if loss_multiplier != 1.0 and i == last:
                 loss, ce_sum = loss * loss_multiplier, ce_sum * loss_multiplier
+            if grad_multiplier != 1.0 and i == last:
+                loss = loss * grad_multiplier
             engine.backward(loss)
+        sequence_ce.append(ce_of_sequences)
         ce_total += ce_sum.detach().double()
         real_total += (targets != IGNORE_INDEX).sum()
     gnorm = engine.clip_grad_norm(clip)
@@ -108,7 +123,8 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     if real != tokens_global:
         raise RuntimeError(f"the step was scaled for tokens_global={tokens_global} real targets but its batches "
                            f"hold {int(real)}: the caller's count is wrong, so its gradient would be too")
-    return StepResult(loss=ce / tokens_global, gnorm=norm, batch_tokens=tokens_global, stop_requested=stops > 0)
+    return StepResult(loss=ce / tokens_global, gnorm=norm, batch_tokens=tokens_global, stop_requested=stops > 0,
+                      sequence_ce=sequence_ce)
 
 
 @dataclass

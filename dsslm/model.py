@@ -203,6 +203,21 @@ class Transformer(nn.Module):
         return F.linear(x, self.lm_head.weight[: self.vocab_size]).float()
 
 
+LAYER_GROUPS = ("embeddings", "attention", "mlp", "norms", "head", "other")
+
+
+def layer_group(name: str) -> str:
+    """The layer group of a parameter of dsslm.model.Transformer, by its name."""
+    parts = name.split(".")
+    if any(p.endswith("norm") for p in parts[:-1]):  # attn_norm, mlp_norm, q_norm, k_norm, final norm
+        return "norms"
+    if parts[0] == "tok_emb":
+        return "embeddings"
+    if parts[0] == "lm_head":  # present only when untied: full_state names a tied tensor once
+        return "head"
+    return "attention" if "attn" in parts else "mlp" if "mlp" in parts else "other"
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

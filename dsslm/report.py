@@ -3,7 +3,9 @@
 Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (formats in docs/design.md) and writes
 loss.png, lr.png, gnorm.png, throughput.png, update_ratio.png (only when records carry
 `update_ratio`; the figures are drawn by `observe.plots`) and summary.md into RUN_DIR/report/
-or --out.
+or --out. When RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every
+spike with its triage verdict and the few worst sequences of its batch, decoded
+(`dsslm.spikes`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
+from dsslm.spikes import spike_lines
 
 ROUTINE_EVENTS = {"start", "save", "end", "retention_delete"}
 
@@ -134,11 +137,11 @@ def event_table(run: Run) -> list[str]:
     return lines
 
 
-def write_report(run: Run, out: Path) -> list[Path]:
+def write_report(run: Run, out: Path, spikes: list[str] | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = write_figures(run, out)
     summary = out / "summary.md"
-    summary.write_text("\n".join(summary_lines(run)))
+    summary.write_text("\n".join(summary_lines(run) + (spikes or [])))
     return written + [summary]
 
 
@@ -156,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run_dir / 'metrics.jsonl'} has no step records (with step and loss)",
               file=sys.stderr)
         return 2
-    for path in write_report(run, args.out or args.run_dir / "report"):
+    spikes = spike_lines(args.run_dir)
+    for path in write_report(run, args.out or args.run_dir / "report", spikes):
         print(path)
+    if spikes:
+        print("\n".join(spikes))
     return 0
 
 

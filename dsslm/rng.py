@@ -42,6 +42,22 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
+def step_streams() -> tuple:
+    """The streams a training step draws from (dropout: torch's CPU and current CUDA generator),
+    cheaply, for re-running the step in place. Python's and numpy's global streams are left out:
+    no step draws from them (the loader seeds its own Generator per epoch), and copying numpy's
+    state costs ~0.1 ms, a few percent of a small model's step."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_step_streams(streams: tuple) -> None:
+    cpu, cuda = streams
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -29,6 +29,7 @@ import torch
 from dsslm.ckpt.lock import LockLost, RunLock
 from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
 from dsslm.ckpt.store import CheckpointError, CheckpointStore
+from dsslm.clip import Clipper, build_clipper
 from dsslm.ckpt.train_state import TrainState, fingerprint
 from dsslm.config import Config, ConfigError, load, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
@@ -40,16 +41,18 @@ from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashi
 from dsslm.engine import Engine, build_engine
 from dsslm.exits import Preempted, StopFlag, ignore_from_now, note_exit
 from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
-from dsslm.loss import accumulate, validation_sums
+from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.model import build_model
 from dsslm.observe.audit import ResumeAudit, run_env
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.optim import lr_at
 from dsslm.recovery.faults import Drills
+from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
-from dsslm.recovery.rewind import Escalation, Rewinder, recovery_pins
-from dsslm.rng import seed_everything
+from dsslm.recovery.rewind import Escalation, Rewinder
+from dsslm.recovery.triage import Progress, Triage
+from dsslm.rng import seed_everything, set_step_streams, step_streams
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
@@ -69,6 +72,9 @@ class Job:
     state: TrainState            # the table's "train" part: the loop mutates it in place
     monitor: SpikeMonitor
     rewinder: Rewinder
+    triage: Triage               # the spike policy: replays that tell data / state / transient apart
+    forensics: Forensics         # run.dir/spikes/step-XXXXXXXX/
+    clipper: Clipper             # optim.clip_mode: the clip bound, and what it learns from applied steps
     drills: Drills
     sinks: Sinks
     byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
@@ -134,17 +140,23 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     cleanup.push(finish_saves(store))
     report_claim(sinks, takeover, engine.decide(store.remove_leftovers))
     drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
-                    global_batch)
+                    global_batch, loader)
     drills.arm(store)
-    monitor = SpikeMonitor(cfg.monitor)
-    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "rng": RngStreams(engine, cfg.run.seed, state)}
+    monitor, clipper = SpikeMonitor(cfg.monitor), build_clipper(cfg.optim)
+    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit)
+    progress = Progress()
+    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "triage": progress,
+                                  "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler
+    if cfg.optim.clip_mode == "zclip":
+        parts["clip"] = clipper
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, drills, sinks,
-               ByteCounter(data_dir, manifest), lock, verified)
+    triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
+    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
+               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified)
 
 
 def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
@@ -197,15 +209,19 @@ def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> 
     return summary
 
 
-def judge(job: Job, step: int, loss: float, gnorm: float) -> tuple[Verdict, str]:
+FP16_OVERFLOW = "fp16_overflow"
+
+
+def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -> tuple[Verdict, str]:
     """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
-    rank 0's call, followed by all."""
+    rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
     scaler = job.engine.scaler
-    if scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
-        return Verdict.SKIP, f"fp16_overflow (loss scale now {scaler.scale:g})"
+    if not rerun and scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
+        return Verdict.SKIP, f"{FP16_OVERFLOW} (loss scale now {scaler.scale:g})"
     if not job.cfg.monitor.enabled:
         return Verdict.OK, ""
-    verdict, reason = job.engine.decide(lambda: (job.monitor.check(step, loss, gnorm), job.monitor.last_reason))
+    check = job.monitor.recheck if rerun else job.monitor.check
+    verdict, reason = job.engine.decide(lambda: (check(step, loss, gnorm), job.monitor.last_reason))
     return verdict, reason if verdict is not Verdict.OK else ""
 
 
@@ -239,22 +255,50 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     """Forward, backward and the verdict for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
-    lr = lr_at(state.step, cfg) * state.lr_scale
+    lr = lr_at(state.step, cfg) * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
     fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
     job.rewinder.note(step, fed.first, fed.end)
-    batches = job.drills.poison(batches, fed.indices)
+    batches = job.drills.corrupt(batches, fed.indices)
+    streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
-    result = accumulate(engine, batches, cfg.train.precision, cfg.train.z_loss, cfg.optim.clip,
-                        fed.batch_size * cfg.model.seq_len, stop.requested, job.drills.loss_multiplier(step))
+    tokens = fed.batch_size * cfg.model.seq_len
+    result = compute(job, step, batches, tokens, stop.requested)
     verdict, reason = judge(job, step, result.loss, result.gnorm)
+    spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
+    if spike and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
+        job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
+    if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
+        verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
     if verdict is Verdict.OK:
         engine.step(lr)
+        job.clipper.commit()
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
                         verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
                         batch_tokens=result.batch_tokens, reason=reason, data_wait_s=job.feed.wait_s)
     return verdict, record, fed, result.stop_requested
+
+
+def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: bool) -> StepResult:
+    """Forward and backward of one step's micro-batches (`tokens` real targets over every rank),
+    clipped, the drills' faults applied."""
+    t = job.cfg.train
+    return accumulate(job.engine, batches, t.precision, t.z_loss, job.clipper.limit, tokens, stop_requested,
+                      job.drills.loss_multiplier(step), job.drills.grad_multiplier(step))
+
+
+def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: StepResult, reason: str,
+                   stop: StopFlag) -> tuple[Verdict, str, StepResult]:
+    """Megatron-LM's rerun: the outlier's step once more with the same weights, batch and random
+    state, its gradients dropped first. A normal result means the first was a transient fault,
+    and the re-run's update is applied; a reproduced outlier is skipped as before."""
+    job.engine.drop_gradients()
+    set_step_streams(streams)
+    result = compute(job, step, batches, first.batch_tokens, stop.requested or first.stop_requested)
+    verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
+    job.triage.note_rerun(step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
+    return verdict, rerun_reason, result
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
@@ -282,6 +326,8 @@ def start(job: Job) -> None:
                                              cfg.train.total_steps, job.sinks.emit)
     if job.verified is not None:
         job.sinks.emit("data_verified", **job.verified)
+    if cfg.monitor.enabled:
+        job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
@@ -304,13 +350,15 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         started = time.perf_counter()
         verdict, record, fed, stop_requested = train_step(job, stop)
         job.audit.check(record)  # after a resume: the steps trained again must equal their records
+        verdict = job.triage.review(state, verdict, record)  # during a replay: did the spike come back?
         if verdict is Verdict.REWIND:
             sinks.log_step(diagnostics.observe(timed(record, started, state), before))
-            job.rewinder.rewind(state, record.step)
+            job.triage.rewind(state, record)  # the next replay, or today's rewind
             continue
         account(job, verdict, record, fed)
-        if state.step == first_step + 1:
+        if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
+            first_step = None   # once: a rewind to the start does not report again
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
             val_loss, val_bpb = evaluate(job)
@@ -349,7 +397,7 @@ def check_health(job: Job, wait: bool = False) -> None:
 def save(job: Job, sync: bool = False) -> None:
     """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes)."""
     if job.engine.is_main:
-        job.store.pin(recovery_pins(job.state.step, job.store.valid_steps(), job.cfg))
+        job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
     job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
 
 

@@ -15,9 +15,12 @@ from dsslm.ckpt.schema import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, Li
 from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
-# sequences it skipped, the checkpoint step it went back to and the lr_scale factor it applied.
-REWIND_RECORD = Fields(optional=("verdict",), open=True, step=Int(0, MAX_STEP), window=Window(),
-                       to_step=Int(0, MAX_STEP), lr_scale_factor=Float(0.0, 1.0))
+# sequences it skipped, the checkpoint step it went back to and the lr_scale factor it applied;
+# a triage decision adds its verdict, and a temporary backoff (monitor.lr_recover_steps) the
+# step its ramp back to the full learning rate starts from (`target`).
+REWIND_RECORD = Fields(optional=("verdict", "target"), open=True, step=Int(0, MAX_STEP), window=Window(),
+                       to_step=Int(0, MAX_STEP), lr_scale_factor=Float(0.0, 1.0), verdict=Str(32),
+                       target=Int(0, MAX_STEP))
 
 
 @dataclass

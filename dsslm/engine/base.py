@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import gc
+import math
 import os
 import pickle
 import secrets
@@ -15,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ COLLECTIVE_TIMEOUT_S = 1800
 # one that is slow (progress arrives every READ_BYTES hashed, many times a second).
 STALL_TIMEOUT_S = 600
 PROGRESS_EVERY_S = 30
+# A clipping bound: a number, or a function of the pre-clip global norm that returns it (ZClip).
+ClipBound = Union[float, Callable[[float], float]]
 
 
 @dataclass
@@ -128,9 +131,10 @@ class Engine(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm`; return the global pre-clip norm as a 0-dim tensor on the device
-        (not a float: the loop reads it with the step's other numbers, in one host sync)."""
+    def clip_grad_norm(self, max_norm: ClipBound) -> torch.Tensor:
+        """Clip to `max_norm` (or to what the function gives for the norm: ZClip), now or inside
+        `step()`; return the global pre-clip norm as a 0-dim tensor on the device (not a float:
+        the loop reads it with the step's other numbers, in one host sync)."""
 
     @abc.abstractmethod
     def step(self, lr: float) -> None:
@@ -138,7 +142,18 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def skip_step(self) -> None:
-        ...
+        """Refuse this step's update: gradients dropped, weights and AdamW state untouched; the
+        engine's own step counters record a skipped step."""
+
+    def drop_gradients(self) -> None:
+        """Forget this step's gradients as if the step had not been computed, counters included,
+        so the same step can be computed again (an in-place re-run)."""
+        self.skip_step()
+
+    @abc.abstractmethod
+    def grad_norms(self) -> dict[str, float]:
+        """Each parameter's global L2 gradient norm before clipping, by name (every rank calls:
+        sharded engines reduce; the same table on every rank). For forensics on spike steps."""
 
     def train_mode(self, training: bool) -> None:
         self.module.train(training)
@@ -313,9 +328,34 @@ class TorchAdamWEngine(Engine):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def clip_params(self, params: list[nn.Parameter], max_norm: ClipBound) -> torch.Tensor:
+        """torch's clip_grad_norm_ in its two halves (the same calls, so a fixed bound gives its
+        bits), so the bound may depend on the norm. A fixed bound reads nothing back to the host;
+        a function of the norm (ZClip) reads the norm once."""
+        foreach = self.device.type == "cuda"
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=foreach)
+        bound = max_norm(float(_whole(norm))) if callable(max_norm) else max_norm
+        torch.nn.utils.clip_grads_with_norm_(params, bound, norm, foreach=foreach)
+        self._clip = (norm, bound)  # so grad_norms() can report the norms before clipping
+        return norm
+
+    def pre_clip(self, norms: dict[str, float]) -> dict[str, float]:
+        """Per-parameter norms read after clip_params, as they were before it."""
+        clip = getattr(self, "_clip", None)
+        if clip is None:
+            return norms
+        value = float(_whole(clip[0]))
+        coef = min(1.0, clip[1] / (value + 1e-6)) if math.isfinite(value) else 1.0
+        return {name: v / coef if coef > 0 else v for name, v in norms.items()}
+
     def skip_step(self) -> None:
         # Dropping the gradients is the whole skip: AdamW's state (moments, step) is untouched.
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A norm FSDP returns as a DTensor, made whole."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class _Worker:

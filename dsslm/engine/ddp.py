@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.config import Config
-from dsslm.engine.base import OptimState, TorchAdamWEngine, adam_state_by_name, check_names, load_adam_state
+from dsslm.engine.base import (ClipBound, OptimState, TorchAdamWEngine, adam_state_by_name, check_names,
+                               load_adam_state)
 from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
 
@@ -41,10 +42,15 @@ class DDPEngine(TorchAdamWEngine):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.wrapped.no_sync() if self.distributed else contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = self.unscaled_grads()
-        # The per-tensor norms, then their norm: the same bits whatever the tensors' grouping.
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+    def clip_grad_norm(self, max_norm: ClipBound) -> torch.Tensor:
+        return self.clip_params(self.unscaled_grads(), max_norm)
+
+    @torch.no_grad()
+    def grad_norms(self) -> dict[str, float]:
+        # After the all-reduce every rank holds the full averaged gradient.
+        norms = {name: float(torch.linalg.vector_norm(p.grad, dtype=torch.float64))
+                 for name, p in self.params.items() if p.grad is not None}
+        return self.pre_clip(norms)
 
     def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
         model_sd = {n: p.detach().float() for n, p in self.params.items()}

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsslm.config import Config
-from dsslm.engine.base import MOMENTS, OptimState, TorchAdamWEngine, check_names, storage_bytes
+from dsslm.engine.base import MOMENTS, ClipBound, OptimState, TorchAdamWEngine, check_names, storage_bytes
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
@@ -100,18 +100,31 @@ class FSDPEngine(TorchAdamWEngine):
                 held += [getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad]
         return storage_bytes(held)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: ClipBound) -> torch.Tensor:
         params = self.unscaled_grads()
         self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
         # Each rank's shard norm is combined across ranks inside the DTensor: the global norm.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
+        norm = self.clip_params(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    @torch.no_grad()
+    def grad_norms(self) -> dict[str, float]:
+        """Squares of each rank's dim-0 shards summed over ranks: one all-reduce of a small vector."""
+        names = [n for n, p in self.params.items() if p.grad is not None]
+        local = [self.params[n].grad for n in names]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in local]
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) ** 2 for g in local])
+        total = self.all_reduce_sum(squares).cpu()
+        return self.pre_clip({n: float(v) ** 0.5 for n, v in zip(names, total)})
 
     # --- state -------------------------------------------------------------------------------
     def full_state(self, with_optim: bool = True) -> tuple[dict[str, torch.Tensor], OptimState]:
         """Gathered on every rank's call (collectives); rank 0 gets the tensors, others empty tables."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(self.module, options=options)
+        # Before the first step there is no AdamW state, and get_optimizer_state_dict would make
+        # one by stepping with zero gradients: Adam's step count 1, every later update changed.
+        with_optim = with_optim and bool(self.optimizer.state)
         optim_full = get_optimizer_state_dict(self.module, self.optimizer, options=options) if with_optim else {}
         optim = OptimState()
         if not self.is_main:

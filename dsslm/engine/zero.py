@@ -20,6 +20,9 @@ How the loop's step maps onto DeepSpeed:
   `communication_data_type`, filled in by `engine/ds_config.py`), as FSDP's fp32 reduce policy
   does. Stages 2 and 3 keep fp32 gradient partitions; stage 1 becomes DeepSpeed's
   BF16_Optimizer (fp32 master and moments sharded, a full fp32 gradient buffer per rank).
+- `drop_gradients` (an in-place re-run of the same step) drops them too
+  but takes back the micro-batches it counted, so after the re-run every counter reads as if
+  the step had been computed once.
 - fp16: DeepSpeed's dynamic loss scaler is the only scaler. `engine.scaler` is a read-only view
   of it (`DeepSpeedLossScale`): it tells the loop's judge() that a non-finite norm means "skip",
   and `skip_step` then lets DeepSpeed's own `step()` take its overflow branch, which backs the
@@ -44,11 +47,11 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.runtime.utils import combine_grad_norm_groups, get_global_norm_of_tensors  # noqa: E402
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer  # noqa: E402
-from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,  # noqa: E402
-                             safe_set_full_fp32_param, safe_set_full_optimizer_state)
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # noqa: E402
+                             safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
 
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
+from dsslm.engine.base import MOMENTS, ClipBound, Engine, OptimState, check_names, storage_bytes  # noqa: E402
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.engine.wrap import prepare_model  # noqa: E402
@@ -121,6 +124,7 @@ class ZeroEngine(Engine):
         self.layout = self._layout()
         self.scaler = DeepSpeedLossScale(self.optimizer) if cfg.train.precision == "fp16" else None
         self._in_no_sync = False
+        self._micro_counted = 0  # micro_steps this step's no_sync backwards added (drop_gradients undoes them)
         self._last_norm = torch.zeros((), device=self.device)
         self._grad_bytes = 0
         self.ds.set_gradient_accumulation_boundary(True)
@@ -166,11 +170,11 @@ class ZeroEngine(Engine):
         self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
         if self._in_no_sync:
             self.ds.micro_steps += 1  # DeepSpeed counts micro-batches; step() counts the last one
+            self._micro_counted += 1
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: ClipBound) -> torch.Tensor:
         """Global pre-clip norm of the reduced gradients (a collective); DeepSpeed clips in step()."""
         opt = self.optimizer
-        opt.clip_grad = max_norm
         if self.layout == "zero3":
             scaled = combine_grad_norm_groups(opt._get_norm_groups())
         elif self.layout == "bf16":
@@ -181,15 +185,30 @@ class ZeroEngine(Engine):
         norm = scaled.float() / float(getattr(opt, "loss_scale", 1.0))
         # DeepSpeed marks a non-finite norm as -1 or inf: the loop sees inf either way.
         self._last_norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, math.inf)
+        # A bound that depends on the norm (ZClip) costs a host read; a fixed one none.
+        opt.clip_grad = max_norm(float(self._last_norm)) if callable(max_norm) else max_norm
         self._grad_bytes = max(self._grad_bytes, self._measure_grad_bytes())
         return self._last_norm
+
+    @torch.no_grad()
+    def grad_norms(self) -> dict[str, float]:
+        """DeepSpeed's full fp32 gradient of every parameter (collectives under stage 3); not yet
+        clipped, since DeepSpeed clips inside step()."""
+        norms = {}
+        for name, param in self.params.items():
+            grad = safe_get_full_grad(param)
+            if grad is not None:
+                norms[name] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) / float(getattr(self.optimizer, "loss_scale", 1.0))
+        return norms
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.ds.step()
+        self._micro_counted = 0
 
     def skip_step(self) -> None:
+        self._micro_counted = 0
         if self.scaler is not None and not math.isfinite(float(self._last_norm)):
             # fp16 overflow: DeepSpeed's own step() sees it, drops the step and backs the scale off.
             self.ds.step()
@@ -200,6 +219,11 @@ class ZeroEngine(Engine):
         self.ds.skipped_steps += 1
         self.ds.global_samples += self.ds.train_batch_size()
         self.ds.micro_steps += 1
+
+    def drop_gradients(self) -> None:
+        self._drop_gradients()
+        self.ds.micro_steps -= self._micro_counted
+        self._micro_counted = 0
 
     def _drop_gradients(self) -> None:
         """The ZeRO optimizer's overflow branch without the loss-scale update."""

@@ -42,7 +42,7 @@ from dsslm.data.loader import Loader
 from dsslm.engine.base import Engine
 from dsslm.observe.alerts import Alerts
 from dsslm.observe.sinks import Sinks
-from dsslm.model import Attention
+from dsslm.model import LAYER_GROUPS as GROUPS, Attention, layer_group
 from dsslm.precision import autocast
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s by torch.cuda.get_device_name(); first match
@@ -54,7 +54,6 @@ PEAK_BF16_FLOPS = (
     (r"RTX A6000", 155e12), (r"RTX 4090", 165e12), (r"RTX 3090", 71e12),
     (r"MI300X", 1307e12), (r"MI250X", 383e12),
 )
-GROUPS = ("embeddings", "attention", "mlp", "norms", "head", "other")
 SCORE_ROWS = 256  # query rows per block: B*H*256*T fp32 scores at a time, not B*H*T*T
 
 
@@ -86,18 +85,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 # --- parameter and update norms ------------------------------------------------------------------
-def layer_group(name: str) -> str:
-    """The layer group of a parameter of dsslm.model.Transformer, by its name."""
-    parts = name.split(".")
-    if any(p.endswith("norm") for p in parts[:-1]):  # attn_norm, mlp_norm, q_norm, k_norm, final norm
-        return "norms"
-    if parts[0] == "tok_emb":
-        return "embeddings"
-    if parts[0] == "lm_head":  # present only when untied: full_state names a tied tensor once
-        return "head"
-    return "attention" if "attn" in parts else "mlp" if "mlp" in parts else "other"
-
-
 def update_stats(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
     """Per layer group: L2 norm of the weights before, of the change, and their ratio (fp64 sums)."""
     param_sq: dict[str, float] = {}

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from dsslm.config import ConfigError, ObserveCfg
 
-ALERT_EVENTS = ("skip", "rewind", "lr_scale", "escalation", "alert")
+ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert")
 ALERT_TIMEOUT_S = 30
 
 

@@ -1,12 +1,28 @@
-"""Fault drills: crash at a step or inside a save, poison data batches, make a step's loss non-finite.
+"""Fault drills: crashes, and spikes of the three kinds the spike policy tells apart.
 
-Off by default; tests use them, and so can a user rehearsing a new cluster. One `Drills` object is
-built from `cfg.faults` and asked by the loop at the points where a fault would strike:
+Off by default; tests and the benchmark use them, and so can a user rehearsing a new cluster.
+One `Drills` object is built from `cfg.faults` and asked by the loop where a fault would strike:
 
-    drills.maybe_crash(step)               # top of the loop, `step` steps completed
-    batches = drills.poison(batches, indices)   # the rank's global sequence indices
-    multiplier = drills.loss_multiplier(step)   # the step count being computed
-    drills.arm(store)                      # once: the crash-in-save drill
+    drills.maybe_crash(step)                    # top of the loop, `step` steps completed
+    lr = ... * drills.lr_multiplier(step)       # state: faults.lr_burst
+    batches = drills.corrupt(batches, indices)  # data: faults.poison_batches, faults.repeat_batches
+    drills.loss_multiplier(step), drills.grad_multiplier(step)  # transient: nan_steps, grad_fault_steps
+    drills.arm(store)                           # once: the crash-in-save drill
+
+The spikes, by cause:
+- data: `repeat_batches=[[a, b]]` makes every sequence of data batches [a, b) one short n-gram
+  of real text repeated (`repeat_ngram` tokens of the window's first sequence, 4 by default;
+  0 repeats that whole sequence), the repeated-n-gram documents OLMo 2 traced spikes to.
+  Measured on 64-wide byte-level models: a repeated 4-gram gives a grad norm 5-20x a normal
+  batch's (the tokens' gradients all point one way instead of averaging out); a repeated
+  document only 2-3x, which the default monitor does not call a spike.
+  `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: a
+  replay of the same batch spikes again, a replay without it does not.
+- state: `lr_burst=[[start, end, multiplier]]` multiplies the learning rate of steps
+  [start, end); it follows the step, whatever the data, on every replay.
+- transient: `grad_fault_steps=[s, ...]` corrupts one rank's gradients at step s once (scaled by
+  `grad_fault_scale`, or non-finite with `grad_fault_mode=nan`) while its loss stays intact;
+  `nan_steps` makes the loss itself non-finite once. A replay does not repeat them.
 
 Steps are step counts, as in metrics.jsonl. A drill that models a one-off fault fires once per
 `run.dir` (a marker file), so the step replayed after a rewind or a resume runs clean.
@@ -22,6 +38,7 @@ import torch
 
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.config import FaultsCfg
+from dsslm.data.loader import Loader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -32,9 +49,10 @@ class DrillAbort(BaseException):
 
 class Drills:
     def __init__(self, cfg: FaultsCfg, run_dir: Path, rank: int, is_main: bool, seed: int, vocab_size: int,
-                 batch_size: int):
+                 batch_size: int, loader: Loader | None = None):
         self.cfg, self.run_dir, self.rank, self.is_main = cfg, run_dir, rank, is_main
-        self.seed, self.vocab_size, self.batch_size = seed, vocab_size, batch_size
+        self.seed, self.vocab_size, self.batch_size, self.loader = seed, vocab_size, batch_size, loader
+        self._repeated: dict[int, torch.Tensor] = {}  # window start -> the tokens its sequences repeat
 
     def _once(self, name: str) -> bool:
         """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
@@ -60,6 +78,10 @@ class Drills:
         step = self.cfg.crash_in_save
         if step >= 0 and self.is_main and self._once(f"save-crash-{step}"):
             store.die_in_save(step)
+
+    def corrupt(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
+        """This rank's micro-batches after the data drills (the same batches when none hits)."""
+        return self.repeat(self.poison(micro_batches, indices), indices)
 
     def poison(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
         """Replace poisoned sequences with uniform random tokens: a data-borne spike.
@@ -87,6 +109,56 @@ class Drills:
             row += inputs.shape[0]
             out.append((inputs, targets))
         return out
+
+    def repeat(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
+        """Every sequence in a faults.repeat_batches window becomes one n-gram of real text
+        repeated: the same for the whole window and every rank (read from the window's first
+        global sequence), so the batch is a pure function of the stream as real data is."""
+        if not self.cfg.repeat_batches:
+            return micro_batches
+        batch_of = np.asarray(indices) // self.batch_size
+        starts = np.full(len(batch_of), -1)
+        for start, end in self.cfg.repeat_batches:
+            starts[(batch_of >= start) & (batch_of < end)] = start
+        if (starts < 0).all():
+            return micro_batches
+        out, row = [], 0
+        for inputs, targets in micro_batches:
+            inputs, targets = inputs.clone(), targets.clone()
+            for i in range(inputs.shape[0]):
+                if starts[row + i] >= 0:
+                    tokens = self._repeated_tokens(int(starts[row + i]), inputs.shape[1] + 1)
+                    inputs[i], targets[i] = tokens[:-1], tokens[1:]
+            row += inputs.shape[0]
+            out.append((inputs, targets))
+        return out
+
+    def _repeated_tokens(self, window_start: int, length: int) -> torch.Tensor:
+        if window_start not in self._repeated:
+            inputs, targets = self.loader.read(np.array([window_start * self.batch_size]))
+            document = torch.cat([inputs[0], targets[0, -1:]])
+            unit = document[:self.cfg.repeat_ngram] if self.cfg.repeat_ngram else document
+            self._repeated[window_start] = unit.repeat(length // len(unit) + 1)[:length]
+        return self._repeated[window_start]
+
+    def lr_multiplier(self, step: int) -> float:
+        """faults.lr_burst: what the learning rate of step `step` is multiplied by (a state drill:
+        it is the schedule's, so every replay of the step gets it too)."""
+        factor = 1.0
+        for start, end, multiplier in self.cfg.lr_burst:
+            if start <= step < end:
+                factor *= float(multiplier)
+        return factor
+
+    def grad_multiplier(self, step: int) -> float:
+        """faults.grad_fault_steps: what this rank's gradients of step `step` are multiplied by,
+        once per run.dir (a transient fault: a flipped bit, a bad reduction); else 1."""
+        cfg = self.cfg
+        if step not in cfg.grad_fault_steps or cfg.grad_fault_rank not in (-1, self.rank):
+            return 1.0
+        if not self._once(f"grad-{step}-rank{self.rank}"):
+            return 1.0
+        return float("nan") if cfg.grad_fault_mode == "nan" else cfg.grad_fault_scale
 
     def loss_multiplier(self, step: int) -> float:
         """What the last micro-batch's loss of step `step` is multiplied by: NaN for a transient

@@ -1,16 +1,29 @@
 """Loss-spike monitor: judge each optimizer step, and plan the recovery when a spike persists.
 
 `SpikeMonitor.check(step, loss, gnorm)` runs on rank 0 with the globally reduced loss and the
-pre-clip grad norm; the loop broadcasts the verdict. The baseline is robust (median and MAD of the
-last `window` clean steps), so one spike cannot drag it, and only clean steps enter it, so a run of
-spikes cannot teach the monitor that spikes are normal. Only upward deviations count: early in
-training the loss falls faster than the rolling median follows, and that is progress.
+pre-clip grad norm; the loop broadcasts the verdict. Only clean steps enter the baseline, so a run
+of spikes cannot teach the monitor that spikes are normal, and only upward deviations count:
+early in training the loss falls faster than a rolling baseline follows, and that is progress.
 
-Verdicts: a non-finite loss or grad norm, or a robust z above `hard_loss_z`, rewinds at once; an
-isolated outlier (z above `loss_z`, or grad norm above `gnorm_mult` x the median clean norm) is
-skipped; the (max_skips+1)-th outlier in a row rewinds. Detection delay with the defaults: an
-isolated spike is skipped on its own step (0 steps); a sustained one rewinds 2 steps after its
-first step (max_skips=2), or at once when it is hard or non-finite.
+Three detectors (`monitor.detector`), each over the same clean history:
+
+- `mad` (default): robust z = (loss - median) / (1.4826 MAD) of the last `window` clean steps,
+  so one spike cannot drag the baseline; grad norm over `gnorm_mult` x its median.
+- `zscore`: OLMo-core's skip-step test, z = (x - mean) / std of the last `window` clean steps for
+  the loss and the grad norm alike (OLMo-core: window 128, 6 sigma: `monitor.window=128
+  monitor.min_history=64 monitor.loss_z=6`). Unlike OLMo-core, outliers never enter the window.
+- `max_multiple`: Megatron-LM's rerun check, a loss at least `max_multiple` (10) x the largest of
+  the first `max_multiple_steps` (100) steps' losses. Blind to anything smaller: a net for
+  blow-ups, not for spikes.
+
+Verdicts: a non-finite loss or grad norm rewinds at once (`monitor.nonfinite=skip` makes it an
+outlier, as OLMo-core's skip-step treats it); so does a z above `hard_loss_z` (mad, zscore); an
+isolated outlier is skipped; the (max_skips+1)-th outlier in a row rewinds. Detection delay with
+the defaults: an isolated spike is skipped on its own step (0 steps); a sustained one rewinds 2
+steps after its first step (max_skips=2), or at once when it is hard or non-finite.
+
+`recheck` judges an in-place re-run of the step just judged as if the first attempt had never
+been seen (its outlier is taken back out of the streak), so the monitor never learns a transient.
 
 `step` is the step count (the step whose update is being judged, as in metrics.jsonl). What to
 do about a rewind is planned in `recovery.rewind`.
@@ -22,7 +35,9 @@ import statistics
 from collections import deque
 from enum import Enum
 
-from dsslm.ckpt.schema import MAX_STEP, Fields, Float, Int, ListOf, Optional
+from typing import Any
+
+from dsslm.ckpt.schema import MAX_STEP, Fields, Float, Int, ListOf, Optional, Spec, StateError, Str
 from dsslm.config import MonitorCfg
 
 MAD_TO_STD = 1.4826  # MAD x 1.4826 estimates the standard deviation of a normal distribution
@@ -33,7 +48,7 @@ MAD_TO_STD = 1.4826  # MAD x 1.4826 estimates the standard deviation of a normal
 SCALE_FLOOR_REL = 2e-3
 SCALE_FLOOR_NATS = 1e-3
 GNORM_FLOOR = 1e-12  # a zero median grad norm would make any gradient an outlier
-STATE_FORMAT = 1
+STATE_FORMAT = 2     # 1: the mad detector's windows only (read as mad with no max_multiple baseline)
 
 
 class Verdict(str, Enum):
@@ -44,18 +59,18 @@ class Verdict(str, Enum):
 
 
 class SpikeMonitor:
-    """Rolling robust baseline of the clean steps; `check` is called once per optimizer step."""
+    """Rolling baseline of the clean steps; `check` is called once per optimizer step."""
 
     def __init__(self, cfg: MonitorCfg):
         self.cfg = cfg
-        self.state_schema = Fields(
-            format=Int(STATE_FORMAT, STATE_FORMAT), losses=ListOf(Float(), max_len=cfg.window),
-            gnorms=ListOf(Float(0.0), max_len=cfg.window), streak=Int(0, MAX_STEP),
-            spike_start=Optional(Int(1, MAX_STEP)))
+        self.state_schema = _MonitorState(cfg)
         self._losses: deque[float] = deque(maxlen=cfg.window)
         self._gnorms: deque[float] = deque(maxlen=cfg.window)
         self._streak = 0                  # consecutive outliers so far, reset by a clean step
         self._spike_start: int | None = None
+        self._baseline_max: float | None = None  # max_multiple: largest of the first steps' losses
+        self._baseline_count = 0
+        self._before: tuple[int, int | None] = (0, None)  # the streak before the last check (recheck)
         self.last_reason = ""             # why the last verdict was not OK, for the events log
 
     @property
@@ -68,28 +83,28 @@ class SpikeMonitor:
         loss, gnorm = float(loss), float(gnorm)
         if not self.cfg.enabled:
             return Verdict.OK
+        self._before = (self._streak, self._spike_start)
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
-            # Checked before the history gate: a NaN must never enter the median.
-            return self._rewind(step, f"non-finite loss={loss} gnorm={gnorm}")
-        if len(self._losses) < self.cfg.min_history:
+            # Checked before the history gate: a NaN must never enter the baseline.
+            reason = f"non-finite loss={loss} gnorm={gnorm}"
+            return self._outlier(step, reason) if self.cfg.nonfinite == "skip" else self._rewind(step, reason)
+        if not self._ready():
             self._record(loss, gnorm)
             return Verdict.OK
-        z = self.loss_z(loss)
-        if z > self.cfg.hard_loss_z:
-            return self._rewind(step, f"loss z={z:.1f} > hard_loss_z={self.cfg.hard_loss_z}")
-        gnorm_ratio = gnorm / max(statistics.median(self._gnorms), GNORM_FLOOR)
-        if z > self.cfg.loss_z or gnorm_ratio > self.cfg.gnorm_mult:
-            reason = f"loss z={z:.1f}, gnorm {gnorm_ratio:.1f}x median"
-            if self._streak == 0:
-                self._spike_start = step
-            self._streak += 1
-            if self._streak > self.cfg.max_skips:
-                return self._rewind(step, f"{self._streak} outliers in a row ({reason})")
-            self.last_reason = reason
-            return Verdict.SKIP
+        hard, outlier, reason = self._assess(loss, gnorm)
+        if hard:
+            return self._rewind(step, reason)
+        if outlier:
+            return self._outlier(step, reason)
         self._record(loss, gnorm)
         self.reset_streak()
         return Verdict.OK
+
+    def recheck(self, step: int, loss: float, gnorm: float) -> Verdict:
+        """Judge an in-place re-run of the step `check` just called an outlier, as if that first
+        attempt had not been seen (it never entered the baseline; its place in the streak goes)."""
+        self._streak, self._spike_start = self._before
+        return self.check(step, loss, gnorm)
 
     def loss_z(self, loss: float) -> float:
         """Robust z-score of `loss` against the clean history (positive = above the median)."""
@@ -97,6 +112,11 @@ class SpikeMonitor:
         mad = statistics.median(abs(x - median) for x in self._losses)
         floor = SCALE_FLOOR_REL * abs(median) + SCALE_FLOOR_NATS
         return (loss - median) / max(mad * MAD_TO_STD, floor)
+
+    def window(self) -> dict:
+        """The clean history the next verdict is judged against (forensics)."""
+        return {"detector": self.cfg.detector, "losses": list(self._losses), "gnorms": list(self._gnorms),
+                "baseline_max": self._baseline_max}
 
     def reset_streak(self) -> None:
         """Forget the pending run of outliers (after the loop has acted on a REWIND)."""
@@ -106,11 +126,12 @@ class SpikeMonitor:
 
     def state_dict(self) -> dict:
         """JSON-safe state: restoring it makes the monitor judge as if never interrupted."""
-        return {"format": STATE_FORMAT, "losses": list(self._losses), "gnorms": list(self._gnorms),
-                "streak": self._streak, "spike_start": self._spike_start}
+        return {"format": STATE_FORMAT, "detector": self.cfg.detector, "losses": list(self._losses),
+                "gnorms": list(self._gnorms), "streak": self._streak, "spike_start": self._spike_start,
+                "baseline_max": self._baseline_max, "baseline_count": self._baseline_count}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (1, STATE_FORMAT):
             raise ValueError(f"monitor state format={state.get('format')!r}, expected {STATE_FORMAT}; "
                              "the checkpoint was written by another dsslm version")
         if len(state["losses"]) != len(state["gnorms"]):
@@ -120,10 +141,48 @@ class SpikeMonitor:
         self._streak = int(state["streak"])
         start = state["spike_start"]
         self._spike_start = None if start is None else int(start)
+        self._baseline_max = state.get("baseline_max")
+        self._baseline_count = int(state.get("baseline_count", 0))
+
+    # --- detectors ----------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        if self.cfg.detector == "max_multiple":
+            return self._baseline_count >= self.cfg.max_multiple_steps
+        return len(self._losses) >= self.cfg.min_history
+
+    def _assess(self, loss: float, gnorm: float) -> tuple[bool, bool, str]:
+        """(hard, outlier, reason) of a finite step against the clean history."""
+        cfg = self.cfg
+        if cfg.detector == "max_multiple":
+            ratio = loss / max(self._baseline_max, SCALE_FLOOR_NATS)
+            return False, ratio >= cfg.max_multiple, f"loss {ratio:.1f}x the first steps' max"
+        if cfg.detector == "zscore":
+            z, gnorm_z = _zscore(loss, self._losses, relative_floor=True), _zscore(gnorm, self._gnorms)
+            reason = f"loss z={z:.1f}, gnorm z={gnorm_z:.1f} (mean/std)"
+            if z > cfg.hard_loss_z:
+                return True, True, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z} (mean/std)"
+            return False, z > cfg.loss_z or gnorm_z > cfg.loss_z, reason
+        z = self.loss_z(loss)
+        if z > cfg.hard_loss_z:
+            return True, True, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z}"
+        gnorm_ratio = gnorm / max(statistics.median(self._gnorms), GNORM_FLOOR)
+        return False, z > cfg.loss_z or gnorm_ratio > cfg.gnorm_mult, f"loss z={z:.1f}, gnorm {gnorm_ratio:.1f}x median"
 
     def _record(self, loss: float, gnorm: float) -> None:
         self._losses.append(loss)
         self._gnorms.append(gnorm)
+        if self._baseline_count < self.cfg.max_multiple_steps:
+            self._baseline_max = loss if self._baseline_max is None else max(self._baseline_max, loss)
+            self._baseline_count += 1
+
+    def _outlier(self, step: int, reason: str) -> Verdict:
+        if self._streak == 0:
+            self._spike_start = step
+        self._streak += 1
+        if self._streak > self.cfg.max_skips:
+            return self._rewind(step, f"{self._streak} outliers in a row ({reason})")
+        self.last_reason = reason
+        return Verdict.SKIP
 
     def _rewind(self, step: int, reason: str) -> Verdict:
         if self._streak == 0:
@@ -132,3 +191,32 @@ class SpikeMonitor:
         self._streak = 0
         self.last_reason = reason
         return Verdict.REWIND
+
+
+def _zscore(x: float, history: deque, relative_floor: bool = False) -> float:
+    """(x - mean) / std of `history` (sample std, as torch.std_mean); a loss's std never drops
+    below the same floor the mad detector uses, a grad norm's below GNORM_FLOOR."""
+    mean = math.fsum(history) / len(history)
+    var = math.fsum((h - mean) ** 2 for h in history) / max(len(history) - 1, 1)
+    floor = SCALE_FLOOR_REL * abs(mean) + SCALE_FLOOR_NATS if relative_floor else GNORM_FLOOR
+    return (x - mean) / max(math.sqrt(var), floor)
+
+
+class _MonitorState(Spec):
+    """The monitor part of state.json: types and ranges, and the detector this run judges with."""
+
+    def __init__(self, cfg: MonitorCfg):
+        self.detector = cfg.detector
+        self.fields = Fields(
+            optional=("detector", "baseline_max", "baseline_count"),
+            format=Int(1, STATE_FORMAT), detector=Str(32), losses=ListOf(Float(), max_len=cfg.window),
+            gnorms=ListOf(Float(0.0), max_len=cfg.window), streak=Int(0, MAX_STEP),
+            spike_start=Optional(Int(1, MAX_STEP)), baseline_max=Optional(Float()),
+            baseline_count=Int(0, MAX_STEP))
+
+    def check(self, value: Any, path: str) -> None:
+        self.fields.check(value, path)
+        saved = value.get("detector", "mad")
+        if saved != self.detector:
+            raise StateError(f"{path}.detector: {saved!r}, but this run judges with monitor.detector="
+                             f"{self.detector!r}")

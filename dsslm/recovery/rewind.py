@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from dsslm.ckpt.format import Checkpoint
 from dsslm.ckpt.resume import Checkpointer
 from dsslm.ckpt.schema import Fields, Float, Int, ListOf, Optional, StateError, Window, check
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
@@ -54,12 +55,17 @@ def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], 
     runs from the first sequence of the first spike step to the end of the last; sequences inside
     it that an older window already skips were never fed, so covering them is harmless.
     `rewind_history` holds one `rewind_record` per rewind already made in this run; `batch_size`
-    is the run's full global batch in sequences.
+    is the run's full global batch in sequences. `max_rewinds` counts the rewinds of the same
+    region (`region_steps` of steps, or touching data windows), not the run's whole history:
+    a long run may recover from many unrelated spikes, but not from one that keeps coming back.
     """
     if not 1 <= spike_start <= spike_end:
         raise ValueError(f"spike steps [{spike_start}, {spike_end}] must satisfy 1 <= start <= end")
     window = [sequences_of(spike_start)[0], sequences_of(spike_end)[1]]
-    repeats = sum(_same_region(spike_start, window, past, cfg.region_steps) for past in rewind_history)
+    same_region = [past for past in rewind_history if _same_region(spike_start, window, past, cfg.region_steps)]
+    # A transient fault says nothing about the region's data or learning rate; it still counts
+    # towards escalation (a flaky node faulting again and again needs a human too).
+    repeats = sum(past.get("verdict") != "transient" for past in same_region)
     # Bad data comes in runs longer than the few batches the detector has seen (a corrupt file,
     # a dedup failure): skip at least `skip_batches` batches, doubling each time the region spikes
     # again, so a long bad region costs a few rewinds, not one per batch.
@@ -70,7 +76,7 @@ def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], 
         window=window,
         # The same steps spiking again on other data points at the optimizer, not the data.
         lr_scale_factor=cfg.lr_backoff if repeats else 1.0,
-        escalate=len(rewind_history) >= cfg.max_rewinds,
+        escalate=len(same_region) >= cfg.max_rewinds,
     )
 
 
@@ -131,11 +137,12 @@ def merge_recovery(state: TrainState, recovery: dict) -> None:
 
 
 def recovery_pins(step: int, valid_steps: list[int], cfg: Config) -> list[int]:
-    """Checkpoints retention must keep: the one a rewind starting now would need, and the last
-    one before a WSD decay (to branch cooldowns from)."""
+    """Checkpoints retention must keep: the one a rewind starting now would need (the oldest
+    while none is old enough), and the last one before a WSD decay (to branch cooldowns from)."""
     m = cfg.monitor
     horizon = step - m.rewind_margin_steps - m.max_skips - 1
-    pins = [s for s in valid_steps if s <= horizon][-1:]
+    # Until one is old enough, the oldest: the start checkpoint a spike right after a branch needs.
+    pins = [s for s in valid_steps if s <= horizon][-1:] or sorted(valid_steps)[:1]
     decay_start = decay_start_step(cfg)
     if decay_start is not None:
         pins += [s for s in valid_steps if s <= decay_start][-1:]
@@ -191,36 +198,66 @@ class Rewinder:
         # in the history: its window then starts at the oldest step seen.
         return self._fed.get(step) or next(iter(self._fed.values()))
 
-    def rewind(self, state: TrainState, spike_step: int) -> None:
+    def rewind(self, state: TrainState, spike_step: int, spike_start: int | None = None) -> None:
         """Go back to a checkpoint from before the spike at `spike_step` and never feed its data
-        window again; `state` (the checkpointer's train part) is restored in place."""
+        window again (today's policy: no replay tells data from state); `state` (the
+        checkpointer's train part) is restored in place."""
         def plan() -> tuple[RewindPlan, dict, str]:
-            start = self.monitor.spike_start if self.monitor.spike_start is not None else spike_step
+            start = spike_start or self.monitor.spike_start or spike_step
             p = plan_rewind(start, spike_step, self._sequences_of, state.rewinds, self.cfg.monitor, self.batch_size)
             return p, rewind_record(start, p), self.monitor.last_reason
 
         rewind_plan, record, reason = self.engine.decide(plan)
         if rewind_plan.escalate:
-            self.emit("escalation", step=spike_step, rewinds=len(state.rewinds), window=rewind_plan.window)
-            raise Escalation(f"spike at step {spike_step} after {len(state.rewinds)} rewinds; "
-                             f"see {self.run_dir / 'events.jsonl'}")
+            self.escalate(spike_step, len(state.rewinds), f"window {rewind_plan.window}")
+        ckpt = self.checkpoint_before(spike_step, rewind_plan.to_step, record["step"])
+        old_scale = state.lr_scale
+        skip_list = merge_windows(state.skip_list + [rewind_plan.window])
+        self.restore(state, ckpt, skip_list, state.lr_scale * rewind_plan.lr_scale_factor, record)
+        self.engine.decide(lambda: write_recovery(self.run_dir, state))
+        self.emit("rewind", step=spike_step, to_step=state.step, window=rewind_plan.window,
+                  checkpoint=str(ckpt.path), reason=reason)
+        if rewind_plan.lr_scale_factor != 1.0:
+            self.emit("lr_scale", step=state.step, old=old_scale, new=state.lr_scale)
+
+    def plan(self, state: TrainState, spike_start: int, spike_step: int) -> RewindPlan:
+        """Rank 0's plan for the spike over steps [spike_start, spike_step], on every rank."""
+        return self.engine.decide(lambda: plan_rewind(spike_start, spike_step, self._sequences_of, state.rewinds,
+                                                      self.cfg.monitor, self.batch_size))
+
+    def escalate(self, spike_step: int, rewinds: int, detail: str) -> None:
+        self.emit("escalation", step=spike_step, rewinds=rewinds, reason=detail)
+        raise Escalation(f"spike at step {spike_step} after {rewinds} rewinds ({detail}); "
+                         f"see {self.run_dir / 'events.jsonl'}")
+
+    def checkpoint_before(self, spike_step: int, to_step: int, spike_start: int) -> Checkpoint:
+        """The newest valid checkpoint at or before `to_step` (every rank); when there is none
+        (the first steps after a branch, whose only checkpoint is where it started), the newest
+        before the spike's first step; else Escalation."""
         self.engine.decide(self.checkpointer.store.wait)  # rank 0's writer error reaches every rank
-        ckpt = self.checkpointer.latest(rewind_plan.to_step)
+        ckpt = self.checkpointer.latest(to_step) or self.checkpointer.latest(spike_start - 1)
         if ckpt is None:
             self.emit("escalation", step=spike_step, reason="no checkpoint before the spike")
-            raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {rewind_plan.to_step}")
-        # What the run learnt since that checkpoint survives the restore.
-        old_scale = state.lr_scale
-        history, lr_scale = state.rewinds + [record], state.lr_scale * rewind_plan.lr_scale_factor
-        skip_list = merge_windows(state.skip_list + [rewind_plan.window])
+            raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {to_step}")
+        return ckpt
+
+    def restore(self, state: TrainState, ckpt: Checkpoint, skip_list: list, lr_scale: float,
+                record: dict | None) -> None:
+        """Load `ckpt` on every rank, keeping what the run learnt since: `skip_list` (the windows
+        to skip from now on), its rewind history (plus `record`), the lower lr_scale and the
+        counters. The run-level file is the caller's to write (a tentative window must not
+        reach it)."""
+        history = state.rewinds + ([record] if record else [])
         counters = state.skipped_steps, state.clipped_steps
         self.checkpointer.restore(ckpt)
         state.skip_list = merge_windows(state.skip_list + skip_list)
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
         state.skipped_steps, state.clipped_steps = counters
-        self.engine.decide(lambda: write_recovery(self.run_dir, state))
         self.monitor.reset_streak()
-        self.emit("rewind", step=spike_step, to_step=state.step, window=rewind_plan.window,
-                  checkpoint=str(ckpt.path), reason=reason)
-        if rewind_plan.lr_scale_factor != 1.0:
-            self.emit("lr_scale", step=state.step, old=old_scale, new=state.lr_scale)
+
+    def ensure_start_checkpoint(self, state: TrainState, save: Callable[[], None]) -> None:
+        """A checkpoint at the step the run starts from (step 0, or the step a branch starts at)
+        when the run has none at or before it: a spike in warmup, where spikes are most likely,
+        then rewinds instead of escalating. Retention lets it go once a later one can serve."""
+        if self.engine.decide(lambda: not any(s <= state.step for s in self.checkpointer.store.valid_steps())):
+            save()

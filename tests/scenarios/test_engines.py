@@ -219,6 +219,64 @@ def test_fsdp_state_loads_into_zero3_and_continues():
     assert_close_curves(result["curve"], reference()["curve"][FIRST:], rel=1e-5)
 
 
+def rerun_worker(rank: int, world_size: int, kind: str, stage: int) -> dict:
+    """Two runs of steps [0, FIRST) in one process group: clean, then with rank 1's gradients of
+    step SKIPPED scaled 1000x, dropped (drop_gradients) and that step computed again from the
+    same weights and batch, as the loop's in-place re-run does."""
+    from dsslm.engine.base import init_distributed
+    from dsslm.engine.launch import leave_process_group
+    from dsslm.loss import accumulate
+    from dsslm.optim import lr_at
+    torch.set_num_threads(1)
+    init_distributed(torch.device("cpu"))  # outlives both engines (neither owns it)
+    out = {}
+    for faulted in (False, True):
+        cfg = make_cfg(kind, stage)
+        engine = build(cfg)
+        curve, first, norms = [], None, None
+        for step in range(FIRST):
+            batches = micro_batches(step, rank, world_size, 2)
+            fault = 1000.0 if faulted and step == SKIPPED and rank == 1 else 1.0
+            result = accumulate(engine, batches, "fp32", cfg.train.z_loss, cfg.optim.clip, real_tokens(step),
+                                grad_multiplier=fault)
+            if faulted and step == SKIPPED:
+                first = result.gnorm
+                engine.drop_gradients()
+                result = accumulate(engine, batches, "fp32", cfg.train.z_loss, cfg.optim.clip, real_tokens(step))
+            if step == SKIPPED:
+                norms = engine.grad_norms()
+            curve.append((result.loss, result.gnorm))
+            engine.step(lr_at(step, cfg))
+        counters = None
+        if kind == "zero":
+            counters = {"global_steps": engine.ds.global_steps, "skipped_steps": engine.ds.skipped_steps,
+                        "micro_steps": engine.ds.micro_steps}
+        out[faulted] = {"curve": curve, "first": first, "norms": norms, "counters": counters,
+                        "final": plain(engine.full_state())}
+        engine.close()
+    leave_process_group()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage", [("ddp", 1), ("zero", 2), ("zero", 3), ("fsdp", 1)],
+                         ids=["ddp", "zero2", "zero3", "fsdp"])
+def test_an_in_place_rerun_after_dropped_gradients_is_the_clean_step_to_the_bit(kind, stage):
+    """No faulted gradient leaks into the re-run, on any engine; ZeRO's counters read as if the
+    step had been computed once; grad_norms partition the global norm on every rank alike."""
+    ranks = run_distributed(rerun_worker, 2, (kind, stage))
+    for result in ranks:
+        clean, faulted = result[False], result[True]
+        assert faulted["first"] > 100 * clean["curve"][SKIPPED][1]  # the fault was there
+        assert faulted["curve"] == clean["curve"]
+        assert faulted["counters"] == clean["counters"]
+        total = sum(v ** 2 for v in clean["norms"].values()) ** 0.5
+        assert math.isclose(total, clean["curve"][SKIPPED][1], rel_tol=1e-5)
+        assert set(clean["norms"]) == set(ranks[0][False]["final"][0])  # every parameter, by name
+    assert_same_state(ranks[0][True]["final"], ranks[0][False]["final"])
+    assert ranks[0][False]["norms"] == ranks[1][False]["norms"]
+
+
 # --- launcher and DeepSpeed config: fast, no processes ---------------------------------------
 
 def test_accelerate_use_deepspeed_selects_zero_with_its_stage():

@@ -11,7 +11,7 @@ from helpers import TINY, events, read_jsonl, run_train, tiny_cfg
 
 # d_model 64 at lr 3e-3 has settled near loss 3 by step 60, where uniformly random tokens
 # (loss ~7) are a clear spike; checkpoints every 5 steps give rewind targets.
-SPIKE = ["model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=100", "ckpt.every=5",
+SPIKE = ["monitor.triage=false", "model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=100", "ckpt.every=5",
          "ckpt.keep_last=4", "monitor.min_history=15", "monitor.window=30",
          "monitor.rewind_margin_steps=2", "optim.warmup_steps=5"]
 

@@ -259,8 +259,8 @@ def test_schema_checks_name_the_field():
 
 
 def test_metrics_of_the_refused_step_and_the_resume_line_up(reference):
-    """Guard for the fixture itself: 12 step records, steps 1..12, checkpoints at 4, 8, 12."""
+    """Guard for the fixture itself: 12 step records, steps 1..12, checkpoints at 0, 4, 8, 12."""
     records = [r for r in read_jsonl(reference / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 13))
     assert sorted(p.name for p in (reference / "checkpoints").glob("step-*")) == \
-        ["step-00000004", "step-00000008", "step-00000012"]
+        ["step-00000000", "step-00000004", "step-00000008", "step-00000012"]  # step 0: a spike in warmup can rewind

@@ -250,12 +250,16 @@ def test_second_spike_in_the_same_region_backs_off_the_lr():
     assert plan_rewind(191, 196, batch_of([]), far_history, cfg, 1).lr_scale_factor == 1.0
 
 
-def test_escalate_after_max_rewinds():
-    cfg = MonitorCfg(max_rewinds=4)
-    history = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5}
-               for i in range(1, 5)]
-    assert plan_rewind(7001, 7003, batch_of([]), history[:3], cfg, 1).escalate is False
-    assert plan_rewind(7001, 7003, batch_of([]), history, cfg, 1).escalate is True
+def test_escalate_after_max_rewinds_in_one_region_not_over_the_run():
+    cfg = MonitorCfg(max_rewinds=4, region_steps=50)
+    # Four rewinds long ago, each in its own region: a long run recovering from unrelated spikes.
+    far = [{"step": 1000 * i, "window": [1000 * i, 1000 * i + 3], "to_step": 1000 * i - 5} for i in range(1, 5)]
+    assert plan_rewind(7001, 7003, batch_of([]), far, cfg, 1).escalate is False
+    # Four within region_steps of this spike: it keeps coming back.
+    near = [{"step": 6960 + 10 * i, "window": [100 * i, 100 * i + 3], "to_step": 6950} for i in range(4)]
+    assert plan_rewind(7001, 7003, batch_of([]), near[:3], cfg, 1).escalate is False
+    assert plan_rewind(7001, 7003, batch_of([]), near, cfg, 1).escalate is True
+    assert plan_rewind(7001, 7003, batch_of([]), far + near[:3], cfg, 1).escalate is False
 
 
 def test_merge_windows():
@@ -282,3 +286,11 @@ def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
     assert plan_rewind(301, 301, lambda step: (1200, 1204), [], cfg, 4).window == [1200, 1232]
     far = plan_rewind(901, 903, batch_of([first.window]), history, cfg, 1)
     assert far.window == [908, 916]  # another region: back to the minimum
+
+
+def test_a_transient_in_the_region_neither_doubles_the_window_nor_backs_off_but_counts():
+    cfg = MonitorCfg(skip_batches=8, region_steps=50, max_rewinds=2)
+    transient = {"step": 290, "window": [290, 290], "to_step": 280, "lr_scale_factor": 1.0, "verdict": "transient"}
+    plan = plan_rewind(301, 301, batch_of([]), [transient], cfg, 1)
+    assert plan.window == [300, 308] and plan.lr_scale_factor == 1.0 and not plan.escalate
+    assert plan_rewind(301, 301, batch_of([]), [transient, transient], cfg, 1).escalate

@@ -1,0 +1,168 @@
+"""Forensics of one spike: `run.dir/spikes/step-XXXXXXXX/`, what a person needs to look at it.
+
+Written when the monitor calls a step an outlier or a rewind (not during the replays that
+triage it, whose evidence goes into the triage decision):
+
+    batch.safetensors  the whole step's batch, every rank's share gathered to rank 0:
+                       `indices` (global sequence indices, int64 [B]), `inputs` and `targets`
+                       (int64 [B, seq_len]), `sequence_loss` (mean cross-entropy per real
+                       target of each sequence, fp64 [B])
+    spike.json         the step, loss, pre-clip grad norm, the monitor's reason and its window
+                       (the clean history the verdict was judged against), the grad norm of
+                       each layer group and parameter (before clipping), the worst sequences,
+                       and the tokenizer that decodes the batch (`python -m dsslm.report`)
+    triage.json        {"decisions": [...]}: each triage decision that covered this step
+
+A folder is written into `spikes/.tmp-*` and renamed into place (files and folders fsynced), so
+a reader sees a whole folder or none; a step that spikes again (a replay, a resume) gets
+`step-XXXXXXXX.1`, `.2`, ... and nothing is replaced. At most MAX_FOLDERS per process: a run
+spiking on every step does not fill the disk. A failed write is an event, never a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from dsslm.ckpt.format import step_name
+from dsslm.config import Config
+from dsslm.data.stream import StepSlice
+from dsslm.durable import fsync_dir, write_json_atomic
+from dsslm.engine.base import Engine
+from dsslm.model import LAYER_GROUPS, layer_group
+
+SPIKES_DIR = "spikes"
+BATCH_FILE, SPIKE_FILE, TRIAGE_FILE = "batch.safetensors", "spike.json", "triage.json"
+FORMAT = 1
+MAX_FOLDERS = 200
+WORST = 8  # sequences listed in spike.json, by loss
+
+
+class Forensics:
+    def __init__(self, cfg: Config, engine: Engine, run_dir: Path, tokenizer: dict, emit: Callable[..., Any]):
+        self.enabled = cfg.monitor.enabled and cfg.monitor.forensics
+        self.engine, self.dir, self.tokenizer, self.emit = engine, Path(run_dir) / SPIKES_DIR, tokenizer, emit
+        self.written = 0  # the same count on every rank: every rank captures the same steps
+
+    def capture(self, step: int, fed: StepSlice, micro_batches: list, result: Any, verdict: str, reason: str,
+                window: dict) -> None:
+        """Every rank: gather the step's sequences, their losses and the gradient norms (before
+        the gradients are dropped); rank 0 writes the folder. `window` is rank 0's monitor window."""
+        if not self.enabled or self.written >= MAX_FOLDERS:
+            return
+        self.written += 1
+        inputs = torch.cat([x for x, _ in micro_batches])
+        targets = torch.cat([y for _, y in micro_batches])
+        sequence_ce = torch.cat(result.sequence_ce).double().cpu()
+        real = (targets != -100).sum(-1).clamp(min=1)
+        share = (np.asarray(fed.indices), inputs.cpu(), targets.cpu(), (sequence_ce / real).numpy())
+        shares = self.engine.all_gather(share)
+        norms = self.engine.grad_norms()
+        if not self.engine.is_main:
+            return
+        batch = {"indices": torch.from_numpy(np.concatenate([s[0] for s in shares]).astype(np.int64)),
+                 "inputs": torch.cat([s[1] for s in shares]).long(),
+                 "targets": torch.cat([s[2] for s in shares]).long(),
+                 "sequence_loss": torch.from_numpy(np.concatenate([s[3] for s in shares]))}
+        losses = batch["sequence_loss"]
+        worst = torch.argsort(torch.nan_to_num(losses, nan=float("inf")), descending=True)[:WORST]
+        spike = {"format": FORMAT, "step": step, "verdict": verdict, "reason": reason, "loss": result.loss,
+                 "gnorm": result.gnorm, "data_position": fed.first, "batch_sequences": fed.batch_size,
+                 "grad_norms": group_norms(norms), "grad_norms_by_parameter": norms, "monitor_window": window,
+                 "worst_sequences": [{"row": int(i), "index": int(batch["indices"][i]), "loss": float(losses[i])}
+                                     for i in worst],
+                 "tokenizer": self.tokenizer}
+        try:
+            self._write(step, batch, spike)
+        except OSError as exc:
+            self.emit("forensics_failed", step=step, reason=repr(exc))
+
+    def record_decision(self, steps: list[int], decision: dict) -> None:
+        """Add a triage decision to the folder of every step it covers that has one (rank 0)."""
+        if not self.enabled or not self.engine.is_main:
+            return
+        for step in steps:
+            folder = newest_folder(self.dir, step)
+            if folder is None:
+                continue
+            path = folder / TRIAGE_FILE
+            try:
+                decisions = read_decisions(path)
+                write_json_atomic(path, {"format": FORMAT, "decisions": decisions + [_jsonable(decision)]}, indent=1)
+            except (OSError, ValueError) as exc:
+                self.emit("forensics_failed", step=step, reason=f"{path}: {exc}")
+
+    def _write(self, step: int, batch: dict, spike: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".tmp-{step_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        try:
+            save_file(batch, str(tmp / BATCH_FILE))
+            (tmp / SPIKE_FILE).write_text(json.dumps(_jsonable(spike), indent=1))
+            for name in (BATCH_FILE, SPIKE_FILE):
+                with open(tmp / name, "rb") as f:
+                    os.fsync(f.fileno())
+            fsync_dir(tmp)
+            os.rename(tmp, free_name(self.dir, step))
+            fsync_dir(self.dir)
+        finally:
+            if tmp.exists():
+                for child in tmp.iterdir():
+                    child.unlink()
+                tmp.rmdir()
+
+
+def group_norms(norms: dict[str, float]) -> dict[str, float]:
+    """Per-parameter L2 norms folded into the model's layer groups (sqrt of summed squares)."""
+    squares: dict[str, float] = {}
+    for name, value in norms.items():
+        group = layer_group(name)
+        squares[group] = squares.get(group, 0.0) + value ** 2
+    return {g: squares[g] ** 0.5 for g in LAYER_GROUPS if g in squares}
+
+
+def folders_of(spikes_dir: Path, step: int) -> list[Path]:
+    """step-XXXXXXXX, step-XXXXXXXX.1, ... that exist, oldest first."""
+    base = spikes_dir / step_name(step)
+    out = [base] if base.is_dir() else []
+    n = 1
+    while (spikes_dir / f"{base.name}.{n}").is_dir():
+        out.append(spikes_dir / f"{base.name}.{n}")
+        n += 1
+    return out
+
+
+def newest_folder(spikes_dir: Path, step: int) -> Path | None:
+    found = folders_of(spikes_dir, step)
+    return found[-1] if found else None
+
+
+def free_name(spikes_dir: Path, step: int) -> Path:
+    found = folders_of(spikes_dir, step)
+    return spikes_dir / (step_name(step) if not found else f"{step_name(step)}.{len(found)}")
+
+
+def read_decisions(path: Path) -> list:
+    """The decisions of a triage.json (ValueError if it is not one this module wrote)."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("decisions"), list):
+        raise ValueError("not a triage.json of this format; left as it is")
+    return data["decisions"]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,300 @@
+"""Spike triage by replay: was a spike the data, the optimizer state, or a one-off fault?
+
+PaLM's authors told these apart by hand, replaying the same batches from an earlier checkpoint;
+Megatron-LM's rerun state machine replays only the current step. `Triage` does both, decided on
+rank 0 and followed by every rank; a replay is ordinary training from a restored checkpoint, so
+it works on every engine, and the monitor (restored with the checkpoint) judges it.
+
+A spike that rewinds (non-finite, hard, or `max_skips`+1 outliers in a row over steps
+[spike_start, target]) goes back to the newest checkpoint at least `rewind_margin_steps` before
+it (the *base*) and replays to `target`:
+
+    same_data    the same data, the same lr_scale. Every step through `target` within the
+                 monitor's thresholds: **transient**; the run simply continues from the replay,
+                 nothing is skipped and the learning rate is untouched.
+    skip_window  it came back: from the base again, the spike's data window (at least
+                 `skip_batches` batches, as today's policy) replaced by the next unseen data.
+                 Gone: **data**; the window is committed to the skip list and skip_list.json.
+    backoff      still there: from the base again with the original data and lr_scale x
+                 `lr_backoff`. Gone: **state**. It comes back: back off once more, up to
+                 `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
+                 the run, or, with `lr_recover_steps` = R > 0, holds through the spike and ramps
+                 linearly back to the full learning rate over the R steps after it (`lr_factor`:
+                 a pure function of the rewind history, so every resume and replay agrees).
+
+"Comes back" means a step of [spike_start, target] is outside the monitor's thresholds again
+(an outlier or a rewind). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
+exactly; on GPU kernels are not bitwise and it comes back within the thresholds. Each spike may
+spend at most `triage_max_replay_steps` replayed steps; a phase that would cross that falls back
+to today's policy (`Rewinder.rewind`: skip the window, back off when the region repeats).
+
+An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
+the same step again with the same weights, batch and random state, gradients dropped first. A
+normal result was a transient fault and its update is applied; a reproduced one is skipped as
+before. `note_rerun` records that decision.
+
+Every decision is a `triage` event (verdict data | state | transient, the replayed losses and
+grad norms, the replayed steps) and a record in the train state's rewind history (counted per
+region by `max_rewinds`). The replay in progress is the checkpoint part "triage": a checkpoint
+saved during a replay resumes it, and retention keeps its base (`pins`).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+from dsslm.ckpt.format import Checkpoint
+from dsslm.ckpt.schema import MAX_STEP, Fields, Float, Int, Json, ListOf, Spec, StateError, Str, Window
+from dsslm.ckpt.train_state import TrainState
+from dsslm.config import Config
+from dsslm.data.stream import merge_windows
+from dsslm.engine.base import Engine
+from dsslm.recovery.forensics import Forensics
+from dsslm.recovery.monitor import SpikeMonitor, Verdict
+from dsslm.recovery.rewind import Rewinder, recovery_pins, write_recovery
+
+STATE_FORMAT = 1
+
+
+class Phase(str, Enum):
+    SAME_DATA = "same_data"
+    SKIP_WINDOW = "skip_window"
+    BACKOFF = "backoff"
+
+
+# The verdict a phase stands for when its replay reaches the target clean.
+VERDICT_OF = {Phase.SAME_DATA: "transient", Phase.SKIP_WINDOW: "data", Phase.BACKOFF: "state"}
+
+
+@dataclass
+class Replay:
+    """One spike's triage in progress."""
+    phase: str
+    spike_start: int           # first step of the spike (step count)
+    target: int                # the step that rewound: the last step a replay must pass
+    base_step: int             # the checkpoint every replay of this spike restarts from
+    window: list               # [start, end) sequences the skip_window replay leaves out
+    skip_list: list            # the run's skip list before the triage (what every replay keeps)
+    lr_scale: float            # the run's lr_scale before the triage
+    reason: str = ""           # why the monitor called the spike
+    backoffs: int = 0
+    replay_steps: int = 0      # steps replayed for this spike so far (against the budget)
+    # One entry per pass: {"phase", "from_step", "steps": [[step, loss, gnorm, verdict], ...]}.
+    evidence: list = field(default_factory=list)
+
+
+class Progress:
+    """The checkpoint part "triage": the replay in progress, or None."""
+
+    def __init__(self) -> None:
+        self.replay: Replay | None = None
+        self.state_schema = _TriageState()
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.replay = Replay(**state["replay"]) if state["replay"] else None
+
+
+class Triage:
+    """The loop's spike policy: `review` every step, `rewind` on a REWIND verdict."""
+
+    def __init__(self, cfg: Config, engine: Engine, rewinder: Rewinder, monitor: SpikeMonitor,
+                 forensics: Forensics, progress: Progress, emit: Callable[..., Any]):
+        self.cfg, self.engine, self.rewinder, self.monitor = cfg, engine, rewinder, monitor
+        self.forensics, self.progress, self.emit = forensics, progress, emit
+        self.enabled = cfg.monitor.enabled and cfg.monitor.triage
+        # The original pass's last few steps, for the evidence of a spike that rewinds.
+        self._recent: collections.deque = collections.deque(maxlen=max(8, 2 * (cfg.monitor.max_skips + 2)))
+
+    @property
+    def replay(self) -> Replay | None:
+        return self.progress.replay
+
+    @replay.setter
+    def replay(self, value: Replay | None) -> None:
+        self.progress.replay = value
+
+    # --- asked by the loop ---------------------------------------------------------------------
+    def replaying(self, step: int) -> bool:
+        """True while a replay is judging `step` (a step of the spike it replays)."""
+        r = self.replay
+        return r is not None and r.spike_start <= step <= r.target
+
+    def may_rerun(self, step: int) -> bool:
+        """Re-run an isolated outlier in place? Not while a replay is asking whether it comes back."""
+        return self.enabled and not self.replaying(step)
+
+    def review(self, state: TrainState, verdict: Verdict, record: Any) -> Verdict:
+        """The verdict the loop acts on for the step just computed (`record`, a StepRecord): during
+        a replay a spike step outside the thresholds is the spike coming back (REWIND: the next
+        phase), and the target passing clean concludes the triage."""
+        row = [record.step, _num(record.loss), _num(record.gnorm), verdict.value]
+        if not self.replaying(record.step):
+            self._recent.append(row)
+            return verdict
+        self.replay.evidence[-1]["steps"].append(row)
+        if verdict is not Verdict.OK:
+            record.verdict = Verdict.REWIND.value
+            record.reason = f"triage: the spike came back in the {self.replay.phase} replay ({record.reason})"
+            return Verdict.REWIND
+        if record.step == self.replay.target:
+            self._conclude(state)
+        return verdict
+
+    def rewind(self, state: TrainState, record: Any) -> None:
+        """Act on a REWIND at step `record.step`: start a triage, take its next phase, or (triage
+        off, or over budget) today's policy. Restores `state` in place on every rank."""
+        if self.replay is not None:
+            self._next_phase(state, record.step)
+        elif self.enabled:
+            self._start(state, record.step)
+        else:
+            self.rewinder.rewind(state, record.step)
+
+    def note_rerun(self, step: int, first: tuple[float, float, str], rerun: tuple[float, float], verdict: Verdict) -> None:
+        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient."""
+        name = "transient" if verdict is Verdict.OK else "data"
+        evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
+                     "reason": first[2]},
+                    {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
+        decision = {"verdict": name, "scope": "step", "spike_start": step, "target": step, "replay_steps": 1,
+                    "evidence": evidence}
+        self.emit("triage", step=step, **decision)
+        self.forensics.record_decision([step], decision)
+
+    def lr_factor(self, state: TrainState, step: int) -> float:
+        """What step `step`'s learning rate is multiplied by for temporary backoffs
+        (monitor.lr_recover_steps > 0): the backoff replay in progress, and each state decision's
+        factor from its base through its spike, ramping back to 1 over the next R steps."""
+        recover = self.cfg.monitor.lr_recover_steps
+        if not recover:
+            return 1.0
+        factor = 1.0
+        r = self.replay
+        if r is not None and r.phase == Phase.BACKOFF.value:
+            factor *= self.cfg.monitor.lr_backoff ** r.backoffs
+        for record in state.rewinds:
+            if "target" in record and record["to_step"] < step < record["target"] + recover:
+                low, ramp = record["lr_scale_factor"], max(0, step - record["target"]) / recover
+                factor *= low + (1.0 - low) * ramp
+        return factor
+
+    def pins(self, step: int, valid_steps: list[int]) -> list[int]:
+        """Checkpoints retention must keep: today's recovery pins and a replay's base."""
+        base = [self.replay.base_step] if self.replay else []
+        return recovery_pins(step, valid_steps, self.cfg) + [s for s in valid_steps if s in base]
+
+    # --- the phases ----------------------------------------------------------------------------
+    def _start(self, state: TrainState, target: int) -> None:
+        spike_start, reason = self.engine.decide(lambda: (self.monitor.spike_start or target, self.monitor.last_reason))
+        plan = self.rewinder.plan(state, spike_start, target)
+        if plan.escalate:
+            self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
+        ckpt = self.rewinder.checkpoint_before(target, plan.to_step, spike_start)
+        replay = Replay(phase=Phase.SAME_DATA.value, spike_start=spike_start, target=target,
+                        base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(state.skip_list),
+                        lr_scale=state.lr_scale, reason=reason)
+        replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
+                                "reason": reason})
+        if not self._affordable(replay):
+            return self._fall_back(state, replay, ckpt)
+        self._replay_from(state, ckpt, replay, window=None, lr_scale=replay.lr_scale)
+
+    def _next_phase(self, state: TrainState, step: int) -> None:
+        r = self.replay
+        backoff = self.cfg.monitor.lr_backoff
+        if r.phase == Phase.SAME_DATA.value:
+            r.phase, window, lr_scale = Phase.SKIP_WINDOW.value, r.window, r.lr_scale
+        elif r.phase == Phase.SKIP_WINDOW.value or r.backoffs < self.cfg.monitor.max_backoffs:
+            r.phase, r.backoffs = Phase.BACKOFF.value, r.backoffs + 1
+            # A temporary backoff goes through lr_factor, a lasting one through lr_scale.
+            temporary = self.cfg.monitor.lr_recover_steps > 0
+            window, lr_scale = None, r.lr_scale * (1.0 if temporary else backoff ** r.backoffs)
+        else:
+            self.replay = None
+            self._decide(state, r, "state", escalated=True)
+            self.rewinder.escalate(r.target, len(state.rewinds), f"the spike persists after {r.backoffs} lr backoffs")
+        ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
+        if not self._affordable(r, ckpt):
+            return self._fall_back(state, r, ckpt)
+        self._replay_from(state, ckpt, r, window, lr_scale)
+
+    def _affordable(self, r: Replay, ckpt: Checkpoint | None = None) -> bool:
+        base = ckpt.state["step"] if ckpt is not None else r.base_step
+        return r.replay_steps + (r.target - base) <= self.cfg.monitor.triage_max_replay_steps
+
+    def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
+                     lr_scale: float) -> None:
+        r.base_step = ckpt.state["step"]
+        r.replay_steps += r.target - r.base_step
+        r.evidence.append({"phase": r.phase, "from_step": r.base_step, "lr_scale": lr_scale, "steps": []})
+        skip_list = merge_windows(r.skip_list + ([window] if window else []))
+        self.rewinder.restore(state, ckpt, skip_list, lr_scale, None)
+        self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
+        self.emit("rewind", step=r.target, to_step=state.step, window=window or [], checkpoint=str(ckpt.path),
+                  reason=r.reason, triage_phase=r.phase, lr_scale=state.lr_scale)
+
+    def _conclude(self, state: TrainState) -> None:
+        r, self.replay = self.replay, None
+        self._decide(state, r, VERDICT_OF[Phase(r.phase)])
+
+    def _decide(self, state: TrainState, r: Replay, verdict: str, escalated: bool = False) -> None:
+        """Record the verdict: the rewind history, skip_list.json, the event, the forensics."""
+        window = r.window if verdict == "data" else [r.window[0], r.window[0]]
+        factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" else 1.0
+        record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
+                  "lr_scale_factor": min(1.0, factor), "verdict": verdict}
+        if verdict == "state" and self.cfg.monitor.lr_recover_steps:
+            record["target"] = r.target  # temporary: lr_factor ramps it back from here
+        state.rewinds = state.rewinds + [record]
+        self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+        decision = {"verdict": verdict, "scope": "window", "spike_start": r.spike_start, "target": r.target,
+                    "from_step": r.base_step, "replay_steps": r.replay_steps, "window": window,
+                    "lr_scale": state.lr_scale, "lr_factor": factor, "escalated": escalated, "evidence": r.evidence}
+        self.emit("triage", step=r.target, **decision)
+        if verdict == "state" and not escalated:
+            self.emit("lr_scale", step=r.target, old=r.lr_scale, new=r.lr_scale * factor,
+                      recover_steps=self.cfg.monitor.lr_recover_steps)
+        self.forensics.record_decision(list(range(r.spike_start, r.target + 1)), decision)
+
+    def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint) -> None:
+        """Over the replay budget: today's policy, on what the replays showed so far."""
+        self.replay = None
+        self.emit("triage", step=r.target, verdict="data", scope="window", spike_start=r.spike_start,
+                  target=r.target, replay_steps=r.replay_steps, fallback="replay budget spent "
+                  f"(monitor.triage_max_replay_steps={self.cfg.monitor.triage_max_replay_steps})",
+                  evidence=r.evidence)
+        self.rewinder.rewind(state, r.target, r.spike_start)
+
+
+def _num(x: float) -> float | str:
+    """JSON has no NaN: non-finite numbers as the strings the sinks write."""
+    x = float(x)
+    return x if math.isfinite(x) else str(x)
+
+
+class _TriageState(Spec):
+    """The triage part of state.json: {"format": 1, "replay": null or a Replay}."""
+
+    replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
+                    window=Window(), skip_list=ListOf(Window(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
+                    reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
+                    evidence=ListOf(Json(), max_len=10_000))
+
+    def check(self, value: Any, path: str) -> None:
+        Fields(format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json()).check(value, path)
+        r = value["replay"]
+        if r is None:
+            return
+        self.replay.check(r, f"{path}.replay")
+        if r["phase"] not in {p.value for p in Phase}:
+            raise StateError(f"{path}.replay.phase: {r['phase']!r} is not one of {', '.join(p.value for p in Phase)}")
+        if not r["base_step"] < r["spike_start"] <= r["target"]:
+            raise StateError(f"{path}.replay.base_step: {r['base_step']} must come before spike_start "
+                             f"{r['spike_start']} <= target {r['target']}")

@@ -1,0 +1,289 @@
+"""Spike triage end to end on real text (the stdlib corpus), fp32, one process: each drill's
+verdict, what each verdict changes and what it must not, early spikes, budgets, preemption mid-replay.
+
+Every run here is a constant learning rate after warmup (min_lr = peak_lr) and batches of 16
+sequences, so by step 50 the loss is steady enough that the drills stand out: a repeated 4-gram
+(data) gives a grad norm ~7x the median, a 30x learning-rate burst (state) a loss z above 10, a
+gradient fault (transient) a non-finite or 1000x norm.
+"""
+import json
+import shutil
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsslm.recovery import triage as triage_module
+from dsslm.train import main, train
+from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
+
+RUN = ["model.d_model=64", "optim.peak_lr=3e-3", "optim.min_lr=3e-3", "train.micro_batch_size=16",
+       "train.total_steps=64", "ckpt.every=5", "ckpt.keep_last=3", "ckpt.keep_every=15", "monitor.min_history=10", "monitor.window=20",
+       "monitor.rewind_margin_steps=2", "observe.every=0"]
+B = 16
+DATA = "faults.repeat_batches=[[50,53]]"          # steps 51..53 are fed data batches 50..52
+STATE = ["faults.lr_burst=[[50,54,30.0]]", "monitor.lr_backoff=0.01"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These runs are small: two threads on a shared 2-core machine spin-wait far more than they compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cfg(run_dir, *extra):
+    return tiny_cfg(run_dir, *RUN, *extra)
+
+
+def triages(run_dir, scope=None):
+    return [e for e in events(run_dir, "triage") if scope is None or e["scope"] == scope]
+
+
+def final_state(run_dir, step=64):
+    return json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "state.json").read_text())
+
+
+def tensors(run_dir, step=64):
+    folder = run_dir / "checkpoints" / f"step-{step:08d}"
+    return {name: load_file(folder / name) for name in ("model.safetensors", "optim.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("triage") / "clean"
+    torch.set_num_threads(1)
+    assert train(cfg(run_dir)) == 0
+    assert not events(run_dir, "skip") and not events(run_dir, "rewind") and not triages(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("triage") / "data"
+    torch.set_num_threads(1)
+    assert train(cfg(run_dir, DATA)) == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("mode", ["nan", "scale"])
+def test_transient_fault_after_a_checkpoint_ends_bitwise_equal_to_a_run_without_it(clean, tmp_path, mode):
+    """nan: the norm is non-finite, the spike rewinds and the same-data replay is clean. scale:
+    an isolated 1000x norm, re-run in place with the same weights, batch and random state."""
+    assert train(cfg(tmp_path, "faults.grad_fault_steps=[52]", f"faults.grad_fault_mode={mode}")) == 0
+    decisions = triages(tmp_path)
+    assert [(d["verdict"], d["scope"]) for d in decisions] == [("transient", "window" if mode == "nan" else "step")]
+    assert decisions[0]["evidence"][0]["steps"][0][0] == 52  # the original pass saw the fault at 52
+    assert not events(tmp_path, "skip") and not events(tmp_path, "lr_scale")
+    state = final_state(tmp_path)
+    assert state["skip_list"] == [] and state["train"]["lr_scale"] == 1.0 and state["train"]["skipped_steps"] == 0
+    run_file = tmp_path / "skip_list.json"  # written by a rewind; an in-place re-run has none
+    assert not run_file.exists() or json.loads(run_file.read_text())["skip_list"] == []
+    assert losses_by_step(tmp_path) == losses_by_step(clean)
+    mine, theirs = tensors(tmp_path), tensors(clean)
+    for name in mine:  # weights, both moments and Adam's step, to the bit
+        assert mine[name].keys() == theirs[name].keys()
+        assert all(torch.equal(mine[name][k], theirs[name][k]) for k in mine[name]), name
+
+
+def test_data_spike_skips_its_window_for_good(data_run, tmp_path):
+    decision = triages(data_run, "window")[-1]
+    assert decision["verdict"] == "data" and (decision["spike_start"], decision["target"]) == (51, 53)
+    phases = [e["triage_phase"] for e in events(data_run, "rewind")]
+    assert phases == ["same_data", "skip_window"]
+    start, end = decision["window"]
+    assert start == 50 * B and end >= 53 * B  # at least monitor.skip_batches batches
+    # The replays came back with the same data and were clean without it: the evidence says so.
+    same, skipped = decision["evidence"][1], decision["evidence"][2]
+    assert same["phase"] == "same_data" and same["steps"][-1][3] != "ok"
+    assert skipped["phase"] == "skip_window" and [row[3] for row in skipped["steps"]] == ["ok"] * 3
+    assert final_state(data_run)["skip_list"] == [[start, end]]
+    assert json.loads((data_run / "skip_list.json").read_text())["skip_list"] == [[start, end]]
+    assert final_state(data_run)["train"]["lr_scale"] == 1.0 and not events(data_run, "lr_scale")
+    # A resume from a checkpoint older than the spike never reads the window either.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(data_run, resumed)
+    for folder in (resumed / "checkpoints").glob("step-*"):
+        if int(folder.name[5:]) > 45:
+            shutil.rmtree(folder)
+    assert train(cfg(resumed, DATA, "train.total_steps=70")) == 0
+    assert events(resumed, "resume")[-1]["step"] <= 45
+    fed = [r["data_position"] for r in read_jsonl(resumed / "metrics.jsonl")[len(read_jsonl(data_run / "metrics.jsonl")):]
+           if "data_position" in r]
+    assert fed and not any(start <= p < end for p in fed)
+
+
+def test_state_spike_lowers_lr_scale_and_skips_no_data(tmp_path):
+    assert train(cfg(tmp_path, *STATE)) == 0
+    decision = triages(tmp_path, "window")[-1]
+    assert decision["verdict"] == "state" and not decision["escalated"]
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "backoff"]
+    state = final_state(tmp_path)
+    assert state["train"]["lr_scale"] == pytest.approx(0.01) and state["skip_list"] == []
+    assert json.loads((tmp_path / "skip_list.json").read_text())["lr_scale"] == pytest.approx(0.01)
+    assert events(tmp_path, "lr_scale")[-1]["new"] == pytest.approx(0.01)
+    # As finally trained (a replayed step's last record wins), step s read the stream's batch s - 1:
+    # the original data, nothing skipped.
+    fed = {r["step"]: r["data_position"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "data_position" in r}
+    assert fed == {s: (s - 1) * B for s in range(1, 65)}
+
+
+def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, capsys):
+    rc = main([f"run.dir={tmp_path}", *TINY, *RUN, "faults.lr_burst=[[50,54,30.0]]", "monitor.max_backoffs=1"])
+    assert rc == 3 and "escalated" in capsys.readouterr().err
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "backoff"]
+    assert triages(tmp_path, "window")[-1]["escalated"] and len(events(tmp_path, "escalation")) == 1
+
+
+def test_over_the_replay_budget_falls_back_to_todays_policy(tmp_path):
+    # The same-data replay costs 8 steps (checkpoint 45 to step 53); the next would pass 10.
+    assert train(cfg(tmp_path, DATA, "monitor.triage_max_replay_steps=10")) == 0
+    decision = triages(tmp_path, "window")[-1]
+    assert decision["verdict"] == "data" and "replay budget" in decision["fallback"]
+    rewinds = events(tmp_path, "rewind")
+    assert [e.get("triage_phase") for e in rewinds] == ["same_data", None]
+    assert rewinds[-1]["window"][0] == 50 * B and final_state(tmp_path)["skip_list"] == [rewinds[-1]["window"]]
+
+
+@pytest.mark.parametrize("triage", ["true", "false"])
+def test_nan_before_the_first_periodic_checkpoint_rewinds_to_the_start(tmp_path, triage):
+    assert train(cfg(tmp_path, "faults.nan_steps=[7]", "ckpt.every=50", "train.total_steps=20",
+                     f"monitor.triage={triage}")) == 0
+    rewind = events(tmp_path, "rewind")
+    assert len(rewind) == 1 and rewind[0]["to_step"] == 0 and rewind[0]["checkpoint"].endswith("step-00000000")
+    assert not events(tmp_path, "escalation") and events(tmp_path, "end")[0]["step"] == 20
+
+
+def test_nan_right_after_a_branch_rewinds_to_the_branch_point(clean, tmp_path):
+    parent = clean / "checkpoints" / "step-00000060"
+    assert train(cfg(tmp_path, f"run.init_from={parent}", "faults.nan_steps=[62]", "train.total_steps=64")) == 0
+    rewind = events(tmp_path, "rewind")
+    assert len(rewind) == 1 and rewind[0]["to_step"] == 60
+    assert rewind[0]["checkpoint"] == str(tmp_path / "checkpoints" / "step-00000060")
+    assert losses_by_step(tmp_path) == {s: v for s, v in losses_by_step(clean).items() if s > 60}
+
+
+def test_preempted_mid_replay_resumes_the_triage_to_the_bit(data_run, tmp_path, monkeypatch):
+    """SIGUSR1 as the skip_window replay starts: the preemption checkpoint carries the replay
+    in progress (its tentative window, its evidence); the requeued run finishes the triage."""
+    original = triage_module.Triage._replay_from
+
+    def replay_then_preempt(self, state, ckpt, r, window, lr_scale):
+        original(self, state, ckpt, r, window, lr_scale)
+        if r.phase == "skip_window":
+            signal.raise_signal(signal.SIGUSR1)
+
+    monkeypatch.setattr(triage_module.Triage, "_replay_from", replay_then_preempt)
+    assert train(cfg(tmp_path, DATA)) == 0
+    preempted = events(tmp_path, "preempt_save")
+    assert len(preempted) == 1 and 45 < preempted[0]["step"] < 53
+    saved = final_state(tmp_path, preempted[0]["step"])
+    assert saved["triage"]["replay"]["phase"] == "skip_window" and not triages(tmp_path, "window")
+    monkeypatch.setattr(triage_module.Triage, "_replay_from", original)
+    assert train(cfg(tmp_path, DATA)) == 0
+    assert triages(tmp_path, "window")[-1]["verdict"] == "data"
+    assert losses_by_step(tmp_path) == losses_by_step(data_run)
+    assert final_state(tmp_path)["skip_list"] == final_state(data_run)["skip_list"]
+
+
+def test_spike_forensics_hold_the_batch_and_the_report_decodes_the_worst_sequences(data_run):
+    from dsslm.data import Loader
+    from dsslm.data.corpus import default_data_dir
+    folder = data_run / "spikes" / "step-00000051"
+    batch = load_file(folder / "batch.safetensors")
+    spike = json.loads((folder / "spike.json").read_text())
+    assert batch["indices"].tolist() == list(range(50 * B, 51 * B)) and batch["inputs"].shape == (B, 32)
+    loader = Loader(default_data_dir(), 32, 1337)
+    real = loader.read(batch["indices"].numpy())[0]
+    gram = loader.read([50 * B])[0][0, :4]  # the drill repeats the window's first sequence's first 4 tokens
+    assert torch.equal(batch["inputs"], gram.repeat(B, 8)) and not torch.equal(batch["inputs"], real)
+    assert spike["step"] == 51 and spike["verdict"] == "skip_step" and "gnorm" in spike["reason"]
+    assert set(spike["grad_norms"]) == {"embeddings", "attention", "mlp", "norms"}
+    total = sum(v ** 2 for v in spike["grad_norms"].values()) ** 0.5
+    assert total == pytest.approx(spike["gnorm"], rel=1e-4)  # the layer groups partition the norm
+    assert len(spike["monitor_window"]["losses"]) == 20 and batch["sequence_loss"].shape == (B,)
+    decisions = json.loads((folder / "triage.json").read_text())["decisions"]
+    assert [(d["scope"], d["verdict"]) for d in decisions] == [("step", "data"), ("window", "data")]
+    assert not list((data_run / "spikes").glob(".tmp-*"))
+    from dsslm.report import main as report
+    from dsslm.spikes import printable
+    assert report([str(data_run)]) == 0
+    summary = (data_run / "report" / "summary.md").read_text()
+    text = bytes(gram.tolist()).decode("utf-8", errors="replace")
+    assert "## Spikes" in summary and "| 53 | rewind" in summary and printable(text * 3, 10**6) in summary
+
+
+@pytest.mark.parametrize("extra", [["monitor.detector=mad"], ["monitor.detector=zscore"],
+                                   ["monitor.detector=max_multiple", "monitor.max_multiple_steps=30"],
+                                   ["optim.clip_mode=zclip", "optim.zclip_warmup_steps=10"]],
+                         ids=["mad", "zscore", "max_multiple", "zclip"])
+def test_detector_and_zclip_state_resume_bitwise(tmp_path, extra):
+    """Killed at 23, resumed from 20: the same losses and, at the end, the same detector (and
+    ZClip) state as the run that was never interrupted. The window (50) outlasts the run, so a
+    state that was not restored would still show in the final one."""
+    from dsslm.recovery.faults import DrillAbort
+    steps = ["train.total_steps=40", "monitor.window=50", "ckpt.keep_every=10", *extra]
+    assert train(cfg(tmp_path / "ref", *steps)) == 0
+    cut = tmp_path / "cut"
+    with pytest.raises(DrillAbort):
+        train(cfg(cut, *steps, "faults.crash_at_step=23", "faults.crash_mode=raise"))
+    assert train(cfg(cut, *steps)) == 0
+    assert events(cut, "resume")[-1]["step"] == 20
+    assert losses_by_step(cut) == losses_by_step(tmp_path / "ref")
+    mine, theirs = final_state(cut, 40), final_state(tmp_path / "ref", 40)
+    assert mine["monitor"] == theirs["monitor"] and len(mine["monitor"]["losses"]) == 40
+    assert mine.get("clip") == theirs.get("clip") and ("clip" in mine) == ("zclip" in extra[0])
+    saved = final_state(cut, 20)
+    assert saved["monitor"]["baseline_count"] == 20 and (saved.get("clip") or {"mean": 0})["mean"] is not None
+
+
+THREE = ["faults.grad_fault_steps=[30]", "faults.grad_fault_mode=nan", "faults.grad_fault_rank=1",
+         "faults.repeat_batches=[[40,43]]", "faults.lr_burst=[[52,56,30.0]]", "monitor.lr_backoff=0.01"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [["engine.kind=ddp"], ["engine.kind=zero", "engine.zero_stage=1"]],
+                         ids=["ddp", "zero1"])
+def test_two_ranks_triage_each_drill_right_and_together(tmp_path, engine):
+    """One run, 2 gloo ranks, all three causes: rank 1's gradients go non-finite at step 30
+    (transient), data batches 40..42 repeat one 4-gram (data), the learning rate bursts 30x over
+    steps 52..55 (state). Rank 0 decides every replay; both ranks follow; the forensics gather
+    both ranks' sequences."""
+    from helpers import run_train
+    proc = run_train(tmp_path, *RUN, *THREE, *engine, "train.micro_batch_size=8", nproc=2, timeout_s=400)
+    assert proc.returncode == 0
+    decisions = [(d["verdict"], d["spike_start"], d["target"]) for d in triages(tmp_path, "window")]
+    assert [d[0] for d in decisions] == ["transient", "data", "state"]
+    assert decisions[0][1:] == (30, 30) and decisions[1][1:] == (41, 43) and 52 <= decisions[2][1] <= 57
+    window = triages(tmp_path, "window")[1]["window"]
+    assert window[0] == 40 * B and final_state(tmp_path)["skip_list"] == [window]  # the transient doubled nothing
+    assert final_state(tmp_path)["train"]["lr_scale"] == pytest.approx(0.01)
+    assert events(tmp_path, "end")[0]["step"] == 64 and len(events(tmp_path, "start")) == 1
+    batch = load_file(tmp_path / "spikes" / "step-00000041" / "batch.safetensors")
+    assert batch["indices"].tolist() == list(range(40 * B, 41 * B))  # both ranks' halves, in order
+
+
+def test_a_temporary_state_backoff_ramps_back_and_resumes_to_the_bit(tmp_path):
+    """monitor.lr_recover_steps=10: the backoff holds from the base through the spike, then the
+    learning rate climbs linearly back to the plan over 10 steps; lr_scale itself never moves,
+    and a resume in the middle of the ramp follows it exactly (it is a function of the history)."""
+    from dsslm.recovery.faults import DrillAbort
+    steps = [*STATE, "monitor.lr_recover_steps=10", "ckpt.keep_every=5"]
+    ref = tmp_path / "ref"
+    assert train(cfg(ref, *steps)) == 0
+    decision = triages(ref, "window")[-1]
+    target = decision["target"]
+    assert decision["verdict"] == "state" and decision["lr_factor"] == pytest.approx(0.01)
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(ref / "metrics.jsonl") if "lr" in r}
+    assert target == 53 and lrs[target] == pytest.approx(3e-3 * 30 * 0.01)  # the burst's last step, backed off
+    assert lrs[target + 5] == pytest.approx(3e-3 * (0.01 + 0.99 * 0.5))
+    assert lrs[target + 10] == pytest.approx(3e-3) and final_state(ref)["train"]["lr_scale"] == 1.0
+    cut = tmp_path / "cut"
+    with pytest.raises(DrillAbort):
+        train(cfg(cut, *steps, f"faults.crash_at_step={target + 7}", "faults.crash_mode=raise"))
+    assert train(cfg(cut, *steps)) == 0
+    assert events(cut, "resume")[-1]["step"] > target
+    assert losses_by_step(cut) == losses_by_step(ref)

@@ -279,27 +279,36 @@ def _check_choice(key: str, value: Any, allowed: tuple) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key that cannot work, and how to fix it."""
-    m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.engine
+    t, e = cfg.train, cfg.engine
     _check_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
-    _check_choice("optim.schedule", o.schedule, ("cosine", "wsd"))
-    _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
     _check_choice("engine.kind", e.kind, ("ddp", "zero", "fsdp"))
     _check_choice("engine.zero_stage", e.zero_stage, (1, 2, 3))
     _check_choice("faults.crash_mode", cfg.faults.crash_mode, ("sigkill", "raise"))
-    _check_choice("optim.impl", o.impl, ("auto", "single", "foreach", "fused"))
     _check_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "every_n"))
     _check_choice("engine.fsdp_grad_reduce", e.fsdp_grad_reduce, ("step", "micro_batch"))
-    for key, value in (("model.d_model", m.d_model), ("model.n_layers", m.n_layers),
-                       ("model.n_heads", m.n_heads), ("model.seq_len", m.seq_len),
-                       ("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),
+    for key, value in (("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.grad_accum", t.grad_accum), ("ckpt.every", cfg.ckpt.every),
-                       ("ckpt.keep_last", cfg.ckpt.keep_last), ("model.vocab_pad_to", m.vocab_pad_to),
+                       ("ckpt.keep_last", cfg.ckpt.keep_last),
                        ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
         _check(value >= 1, f"{key}={value} must be >= 1")
-    _check(0 <= cfg.run.seed < 2**63, f"run.seed={cfg.run.seed} must be in [0, 2^63)")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
-    _check(cfg.observe.audit_tol >= 0, f"observe.audit_tol={cfg.observe.audit_tol} must be >= 0")
+    _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
+    _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
+    validate_model(cfg)
+    validate_optim(cfg)
+    validate_data(cfg)
+    validate_observe(cfg)
+    validate_spike_policy(cfg)
+
+
+def validate_model(cfg: Config) -> None:
+    """The model's shape and its initialisation (run.seed, run.init_from)."""
+    m = cfg.model
+    for key, value in (("model.d_model", m.d_model), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
+                       ("model.seq_len", m.seq_len), ("model.vocab_pad_to", m.vocab_pad_to)):
+        _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(0 <= cfg.run.seed < 2**63, f"run.seed={cfg.run.seed} must be in [0, 2^63)")
     _check(m.d_model % m.n_heads == 0,
            f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     _check((m.d_model // m.n_heads) % 2 == 0,
@@ -312,6 +321,14 @@ def validate(cfg: Config) -> None:
     if cfg.run.init_from.startswith(HF_PREFIX):
         _check(len(cfg.run.init_from) > len(HF_PREFIX),
                f"run.init_from={cfg.run.init_from!r} names no folder; write run.init_from=hf:PATH/TO/HF_DIR")
+
+
+def validate_optim(cfg: Config) -> None:
+    """AdamW and the LR schedule."""
+    o, t = cfg.optim, cfg.train
+    _check_choice("optim.schedule", o.schedule, ("cosine", "wsd"))
+    _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
+    _check_choice("optim.impl", o.impl, ("auto", "single", "foreach", "fused"))
     _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
     _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
     _check(0 <= o.warmup_steps <= t.total_steps,
@@ -323,9 +340,11 @@ def validate(cfg: Config) -> None:
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
     _check(o.clip > 0, f"optim.clip={o.clip} must be > 0 (a huge value disables clipping)")
     _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
-    _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
-    _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
-    ramp = t.batch_ramp
+
+
+def validate_data(cfg: Config) -> None:
+    """The batch ramp, verification and the mixture."""
+    ramp = cfg.train.batch_ramp
     _check(ramp.start >= 0 and ramp.tokens >= 0,
            f"train.batch_ramp.start={ramp.start} and train.batch_ramp.tokens={ramp.tokens} must be >= 0")
     _check((ramp.start > 0) == (ramp.tokens > 0),
@@ -335,13 +354,14 @@ def validate(cfg: Config) -> None:
            f"data.verify={cfg.data.verify!r} is not allowed; use true (hash what changed since the cached "
            "verification), false (sizes only) or full (hash every shard)")
     validate_mix(cfg.data.mix)
-    _check(0 < cfg.monitor.lr_backoff <= 1, f"monitor.lr_backoff={cfg.monitor.lr_backoff} must be in (0, 1]")
-    _check(cfg.monitor.window >= 3, f"monitor.window={cfg.monitor.window} must be >= 3")
-    _check(cfg.monitor.skip_batches >= 1, f"monitor.skip_batches={cfg.monitor.skip_batches} must be >= 1")
-    _check(cfg.observe.every >= 0, f"observe.every={cfg.observe.every} must be >= 0 (0 = off)")
-    _check(0 < cfg.observe.slow_fraction < 1, f"observe.slow_fraction={cfg.observe.slow_fraction} must be in (0, 1)")
-    _check_choice("observe.wandb_mode", cfg.observe.wandb_mode, ("", "online", "offline"))
-    validate_spike_policy(cfg)
+
+
+def validate_observe(cfg: Config) -> None:
+    ob = cfg.observe
+    _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
+    _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
+    _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
+    _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))
 
 
 def validate_spike_policy(cfg: Config) -> None:
@@ -351,6 +371,9 @@ def validate_spike_policy(cfg: Config) -> None:
     _check_choice("monitor.nonfinite", m.nonfinite, ("rewind", "skip"))
     _check_choice("optim.clip_mode", o.clip_mode, ("fixed", "zclip"))
     _check_choice("faults.grad_fault_mode", f.grad_fault_mode, ("scale", "nan"))
+    _check(0 < m.lr_backoff <= 1, f"monitor.lr_backoff={m.lr_backoff} must be in (0, 1]")
+    _check(m.window >= 3, f"monitor.window={m.window} must be >= 3")
+    _check(m.skip_batches >= 1, f"monitor.skip_batches={m.skip_batches} must be >= 1")
     _check(m.max_multiple > 1 and m.max_multiple_steps >= 1,
            f"monitor.max_multiple={m.max_multiple} must be > 1 and monitor.max_multiple_steps="
            f"{m.max_multiple_steps} >= 1")

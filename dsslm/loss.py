@@ -72,22 +72,16 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
                z_loss: float, clip: float | Callable[[float], float], tokens_global: int,
                stop_requested: bool = False, loss_multiplier: float = 1.0, grad_multiplier: float = 1.0) -> StepResult:
     """Forward and backward every micro-batch, then clip: the gradient is that of the step's
-    summed token loss divided by its total real-token count, whatever the micro-batch split.
+    summed token loss over its total real-token count `tokens_global` (every rank's), whatever the
+    micro-batch split; a mean of micro-batch means would weight short micro-batches up.
 
-    A mean of per-micro-batch means would weight a token in a short micro-batch more than one
-    in a long one; dividing every micro-batch's sum by the global count avoids that.
-    `tokens_global` is that count, every rank's real targets together, known to the caller
-    before the step (the loader's batches are full: every target is real), so no collective
-    precedes the first forward. The count the batches really hold travels in the step's one
-    small all-reduce and is checked against it: a caller that got it wrong fails the step
-    before its update is applied. `loss_multiplier` scales the last micro-batch's loss and
-    reported sum on this rank: 1 in training, NaN (or a large factor) when a fault drill strikes.
-    `grad_multiplier` scales only what is backpropagated, not the reported loss: a corrupted
-    gradient (a flipped bit, a bad reduction) with an intact forward. `clip` is the bound, or a
-    function of the pre-clip norm that gives it (`dsslm.clip.ZClip.bound`).
-
-    One host sync per step (one more for a bound that depends on the norm): losses and counts
-    stay on the device until the final read.
+    The caller knows `tokens_global` before the step (training batches are full), so no
+    collective precedes the first forward; the step's one small all-reduce carries the count the
+    batches really hold, and a mismatch fails the step before its update. `loss_multiplier`
+    scales the last micro-batch's loss on this rank (a drill's NaN or spike); `grad_multiplier`
+    only what is backpropagated (a corrupted gradient, intact forward). `clip` is the bound or a
+    function of the pre-clip norm (`dsslm.clip.ZClip.bound`). One host sync per step (one more
+    for a norm-dependent bound).
     """
     if tokens_global < 1:
         raise ValueError(f"tokens_global={tokens_global}: a step needs at least one real target token")

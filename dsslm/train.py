@@ -324,13 +324,13 @@ def start(job: Job) -> None:
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
         job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
                                              cfg.train.total_steps, job.sinks.emit)
-    if job.verified is not None:
-        job.sinks.emit("data_verified", **job.verified)
     if cfg.monitor.enabled:
         job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
+    if job.verified is not None:
+        job.sinks.emit("data_verified", **job.verified)
     if engine.is_main:
         tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "

@@ -39,7 +39,8 @@ def test_unpadded_checkpoint_is_refused_by_name_then_resumes_with_pad_to_1(tmp_p
     assert refused.returncode == 2
     line = refused.stderr.strip().splitlines()
     assert len(line) == 1 and "model.vocab_pad_to=1, now 64" in line[0], refused.stderr
-    assert sorted(p.name for p in (legacy / "checkpoints").iterdir()) == ["step-00000006"]  # nothing written
+    saved = sorted(p.name for p in (legacy / "checkpoints").iterdir())
+    assert saved == ["step-00000000", "step-00000006"]  # the start checkpoint and step 6: nothing written
 
     run_train(legacy, *STEPS, "model.vocab_pad_to=1")
     assert events(legacy, "resume")[-1]["step"] == 6

@@ -52,7 +52,10 @@ def test_escalation_with_a_save_in_flight_keeps_that_save(tmp_path):
 
 def test_ctrl_c_with_a_save_in_flight_finishes_it_and_exits_130(tmp_path):
     marker = tmp_path / "m"
-    env = {**hook_env(tmp_path / "hook", SLOW_SAVE.format(step="step-00000010")), "MARKER": str(marker)}
+    # A shell's background job (CI's, or `cmd &`) starts with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: give the trainer the one a terminal's Ctrl-C meets.
+    ctrl_c = "    import signal\n    signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    env = {**hook_env(tmp_path / "hook", SLOW_SAVE.format(step="step-00000010") + ctrl_c), "MARKER": str(marker)}
     run_dir = tmp_path / "run"
     proc = start_train(run_dir, "train.total_steps=200", "ckpt.every=10", env=env)
     wait_for(marker.exists, proc)

@@ -2,8 +2,10 @@
 that returns each rank's result, dsslm.train in a subprocess, and readers of a run's files."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import queue
 import socket
 import subprocess
@@ -139,3 +141,22 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 def events(run_dir: Path, name: str | None = None) -> list[dict]:
     records = read_jsonl(run_dir / "events.jsonl")
     return [r for r in records if name is None or r["event"] == name]
+
+
+def remanifest(folder: Path) -> None:
+    """Recompute a checkpoint folder's MANIFEST so every hash matches its (edited) files: how a
+    test makes a checkpoint that an older dsslm, or an attacker, could have written."""
+    manifest = json.loads((folder / "MANIFEST").read_text())
+    manifest["files"] = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
+                         for p in sorted(folder.iterdir()) if p.name != "MANIFEST"}
+    (folder / "MANIFEST").write_text(json.dumps(manifest))
+
+
+def copy_run_back_to(run_dir: Path, dest: Path, step: int) -> Path:
+    """A copy of `run_dir` at `dest` whose checkpoints after `step` are gone (so it resumes from
+    `step`); returns that checkpoint's folder."""
+    shutil.copytree(run_dir, dest)
+    for folder in (dest / "checkpoints").glob("step-*"):
+        if int(folder.name.split("-")[1]) > step:
+            shutil.rmtree(folder)
+    return dest / "checkpoints" / f"step-{step:08d}"

@@ -10,6 +10,7 @@ store passes that checkpoint over like one whose hashes do not match.
 """
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -21,9 +22,12 @@ class StateError(ValueError):
     """A field of saved state has the wrong type or an impossible value; the message names it."""
 
 
-class Spec:
+class Spec(abc.ABC):
+    """One field's expected type and range."""
+
+    @abc.abstractmethod
     def check(self, value: Any, path: str) -> None:
-        raise NotImplementedError
+        """Raise StateError naming `path` unless `value` fits."""
 
 
 def check(value: Any, spec: Spec, path: str) -> None:

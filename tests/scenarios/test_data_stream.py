@@ -2,9 +2,7 @@
 a batch ramp and a rewind), mixture weights resume bitwise, bad mixes exit 2."""
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from dsslm.data import prepare
 from dsslm.data.loader import Loader
 from dsslm.recovery.faults import DrillAbort
 from dsslm.train import main, train
-from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
+from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg
 
 # As tests/scenarios/test_spikes.py: settled by step 60, so a poisoned window is a clear spike.
 SPIKE = ["model.d_model=64", "optim.peak_lr=3e-3", "ckpt.every=5", "ckpt.keep_last=4", "monitor.min_history=15",
@@ -98,16 +96,11 @@ def test_a_checkpoint_without_domain_tokens_resumes_with_them_derived(tmp_path, 
     ref = tmp_path / "ref"
     assert train(tiny_cfg(ref, *mix)) == 0
     old = tmp_path / "old"
-    shutil.copytree(ref, old)
-    shutil.rmtree(old / "checkpoints" / "step-00000012")
-    folder = old / "checkpoints" / "step-00000006"
+    folder = copy_run_back_to(ref, old, 6)
     state = json.loads((folder / "state.json").read_text())
     del state["train"]["domain_tokens"]  # as a checkpoint written before the count existed
     (folder / "state.json").write_text(json.dumps(state))
-    manifest = json.loads((folder / "MANIFEST").read_text())
-    manifest["files"]["state.json"] = {"sha256": hashlib.sha256((folder / "state.json").read_bytes()).hexdigest(),
-                                       "size": (folder / "state.json").stat().st_size}
-    (folder / "MANIFEST").write_text(json.dumps(manifest))
+    remanifest(folder)
     assert train(tiny_cfg(old, *mix)) == 0
     assert events(old, "end")[-1]["domain_tokens"] == events(ref, "end")[0]["domain_tokens"]
 

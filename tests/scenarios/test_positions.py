@@ -2,15 +2,13 @@
 of global batch (world size, micro-batch, a branch, a ramp), and skip windows keep their meaning."""
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 
 import pytest
 
 from dsslm.recovery.faults import DrillAbort
 from dsslm.train import main, train
-from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
+from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg
 
 
 def trained_sequences(run_dir) -> list[int]:
@@ -118,10 +116,7 @@ def downgrade_to_schema_1(folder, batch: int) -> None:
                  skip_list=train_state["skip_list"])
     del state["schema"]
     (folder / "state.json").write_text(json.dumps(state))
-    manifest = json.loads((folder / "MANIFEST").read_text())
-    manifest["files"] = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
-                         for p in sorted(folder.iterdir()) if p.name != "MANIFEST"}
-    (folder / "MANIFEST").write_text(json.dumps(manifest))
+    remanifest(folder)
 
 
 def test_an_old_checkpoint_with_batch_unit_windows_resumes_to_the_same_data(tmp_path):
@@ -129,9 +124,7 @@ def test_an_old_checkpoint_with_batch_unit_windows_resumes_to_the_same_data(tmp_
     ref = tmp_path / "ref"
     assert train(tiny_cfg(ref, *steps)) == 0
     old = tmp_path / "old"
-    shutil.copytree(ref, old)
-    shutil.rmtree(old / "checkpoints" / "step-00000012")
-    folder = old / "checkpoints" / "step-00000006"
+    folder = copy_run_back_to(ref, old, 6)
     downgrade_to_schema_1(folder, batch=4)
     (old / "skip_list.json").write_text(json.dumps({"skip_list": [[9, 10]], "rewinds": [], "lr_scale": None}))
     assert train(tiny_cfg(old, *steps)) == 0

@@ -1,13 +1,12 @@
 """Checkpoints written before `model.vocab_pad_to` existed (embedding rows = vocabulary) are refused
 cleanly under the padded default and resume exactly with `model.vocab_pad_to=1`."""
-import hashlib
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import events, losses_by_step, run_train
+from helpers import events, losses_by_step, remanifest, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +19,7 @@ def make_legacy(folder) -> None:
     del state["fingerprint"]["config_items"]["model.vocab_pad_to"]
     del state["config"]["model"]["vocab_pad_to"]
     (folder / "state.json").write_text(json.dumps(state))
-    manifest = json.loads((folder / "MANIFEST").read_text())
-    manifest["files"] = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
-                         for p in sorted(folder.iterdir()) if p.name != "MANIFEST"}
-    (folder / "MANIFEST").write_text(json.dumps(manifest))
+    remanifest(folder)
 
 
 def test_unpadded_checkpoint_is_refused_by_name_then_resumes_with_pad_to_1(tmp_path):

@@ -6,7 +6,6 @@ checkpoint must be passed over with a `passed_over` event naming what is wrong, 
 must continue from the previous one, to the bit."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from dsslm.ckpt import format as ckpt_format
 from dsslm.ckpt.resume import upgrade_state
 from dsslm.ckpt.schema import Fields, Float, Int, ListOf, StateError, Window, check
 from dsslm.train import main, train
-from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
+from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg
 
 STEPS = ["train.total_steps=12", "ckpt.every=4", "ckpt.keep_last=5"]
 
@@ -33,22 +32,12 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
-def remanifest(folder: Path) -> None:
-    """Recompute MANIFEST so every hash matches the (tampered) files."""
-    manifest = json.loads((folder / "MANIFEST").read_text())
-    manifest["files"] = {p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
-                         for p in sorted(folder.iterdir()) if p.name != "MANIFEST"}
-    (folder / "MANIFEST").write_text(json.dumps(manifest))
-
-
 def tampered_run(reference: Path, tmp_path: Path, edit) -> Path:
     """A copy of the reference run cut back to step 8 (so it resumes), its newest checkpoint edited."""
     run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step-00000012")
+    folder = copy_run_back_to(reference, run_dir, 8)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     (run_dir / "metrics.jsonl").write_text("\n".join(lines[:8]) + "\n")
-    folder = run_dir / "checkpoints" / "step-00000008"
     edit(folder)
     remanifest(folder)
     return run_dir

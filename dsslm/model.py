@@ -26,26 +26,30 @@ from dsslm.config import ModelCfg
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """y = x / rms(x) * w with the backward written out: 3 elementwise passes forward and 5
-    back, against autograd's ~13 over the same tensor (9 norms a step at d 128: ~8% of a CPU
-    step). Statistics in fp32 whatever the input dtype."""
+    """y = x / rms(x) * w with the backward written out, statistics in fp32 whatever the input
+    dtype. On a CPU these small elementwise passes are bound by memory, not arithmetic, so the
+    code counts fresh full-size tensors: forward writes one (the output; the mean of squares is
+    a reduction that writes none) and saves x, not x / rms(x); backward writes two and works in
+    place on them. Autograd of the formula writes about 13."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
-        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
-        normed = x32 * rstd
-        ctx.save_for_backward(normed, rstd, weight)
-        return (normed * weight.float()).to(x.dtype)
+        # ||x||^2 / dim is the mean of squares (to an ulp), reduced without a squared copy of x.
+        rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, rstd, weight)
+        return (x32 * rstd).mul_(weight).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        normed, rstd, weight = ctx.saved_tensors
+        x, rstd, weight = ctx.saved_tensors
         grad32 = grad.float()
-        scaled = grad32 * weight.float()
+        normed = x.float() * rstd
+        scaled = grad32 * weight
         # d/dx of x * rstd: rstd * (g - x_hat * mean(g * x_hat)), with g the weight-scaled grad.
-        grad_x = (scaled - normed * (scaled * normed).mean(-1, keepdim=True)).mul_(rstd)
-        grad_w = (grad32 * normed).flatten(0, -2).sum(0)
+        coef = (scaled * normed).sum(-1, keepdim=True).div_(-x.shape[-1])
+        grad_x = scaled.addcmul_(normed, coef).mul_(rstd)
+        grad_w = normed.mul_(grad32).flatten(0, -2).sum(0)
         return grad_x.to(grad.dtype), grad_w.to(weight.dtype), None
 
 
@@ -92,6 +96,46 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
 
 
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """A complex view of the (even, odd) pairs of fp32 `x`'s last dimension (a copy only where
+    the strides do not allow a view)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    if pairs.stride(-1) != 1 or any(stride % 2 for stride in pairs.stride()[:-1]) or pairs.storage_offset() % 2:
+        pairs = pairs.contiguous()
+    return torch.view_as_complex(pairs)
+
+
+class _SplitRopeFn(torch.autograd.Function):
+    """The qkv projection's output [batch, seq, 3 * dim] to q, k, v [batch, heads, seq, head_dim]
+    with RoPE on q and k: one complex multiply over q and k together forward, and a backward that
+    writes the rotated-back q and k gradients and v's straight into the one qkv gradient
+    (autograd's path rotates each, then stacks the three into a fresh tensor). Same arithmetic as
+    `apply_rope`, so the same bits."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, n_heads: int):
+        batch, seq, width = qkv.shape
+        heads = qkv.view(batch, seq, 3, n_heads, width // 3 // n_heads)
+        rotated = torch.view_as_real(_as_pairs(heads[:, :, :2].float()) * table[:, None]).flatten(-2)
+        q, k = rotated.to(qkv.dtype).unbind(2)
+        ctx.save_for_backward(table)
+        ctx.heads_shape, ctx.dtype = heads.shape, qkv.dtype
+        return q.transpose(1, 2), k.transpose(1, 2), heads[:, :, 2].transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
+        table, = ctx.saved_tensors
+        unused = grad_q is None or grad_k is None or grad_v is None  # an output that took no part in the loss
+        grad = (torch.zeros if unused else torch.empty)(ctx.heads_shape, dtype=torch.float32, device=table.device)
+        back = table.conj()  # the inverse rotation, [seq, 1, pairs] against [batch, seq, heads, pairs]
+        for slot, g in enumerate((grad_q, grad_k)):
+            if g is not None:
+                torch.mul(_as_pairs(g.transpose(1, 2).float()), back, out=_as_pairs(grad[:, :, slot]))
+        if grad_v is not None:
+            grad[:, :, 2].copy_(grad_v.transpose(1, 2))
+        return grad.flatten(2).to(ctx.dtype), None, None
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelCfg):
         super().__init__()
@@ -107,6 +151,9 @@ class Attention(nn.Module):
         """q, k, v [batch, heads, seq, head_dim] from the qkv projection's output: QK-norm
         (when on) and RoPE on q and k. Views of one [batch, seq, 3, heads, head_dim] tensor, so
         backward gathers the three gradients with one stack."""
+        if self.q_norm is None and not torch.compiler.is_compiling():
+            return _SplitRopeFn.apply(qkv, rope, self.n_heads)
+        # QK-norm sits between the split and the rotation; inductor generates no complex code.
         batch, seq, _ = qkv.shape
         q, k, v = qkv.view(batch, seq, 3, self.n_heads, self.head_dim).unbind(2)
         if self.q_norm is not None:
@@ -123,6 +170,29 @@ class Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
 
 
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up from the gate_up projection's output, with a backward that writes both
+    halves' gradients straight into one tensor (autograd's path writes each, then concatenates
+    them into a third) and saves only its input. The same aten ops as autograd's, so the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate_up, = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad = grad.to(gate_up.dtype)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), grad, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_gate_up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelCfg):
         super().__init__()
@@ -131,8 +201,11 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        if torch.compiler.is_compiling():  # inductor fuses the formula itself
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(_SwiGLUFn.apply(gate_up))
 
 
 class Block(nn.Module):

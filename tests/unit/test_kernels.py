@@ -8,7 +8,9 @@ import torch
 
 from dsslm.config import load
 from dsslm.loss import IGNORE_INDEX, token_losses
-from dsslm.model import RMSNorm, apply_rope, build_model, padded_vocab, rope_table
+import torch.nn.functional as F
+
+from dsslm.model import RMSNorm, _SplitRopeFn, _SwiGLUFn, apply_rope, build_model, padded_vocab, rope_table
 
 
 def old_apply_rope(x, cos, sin):
@@ -119,3 +121,51 @@ def test_padding_changes_nothing_the_model_computes(tie):
             param[: source.shape[0]].copy_(source)
     idx = torch.randint(0, 257, (2, 16))
     assert torch.allclose(plain(idx), padded(idx), atol=1e-6)
+
+
+def autograd_split_heads(qkv, table, n_heads):
+    """What `_SplitRopeFn` replaces: unbind, `apply_rope` on q and k, transpose; autograd's backward."""
+    batch, seq, width = qkv.shape
+    q, k, v = qkv.view(batch, seq, 3, n_heads, width // 3 // n_heads).unbind(2)
+    q, k = apply_rope(q, table), apply_rope(k, table)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("used", ["qkv", "q"])  # "q": k and v take no part, so backward gets None for them
+def test_split_rope_equals_autograd_of_apply_rope(dtype, used):
+    gen = torch.Generator().manual_seed(5)
+    table = rope_table(64, 16, 10000.0)[:24]
+    qkv = (torch.randn(3, 24, 3 * 4 * 16, generator=gen) * 2).to(dtype)
+    weights = [torch.randn(3, 4, 24, 16, generator=gen).to(dtype) for _ in range(3)]
+    results = []
+    for fn in (_SplitRopeFn.apply, autograd_split_heads):
+        x = qkv.clone().requires_grad_()
+        outs = fn(x, table, 4)
+        chosen = outs if used == "qkv" else outs[:1]
+        sum((out.float() * w.float()).sum() for out, w in zip(chosen, weights)).backward()
+        results.append(([out.detach() for out in outs], x.grad))
+    (got, got_grad), (expected, expected_grad) = results
+    for g, e in zip(got, expected):
+        assert g.dtype == dtype and g.shape == e.shape and torch.equal(g, e)
+    assert got_grad.dtype == dtype
+    # fp32: the same complex multiplies, so the same bits. bf16: autograd rounds each rotated
+    # gradient to bf16 before stacking them; the hand-written path rounds once, at the end.
+    tolerance = 0 if dtype == torch.float32 else 2 ** -7 * float(expected_grad.float().abs().max())
+    assert (got_grad.float() - expected_grad.float()).abs().max() <= tolerance
+    if used == "q":
+        assert got_grad.view(3, 24, 3, 4, 16)[:, :, 1:].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_equals_autograd_of_the_formula_to_the_bit(dtype):
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(4, 9, 2 * 40, generator=gen) * 3).to(dtype)
+    weight = torch.randn(4, 9, 40, generator=gen).to(dtype)
+    grads = []
+    for formula in (_SwiGLUFn.apply, lambda t: F.silu(t.chunk(2, -1)[0]) * t.chunk(2, -1)[1]):
+        x = gate_up.clone().requires_grad_()
+        out = formula(x)
+        (out * weight).sum().backward()
+        grads.append((out.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

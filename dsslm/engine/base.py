@@ -334,7 +334,7 @@ class TorchAdamWEngine(Engine):
         a function of the norm (ZClip) reads the norm once."""
         foreach = self.device.type == "cuda"
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=foreach)
-        bound = max_norm(float(_whole(norm))) if callable(max_norm) else max_norm
+        bound = max_norm(float(whole(norm))) if callable(max_norm) else max_norm
         torch.nn.utils.clip_grads_with_norm_(params, bound, norm, foreach=foreach)
         self._clip = (norm, bound)  # so grad_norms() can report the norms before clipping
         return norm
@@ -344,7 +344,7 @@ class TorchAdamWEngine(Engine):
         clip = getattr(self, "_clip", None)
         if clip is None:
             return norms
-        value = float(_whole(clip[0]))
+        value = float(whole(clip[0]))
         coef = min(1.0, clip[1] / (value + 1e-6)) if math.isfinite(value) else 1.0
         return {name: v / coef if coef > 0 else v for name, v in norms.items()}
 
@@ -353,7 +353,7 @@ class TorchAdamWEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _whole(norm: torch.Tensor) -> torch.Tensor:
+def whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm FSDP returns as a DTensor, made whole."""
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsslm.config import Config
-from dsslm.engine.base import MOMENTS, ClipBound, OptimState, TorchAdamWEngine, check_names, storage_bytes
+from dsslm.engine.base import MOMENTS, ClipBound, OptimState, TorchAdamWEngine, check_names, storage_bytes, whole
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.wrap import prepare_model
 from dsslm.optim import build_adamw
@@ -105,7 +105,7 @@ class FSDPEngine(TorchAdamWEngine):
         self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
         # Each rank's shard norm is combined across ranks inside the DTensor: the global norm.
         norm = self.clip_params(params, max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return whole(norm)
 
     @torch.no_grad()
     def grad_norms(self) -> dict[str, float]:

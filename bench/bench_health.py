@@ -74,7 +74,7 @@ def training(rank: int, world_size: int, port: int, run_dir: str, steps: int, va
     from dsslm import train as train_module
     torch.set_num_threads(1)
     if variant == "B":  # the old boundary check: rank 0's store alone, no collective
-        train_module.check_health = lambda job, wait=False: job.store.wait() if wait else job.store.check()
+        train_module.check_health = lambda job, wait=False, between_steps=False: job.store.wait() if wait else job.store.check()
     marks: list[float] = []
     real_account = train_module.account
 

@@ -63,6 +63,7 @@ class StepResult:
     gnorm: float        # global gradient norm before clipping
     batch_tokens: int   # real target tokens in the step, over every rank
     stop_requested: bool  # any rank received SIGTERM/SIGUSR1
+    failed: bool = False  # some rank reported a failure it saw before the step (train.check_health)
     # This rank's cross-entropy sum of each sequence, one detached tensor per micro-batch, left
     # on the device: read only when the step is a spike (forensics), so no host sync otherwise.
     sequence_ce: list[torch.Tensor] = field(default_factory=list)
@@ -70,7 +71,8 @@ class StepResult:
 
 def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
                z_loss: float, clip: float | Callable[[float], float], tokens_global: int,
-               stop_requested: bool = False, loss_multiplier: float = 1.0, grad_multiplier: float = 1.0) -> StepResult:
+               stop_requested: bool = False, loss_multiplier: float = 1.0, grad_multiplier: float = 1.0,
+               failed: bool = False) -> StepResult:
     """Forward and backward every micro-batch, then clip: the gradient is that of the step's
     summed token loss over its total real-token count `tokens_global` (every rank's), whatever the
     micro-batch split; a mean of micro-batch means would weight short micro-batches up.
@@ -80,8 +82,9 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     batches really hold, and a mismatch fails the step before its update. `loss_multiplier`
     scales the last micro-batch's loss on this rank (a drill's NaN or spike); `grad_multiplier`
     only what is backpropagated (a corrupted gradient, intact forward). `clip` is the bound or a
-    function of the pre-clip norm (`dsslm.clip.ZClip.bound`). One host sync per step (one more
-    for a norm-dependent bound).
+    function of the pre-clip norm (`dsslm.clip.ZClip.bound`). `failed` rides in the same
+    all-reduce as the stop flag: a failure this rank saw, for every rank to act on before the
+    update. One host sync per step (one more for a norm-dependent bound).
     """
     if tokens_global < 1:
         raise ValueError(f"tokens_global={tokens_global}: a step needs at least one real target token")
@@ -109,15 +112,16 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
         ce_total += ce_sum.detach().double()
         real_total += (targets != IGNORE_INDEX).sum()
     gnorm = engine.clip_grad_norm(clip)
-    # One collective carries the loss sum, every rank's stop flag and its real-token count.
-    flag = torch.tensor(float(stop_requested), dtype=torch.float64, device=engine.device)
-    reduced = engine.all_reduce_sum(torch.stack((ce_total, flag, real_total)))
+    # One collective carries the loss sum, every rank's stop and failure flags and its real-token count.
+    flags = torch.tensor([float(stop_requested), float(failed)], dtype=torch.float64, device=engine.device)
+    reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.double().reshape(1))))
     # The one host sync of the step: everything the loop needs, read together.
-    ce, stops, real, norm = torch.cat((reduced, gnorm.detach().double().reshape(1).to(reduced.device))).tolist()
+    ce, stops, failures, real, norm = torch.cat((reduced, gnorm.detach().double().reshape(1).to(reduced.device))).tolist()
     if real != tokens_global:
         raise RuntimeError(f"the step was scaled for tokens_global={tokens_global} real targets but its batches "
                            f"hold {int(real)}: the caller's count is wrong, so its gradient would be too")
     return StepResult(loss=ce / tokens_global, gnorm=norm, batch_tokens=tokens_global, stop_requested=stops > 0,
+                      failed=failures > 0,
                       sequence_ce=sequence_ce)
 
 

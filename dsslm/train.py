@@ -81,6 +81,7 @@ class Job:
     lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
     verified: dict | None         # what verify_data hashed: reported by start(), once nothing can refuse the run
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
+    failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
 
 
 @dataclass
@@ -284,8 +285,12 @@ def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: boo
     """Forward and backward of one step's micro-batches (`tokens` real targets over every rank),
     clipped, the drills' faults applied."""
     t = job.cfg.train
-    return accumulate(job.engine, batches, t.precision, t.z_loss, job.clipper.limit, tokens, stop_requested,
-                      job.drills.loss_multiplier(step), job.drills.grad_multiplier(step))
+    result = accumulate(job.engine, batches, t.precision, t.z_loss, job.clipper.limit, tokens, stop_requested,
+                        job.drills.loss_multiplier(step), job.drills.grad_multiplier(step),
+                        failed=job.failure is not None)
+    if result.failed:  # rank 0's check at the last step boundary: raised on every rank, before the update
+        job.engine.decide(lambda: raise_failure(job))
+    return result
 
 
 def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: StepResult, reason: str,
@@ -373,7 +378,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             return EXIT_OK
         if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
             save(job)
-        check_health(job)
+        check_health(job, between_steps=True)
     check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
@@ -381,17 +386,37 @@ def run_loop(job: Job, stop: StopFlag) -> int:
     return EXIT_OK
 
 
-def check_health(job: Job, wait: bool = False) -> None:
+def check_health(job: Job, wait: bool = False, between_steps: bool = False) -> None:
     """What only rank 0 can see fail (its checkpoint writer, its metrics and event logs, its lock on
-    run.dir) is raised on every rank here, at the step boundary, so the job exits together and
-    with one code. `wait`: first let the save in flight finish (before leaving)."""
+    run.dir) is raised on every rank, so the job exits together and with one code. `wait`: first
+    let the save in flight finish (before leaving).
+
+    `between_steps`: no collective of its own. Rank 0 keeps what failed in `job.failure`, and the
+    next step's one all-reduce carries the flag (`accumulate(failed=...)`), so every rank raises
+    it there, after that step's backward and before its update; nothing of that step is logged
+    or saved. One process raises at once."""
     def rank0() -> None:
+        raise_failure(job)
         if wait:
             job.store.wait()
         job.store.check()
         job.sinks.check()
         job.lock.check()
+    if between_steps and job.engine.distributed:
+        if job.engine.is_main and job.failure is None:
+            try:
+                rank0()
+            except BaseException as exc:  # noqa: BLE001 - raised on every rank at the next step
+                job.failure = exc
+        return
     job.engine.raise_together(rank0)
+
+
+def raise_failure(job: Job) -> None:
+    """Raise what check_health kept from rank 0's last step-boundary check, if anything."""
+    if job.failure is not None:
+        failure, job.failure = job.failure, None
+        raise failure
 
 
 def save(job: Job, sync: bool = False) -> None:

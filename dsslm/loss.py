@@ -114,7 +114,7 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     gnorm = engine.clip_grad_norm(clip)
     # One collective carries the loss sum, every rank's stop and failure flags and its real-token count.
     flags = torch.tensor([float(stop_requested), float(failed)], dtype=torch.float64, device=engine.device)
-    reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.double().reshape(1))))
+    reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.reshape(1))))
     # The one host sync of the step: everything the loop needs, read together.
     ce, stops, failures, real, norm = torch.cat((reduced, gnorm.detach().double().reshape(1).to(reduced.device))).tolist()
     if real != tokens_global:

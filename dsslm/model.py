@@ -78,6 +78,15 @@ def rope_table(seq_len: int, head_dim: int, theta: float) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)[:, None, :]
 
 
+def _as_pairs(x: torch.Tensor) -> torch.Tensor:
+    """A complex view of the (even, odd) pairs of fp32 `x`'s last dimension (a copy only where
+    the strides do not allow a view)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    if pairs.stride(-1) != 1 or any(stride % 2 for stride in pairs.stride()[:-1]) or pairs.storage_offset() % 2:
+        pairs = pairs.contiguous()
+    return torch.view_as_complex(pairs)
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rotate the (even, odd) pairs of `x` [batch, seq, heads, head_dim] by `table[:seq]`, in fp32
     (a no-op cast for fp32 inputs).
@@ -92,17 +101,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
         return rotated.flatten(-2).to(x.dtype)
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
-
-
-def _as_pairs(x: torch.Tensor) -> torch.Tensor:
-    """A complex view of the (even, odd) pairs of fp32 `x`'s last dimension (a copy only where
-    the strides do not allow a view)."""
-    pairs = x.unflatten(-1, (-1, 2))
-    if pairs.stride(-1) != 1 or any(stride % 2 for stride in pairs.stride()[:-1]) or pairs.storage_offset() % 2:
-        pairs = pairs.contiguous()
-    return torch.view_as_complex(pairs)
+    return torch.view_as_real(_as_pairs(x.float()) * table).flatten(-2).to(x.dtype)
 
 
 class _SplitRopeFn(torch.autograd.Function):
@@ -130,7 +129,10 @@ class _SplitRopeFn(torch.autograd.Function):
         back = table.conj()  # the inverse rotation, [seq, 1, pairs] against [batch, seq, heads, pairs]
         for slot, g in enumerate((grad_q, grad_k)):
             if g is not None:
-                torch.mul(_as_pairs(g.transpose(1, 2).float()), back, out=_as_pairs(grad[:, :, slot]))
+                # The output must be a view of `grad` (a copy would drop the result): view_as_complex
+                # raises rather than copies, and a slot of a fresh contiguous tensor always is one.
+                into = torch.view_as_complex(grad[:, :, slot].unflatten(-1, (-1, 2)))
+                torch.mul(_as_pairs(g.transpose(1, 2).float()), back, out=into)
         if grad_v is not None:
             grad[:, :, 2].copy_(grad_v.transpose(1, 2))
         return grad.flatten(2).to(ctx.dtype), None, None
@@ -149,8 +151,9 @@ class Attention(nn.Module):
 
     def split_heads(self, qkv: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [batch, heads, seq, head_dim] from the qkv projection's output: QK-norm
-        (when on) and RoPE on q and k. Views of one [batch, seq, 3, heads, head_dim] tensor, so
-        backward gathers the three gradients with one stack."""
+        (when on) and RoPE on q and k. Without QK-norm, eager: `_SplitRopeFn`, whose backward
+        writes the three gradients into one tensor. Otherwise views of one [batch, seq, 3, heads,
+        head_dim] tensor, so autograd gathers the three gradients with one stack."""
         if self.q_norm is None and not torch.compiler.is_compiling():
             return _SplitRopeFn.apply(qkv, rope, self.n_heads)
         # QK-norm sits between the split and the rotation; inductor generates no complex code.

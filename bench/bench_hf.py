@@ -23,10 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsslm.config import CONFIG_DIR, load  # noqa: E402
 from dsslm.data import prepare  # noqa: E402
-from dsslm.export import export  # noqa: E402
-from dsslm.hf_folder import HFWeights  # noqa: E402
+from dsslm.hf.write import export  # noqa: E402
+from dsslm.hf.folder import HFWeights  # noqa: E402
 from dsslm.train import train  # noqa: E402
-from dsslm.trained import open_trained  # noqa: E402
+from dsslm.ckpt.trained import open_trained  # noqa: E402
 
 
 def make_run(root: Path, vocab: int) -> Path:

@@ -17,12 +17,13 @@ part of every checkpoint and resumes exactly (floats round-trip through JSON).
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Union
 
-from typing import Any
-
-from dsslm.ckpt.schema import Fields, Float, Int, ListOf, Optional, Spec, StateError
 from dsslm.config import OptimCfg
-from dsslm.engine.base import ClipBound
+from dsslm.fields import Fields, Float, Int, ListOf, Optional, Spec, StateError
+
+# A clipping bound: a number, or a function of the pre-clip global norm that returns it (ZClip).
+ClipBound = Union[float, Callable[[float], float]]
 
 STATE_FORMAT = 1
 STD_EPS = 1e-6  # ZClip's: a constant norm (std 0) is not infinitely far from its mean
@@ -49,7 +50,7 @@ class ZClip(Clipper):
         self.var: float | None = None
         self.warmup_norms: list[float] = []
         self._pending: float | None = None  # what commit() teaches the EMA: this step's clipped norm
-        self.state_schema = _ZClipState(cfg.zclip_warmup_steps)
+        self.state_spec = _ZClipState(cfg.zclip_warmup_steps)
 
     @property
     def limit(self) -> ClipBound:
@@ -103,8 +104,8 @@ class _ZClipState(Spec):
         self.fields = Fields(format=Int(STATE_FORMAT, STATE_FORMAT), mean=Optional(Float(0.0)),
                              var=Optional(Float(0.0)), warmup_norms=ListOf(Float(0.0), max_len=warmup_steps))
 
-    def check(self, value: Any, path: str) -> None:
-        self.fields.check(value, path)
+    def validate(self, value: Any, path: str) -> None:
+        self.fields.validate(value, path)
         if (value["mean"] is None) != (value["var"] is None):
             raise StateError(f"{path}.var: a mean without a variance (or the reverse)")
         if value["mean"] is not None and value["warmup_norms"]:

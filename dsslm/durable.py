@@ -1,6 +1,8 @@
-"""Writes that survive a crash or a power cut: fsynced files, fsynced folders, atomic replace."""
+"""File mechanics, in one place: writes that survive a crash or a power cut (fsynced files, fsynced
+folders, an atomic replace of a file, an atomic publish of a folder) and the hash of a file."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,3 +29,27 @@ def write_json_atomic(path: Path, obj: dict, indent: int | None = None) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Make the finished folder `tmp` appear at `final` whole or not at all: its files and the folder
+    fsynced, one rename (which fails where `final` exists and is not empty: nothing is replaced),
+    then the parent fsynced so the rename survives a power cut. The checkpoint store has its own,
+    fenced, variant (it checks run.dir's lock between the steps)."""
+    for path in tmp.iterdir():
+        if path.is_file() and not path.is_symlink():
+            fsync_file(path)
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in blocks (a checkpoint shard need not fit in memory)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -20,7 +20,7 @@ from dsslm.data import DataError, Loader
 from dsslm.data.bytecount import ByteCounter
 from dsslm.durable import write_json_atomic
 from dsslm.loss import validation_sums
-from dsslm.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device
+from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device
 
 
 def evaluate(trained: Trained, data: str | Path | None, batches: int | None, batch_size: int | None) -> dict:

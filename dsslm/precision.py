@@ -10,11 +10,11 @@ import math
 
 import torch
 
-from dsslm.ckpt.schema import MAX_COUNT, Fields, Float, Int
+from dsslm.fields import MAX_COUNT, Fields, Float, Int
 
 # The fp16 loss scaler's checkpointed state. The ds_* fields are DeepSpeed's own counters (the ZeRO
 # engine's view of its scaler); a LossScaler ignores them, so an fp16 checkpoint resumes under any engine.
-SCALER_SCHEMA = Fields(optional=("ds_cur_iter", "ds_last_overflow_iter", "ds_cur_hysteresis"),
+SCALER_SPEC = Fields(optional=("ds_cur_iter", "ds_last_overflow_iter", "ds_cur_hysteresis"),
                        scale=Float(2.0**-24, 2.0**64), clean_steps=Int(0, MAX_COUNT), overflows=Int(0, MAX_COUNT),
                        ds_cur_iter=Int(-1, MAX_COUNT), ds_last_overflow_iter=Int(-1, MAX_COUNT),
                        ds_cur_hysteresis=Int(0, 1 << 20))
@@ -31,7 +31,7 @@ class LossScaler:
     """Multiply the loss by `scale`; on a non-finite gradient skip the step and halve the scale,
     after `growth_interval` clean steps double it. Its state is checkpointed (JSON)."""
 
-    state_schema = SCALER_SCHEMA
+    state_spec = SCALER_SPEC
 
     def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale: float = 1.0):

@@ -5,7 +5,7 @@ loss.png, lr.png, gnorm.png, throughput.png, update_ratio.png (only when records
 `update_ratio`; the figures are drawn by `observe.plots`) and summary.md into RUN_DIR/report/
 or --out. When RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every
 spike with its triage verdict and the few worst sequences of its batch, decoded
-(`dsslm.spikes`).
+(`dsslm.recovery.forensics`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
-from dsslm.spikes import spike_lines
+from dsslm.recovery.forensics import spike_lines
 
 ROUTINE_EVENTS = {"start", "save", "end", "retention_delete"}
 

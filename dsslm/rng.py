@@ -10,7 +10,7 @@ import random
 import numpy as np
 import torch
 
-from dsslm.ckpt.schema import Fields, Float, Int, Json, ListOf, Optional, Str
+from dsslm.fields import Fields, Float, Int, Json, ListOf, Optional, Str
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -66,7 +66,7 @@ def seed_everything(seed: int) -> None:
 
 # One rank's streams. The exact contents (a Mersenne Twister's 625 words, a torch state blob) are
 # checked by the libraries themselves on load; this pins the types and sizes a reader relies on.
-RNG_SCHEMA = Fields(
+RNG_SPEC = Fields(
     optional=("cuda",),
     python=ListOf(Json(), length=3),
     numpy=ListOf(Json(), length=5),
@@ -78,10 +78,10 @@ _NUMPY_KEYS = ListOf(Int(0, 2**32 - 1), length=624)
 
 
 def check_rng_state(state: dict, path: str) -> None:
-    RNG_SCHEMA.check(state, path)
-    Int(1, 3).check(state["python"][0], f"{path}.python[0]")
-    _PYTHON_MT.check(state["python"][1], f"{path}.python[1]")
-    Optional(Float()).check(state["python"][2], f"{path}.python[2]")
-    Str(max_len=16).check(state["numpy"][0], f"{path}.numpy[0]")
-    _NUMPY_KEYS.check(state["numpy"][1], f"{path}.numpy[1]")
-    Int(0, 624).check(state["numpy"][2], f"{path}.numpy[2]")
+    RNG_SPEC.validate(state, path)
+    Int(1, 3).validate(state["python"][0], f"{path}.python[0]")
+    _PYTHON_MT.validate(state["python"][1], f"{path}.python[1]")
+    Optional(Float()).validate(state["python"][2], f"{path}.python[2]")
+    Str(max_len=16).validate(state["numpy"][0], f"{path}.numpy[0]")
+    _NUMPY_KEYS.validate(state["numpy"][1], f"{path}.numpy[1]")
+    Int(0, 624).validate(state["numpy"][2], f"{path}.numpy[2]")

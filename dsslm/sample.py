@@ -18,7 +18,7 @@ from dsslm.ckpt.format import CheckpointError
 from dsslm.config import ConfigError
 from dsslm.data import DataError
 from dsslm.precision import autocast
-from dsslm.trained import OneLineParser, ToolError, Trained, open_trained, pick_device, tokenizer_of
+from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_trained, pick_device, tokenizer_of
 
 
 @torch.no_grad()

@@ -5,6 +5,9 @@ The same entry point under plain python, torchrun, accelerate launch and srun. E
 config, 3 escalated to a human, 4 the run could not write to run.dir (disk full, lost mount,
 another trainer took run.dir over; what was saved before is intact), 130 Ctrl-C.
 
+Read top-down: `main` -> `train` -> `run_loop` -> `train_step` and its verbs. The job and its
+setup are in `job.py`.
+
 `step` everywhere is the number of optimizer steps completed: the record of the step whose
 update was just applied carries the same number as the checkpoint taken right after it.
 """
@@ -17,71 +20,31 @@ if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in th
 import argparse
 import contextlib
 import dataclasses
-import functools
 import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from dsslm.ckpt.lock import LockLost, RunLock
-from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
-from dsslm.ckpt.store import CheckpointError, CheckpointStore
-from dsslm.clip import Clipper, build_clipper
-from dsslm.ckpt.train_state import TrainState, fingerprint
-from dsslm.config import Config, ConfigError, load, to_dict
-from dsslm.data import DataError, Loader, load_manifest, manifest_hash
-from dsslm.data.bytecount import ByteCounter
-from dsslm.data.corpus import default_data_dir
-from dsslm.data.prefetch import Prefetcher
-from dsslm.data.stream import StepSlice, batch_size_at
-from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
-from dsslm.engine import Engine, build_engine
-from dsslm.exits import Preempted, StopFlag, ignore_from_now, note_exit
-from dsslm.hf_folder import HFWeights, apply_shape, hf_dir_of
+from dsslm.ckpt.lock import LockLost
+from dsslm.ckpt.store import CheckpointError
+from dsslm.ckpt.train_state import TrainState
+from dsslm.config import Config, ConfigError, load
+from dsslm.data import DataError
+from dsslm.data.stream import StepSlice
+from dsslm.exits import Preempted, StopFlag, ignore_from_now
+from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
-from dsslm.model import build_model
-from dsslm.observe.audit import ResumeAudit, run_env
 from dsslm.observe.diagnostics import Diagnostics
-from dsslm.observe.sinks import LogWriteError, Sinks
+from dsslm.observe.sinks import LogWriteError
 from dsslm.optim import lr_at
-from dsslm.recovery.faults import Drills
-from dsslm.recovery.forensics import Forensics
-from dsslm.recovery.monitor import SpikeMonitor, Verdict
-from dsslm.recovery.rewind import Escalation, Rewinder
-from dsslm.recovery.triage import Progress, Triage
-from dsslm.rng import seed_everything, set_step_streams, step_streams
+from dsslm.recovery.monitor import Verdict
+from dsslm.recovery.rewind import Escalation
+from dsslm.rng import set_step_streams, step_streams
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
-
-
-@dataclass
-class Job:
-    """Everything the loop's verbs share for one run."""
-    cfg: Config
-    run_dir: Path
-    engine: Engine
-    loader: Loader
-    feed: Prefetcher             # the loader's steps, the next one read in the background
-    store: CheckpointStore
-    checkpointer: Checkpointer   # save / restore over the table of stateful parts
-    state: TrainState            # the table's "train" part: the loop mutates it in place
-    monitor: SpikeMonitor
-    rewinder: Rewinder
-    triage: Triage               # the spike policy: replays that tell data / state / transient apart
-    forensics: Forensics         # run.dir/spikes/step-XXXXXXXX/
-    clipper: Clipper             # optim.clip_mode: the clip bound, and what it learns from applied steps
-    drills: Drills
-    sinks: Sinks
-    byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
-    lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
-    verified: dict | None         # what verify_data hashed: reported by start(), once nothing can refuse the run
-    audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
-    failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
+FP16_OVERFLOW = "fp16_overflow"
 
 
 @dataclass
@@ -110,107 +73,125 @@ class StepRecord:
         return record
 
 
-def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
-    """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
-    data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
-    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
-    if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
-        apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
-    cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
-    seed_everything(cfg.run.seed)  # identical initial weights on every rank
-    engine = build_engine(cfg, build_model(cfg.model))
-    cleanup.callback(engine.close)
-    run_dir, state = Path(cfg.run.dir), TrainState()
-    lock = RunLock(run_dir, cfg.run.lock_stale_s)
-    takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
-    cleanup.callback(lock.release)
-    verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
-    feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
-                      batch_schedule(cfg, engine.world_size), pin_memory=engine.device.type == "cuda",
-                      enabled=cfg.data.prefetch)
-    cleanup.callback(feed.close)
-    sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
-                  cfg.observe, to_dict(cfg))
-    cleanup.callback(sinks.close)
-    # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to write).
-    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost)))
-    store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
-                            on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
-    cleanup.push(finish_saves(store))
-    report_claim(sinks, takeover, engine.decide(store.remove_leftovers))
-    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
-                    global_batch, loader)
-    drills.arm(store)
-    monitor, clipper = SpikeMonitor(cfg.monitor), build_clipper(cfg.optim)
-    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit)
-    progress = Progress()
-    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "triage": progress,
-                                  "rng": RngStreams(engine, cfg.run.seed, state)}
-    if engine.scaler is not None:
-        parts["scaler"] = engine.scaler
-    if cfg.optim.clip_mode == "zclip":
-        parts["clip"] = clipper
-    prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
-    checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
-    rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
-    triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
-               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified)
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        cfg = load(args.config, overrides)
+        return train(cfg, tuple(args.allow_drift))
+    except (ConfigError, DataError) as err:
+        print(f"dsslm: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Escalation as err:
+        print(f"dsslm: escalated to a human: {err}", file=sys.stderr)
+        return EXIT_ESCALATED
+    except WRITE_FAILURES as err:
+        print(f"dsslm: {err}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    except Preempted as stopped:
+        print(f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save", file=sys.stderr)
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("dsslm: interrupted; the save in flight, if any, was finished", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
-    """Say what taking run.dir over cleared: a dead holder's lock, and its half-written saves."""
-    if takeover is not None:
-        sinks.emit("lock_takeover", **takeover)
-    if removed:
-        sinks.emit("leftovers_removed", folders=removed, reason="temp folders of saves a kill cut short")
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m dsslm.train", description=__doc__)
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
+    parser.add_argument("--allow-drift", action="append", default=[], metavar="KEY",
+                        help="accept a difference from the checkpoint's config/data/tokenizer on resume")
+    return parser.parse_known_args(argv)
 
 
-def finish_saves(store: CheckpointStore):
-    """An ExitStack exit callback: every way out waits for the save in flight, so it is published,
-    not lost with the process. Its own failure is the error unless another one is on its way."""
-    def on_exit(exc_type, exc, tb) -> bool:
+def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
+    stop = StopFlag()  # first: from here a SIGTERM/SIGUSR1 before the first step is a clean exit 0
+    with contextlib.ExitStack() as cleanup:  # saves finished, events recorded, lock released, group left
         try:
-            store.close()
-        except CheckpointError as err:
-            if exc_type is None:
-                raise
-            print(f"dsslm: also: {err}", file=sys.stderr, flush=True)
-        return False
-    return on_exit
+            job = setup(cfg, allow_drift, cleanup)
+            return run_loop(job, stop)
+        except Exception as exc:
+            if stop.stopped_in_setup:  # a peer that left on the same signal broke a collective
+                raise Preempted(stop.signum) from exc
+            raise
 
 
-def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:
-    """Hash the shards their cached verification cannot vouch for (all of them for
-    data.verify=full), split over the ranks and each rank's threads. Every rank reaches the same
-    verdict (a DataError on every rank); rank 0 updates the cache."""
-    started = time.perf_counter()
-    cache = cache_path(data_dir, Path(cfg.run.dir))
-    plan = engine.decide(lambda: plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full"))
-    mine = share_of(plan["hash"], engine.rank, engine.world_size)
-    hashed_bytes = sum(size for _, size in plan["hash"])
-    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress), "hashing the data shards",
-                               total_units=hashed_bytes)
-    found = {path: digest for part in parts for path, digest in part.items()}
-    if engine.is_main and found:
-        try:
-            update_cache(cache, manifest, found)
-        except OSError as exc:
-            print(f"dsslm: cannot write {cache} ({exc}); the next start hashes these shards again", file=sys.stderr)
-    check_digests(data_dir, manifest, found)
-    summary = {"hashed_shards": len(found), "hashed_per_rank": [len(part) for part in parts],
-               "hashed_bytes": hashed_bytes, "cached_shards": plan["cached"],
-               "cached_bytes": plan["cached_bytes"], "full": cfg.data.verify == "full", "cache": str(cache),
-               "seconds": round(time.perf_counter() - started, 3)}
-    if engine.is_main:
-        print(f"dsslm: data verified: hashed {len(found)} shards ({hashed_bytes / 1e9:.2f} GB) in "
-              f"{summary['seconds']:.1f} s; {plan['cached']} unchanged since their cached verification", flush=True)
-    return summary
+def run_loop(job: Job, stop: StopFlag) -> int:
+    cfg, sinks, state = job.cfg, job.sinks, job.state
+    start(job)
+    stop.save_on_signal()  # from the first step on, a stop signal saves at the next step boundary
+    diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
+    first_step = state.step
+    while state.step < cfg.train.total_steps:
+        job.drills.maybe_crash(state.step)
+        before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
+        started = time.perf_counter()
+        verdict, record, fed, stop_requested = train_step(job, stop)
+        job.audit.compare(record)  # after a resume: the steps trained again must equal their records
+        if verdict is not Verdict.REWIND:
+            account(job, verdict, record, fed)
+        sinks.log_step(diagnostics.observe(timed(record, started, state), before))
+        if verdict is Verdict.REWIND:
+            job.triage.rewind(state, record)  # the next replay, or a plain rewind
+            continue
+        if first_step is not None and state.step == first_step + 1:
+            report_memory(job)  # after one step: AdamW allocates its moments lazily
+            first_step = None   # once: a rewind to the start does not report again
+        if cfg.run.val_every and state.step % cfg.run.val_every == 0:
+            validate(job, diagnostics)
+        if stop_requested:
+            # Preemption: save where we are, exit 0; the requeued job resumes from here.
+            save(job, sync=True)
+            sinks.emit("preempt_save", step=state.step)
+            check_health(job)
+            return EXIT_OK
+        if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
+            save(job)
+        check_health(job, between_steps=True)
+    check_health(job, wait=True)
+    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
+               domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
+    check_health(job)
+    return EXIT_OK
 
 
-FP16_OVERFLOW = "fp16_overflow"
+def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
+    """Forward, backward, the verdict, and the update (or not) for the step that makes `state.step + 1`."""
+    cfg, engine, state = job.cfg, job.engine, job.state
+    step = state.step + 1
+    scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
+    lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
+    fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
+    job.rewinder.note(step, fed.first, fed.end)
+    batches = job.drills.corrupt(batches, fed.indices)
+    streams = step_streams()  # a re-run in place draws the same dropout masks
+    # Every target of a training batch is real: the step's token count needs no collective.
+    tokens = fed.batch_size * cfg.model.seq_len
+    result = compute(job, step, batches, tokens, stop.requested)
+    verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
+    if verdict is Verdict.OK:
+        engine.step(lr)
+        job.clipper.commit()
+    else:
+        engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
+    record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
+                        verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
+                        batch_tokens=result.batch_tokens, reason=reason, data_wait_s=job.feed.wait_s)
+    return verdict, record, fed, result.stop_requested
+
+
+def decide(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, result: StepResult,
+           stop: StopFlag) -> tuple[Verdict, str, StepResult]:
+    """The one place a step's verdict is decided, the same on every rank: the monitor's (or the fp16
+    scaler's) verdict, an outlier's in-place re-run, and during a triage replay whether the spike
+    came back. Returns the verdict, why, and the result the update uses (the re-run's, if any)."""
+    verdict, reason = judge(job, step, result.loss, result.gnorm)
+    spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
+    if spike and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
+        job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
+    if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
+        verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
+    verdict, reason = job.triage.review(job.state, step, verdict, reason, result.loss, result.gnorm)
+    return verdict, reason, result
 
 
 def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -> tuple[Verdict, str]:
@@ -221,64 +202,9 @@ def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -
         return Verdict.SKIP, f"{FP16_OVERFLOW} (loss scale now {scaler.scale:g})"
     if not job.cfg.monitor.enabled:
         return Verdict.OK, ""
-    check = job.monitor.recheck if rerun else job.monitor.check
-    verdict, reason = job.engine.decide(lambda: (check(step, loss, gnorm), job.monitor.last_reason))
+    judge_step = job.monitor.rejudge if rerun else job.monitor.judge
+    verdict, reason = job.engine.decide(lambda: (judge_step(step, loss, gnorm), job.monitor.last_reason))
     return verdict, reason if verdict is not Verdict.OK else ""
-
-
-def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
-    """Mean loss per real token (nats) and bits per byte on each domain's held-out split (every
-    rank runs every batch, so sharded engines see matching collectives)."""
-    job.engine.train_mode(False)
-    losses, bpb = {}, {}
-    for domain in job.loader.domains:
-        batches = job.loader.val_batches(domain, job.cfg.run.val_batches, job.cfg.train.micro_batch_size)
-        sums = validation_sums(job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
-                               lambda targets: job.byte_counter.count(domain, targets))
-        if sums.tokens:
-            losses[domain] = sums.loss
-            if sums.bits_per_byte is not None:
-                bpb[domain] = sums.bits_per_byte
-    job.engine.train_mode(True)
-    return losses, bpb
-
-
-def batch_schedule(cfg: Config, world_size: int):
-    """The global batch in sequences of the step starting at a position: the full one, or less
-    while train.batch_ramp ramps."""
-    t = cfg.train
-    return functools.partial(batch_size_at, full=t.micro_batch_size * t.grad_accum * world_size,
-                             granule=t.grad_accum * world_size, ramp_start=t.batch_ramp.start,
-                             ramp_tokens=t.batch_ramp.tokens, seq_len=cfg.model.seq_len)
-
-
-def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
-    """Forward, backward and the verdict for the step that makes `state.step + 1`."""
-    cfg, engine, state = job.cfg, job.engine, job.state
-    step = state.step + 1
-    lr = lr_at(state.step, cfg) * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
-    fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
-    job.rewinder.note(step, fed.first, fed.end)
-    batches = job.drills.corrupt(batches, fed.indices)
-    streams = step_streams()  # a re-run in place draws the same dropout masks
-    # Every target of a training batch is real: the step's token count needs no collective.
-    tokens = fed.batch_size * cfg.model.seq_len
-    result = compute(job, step, batches, tokens, stop.requested)
-    verdict, reason = judge(job, step, result.loss, result.gnorm)
-    spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
-    if spike and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
-        job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
-    if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
-        verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
-    if verdict is Verdict.OK:
-        engine.step(lr)
-        job.clipper.commit()
-    else:
-        engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
-    record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
-                        verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
-                        batch_tokens=result.batch_tokens, reason=reason, data_wait_s=job.feed.wait_s)
-    return verdict, record, fed, result.stop_requested
 
 
 def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: bool) -> StepResult:
@@ -304,135 +230,6 @@ def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: St
     verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
     job.triage.note_rerun(step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
     return verdict, rerun_reason, result
-
-
-def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
-    stop = StopFlag()  # first: from here a SIGTERM/SIGUSR1 before the first step is a clean exit 0
-    with contextlib.ExitStack() as cleanup:  # saves finished, events recorded, lock released, group left
-        try:
-            job = setup(cfg, allow_drift, cleanup)
-            return run_loop(job, stop)
-        except Exception as exc:
-            if stop.stopped_in_setup:  # a peer that left on the same signal broke a collective
-                raise Preempted(stop.signum) from exc
-            raise
-
-
-def start(job: Job) -> None:
-    """Resume, branch or start fresh; fold in the run-level skip list; say so."""
-    cfg, engine = job.cfg, job.engine
-    hf_dir = hf_dir_of(cfg.run.init_from)
-    how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
-    job.rewinder.merge_run_file(job.state)
-    env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
-                  cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
-    if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
-        job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
-                                             cfg.train.total_steps, job.sinks.emit)
-    if cfg.monitor.enabled:
-        job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
-    job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
-                   config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
-                   optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
-    if job.verified is not None:
-        job.sinks.emit("data_verified", **job.verified)
-    if engine.is_main:
-        tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
-        print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
-              f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
-              f"(sequence {job.state.next_sequence})", flush=True)
-
-
-def run_loop(job: Job, stop: StopFlag) -> int:
-    cfg, sinks, state = job.cfg, job.sinks, job.state
-    start(job)
-    stop.save_on_signal()  # from the first step on, a stop signal saves at the next step boundary
-    diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
-    first_step = state.step
-    while state.step < cfg.train.total_steps:
-        job.drills.maybe_crash(state.step)
-        before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
-        started = time.perf_counter()
-        verdict, record, fed, stop_requested = train_step(job, stop)
-        job.audit.check(record)  # after a resume: the steps trained again must equal their records
-        verdict = job.triage.review(state, verdict, record)  # during a replay: did the spike come back?
-        if verdict is Verdict.REWIND:
-            sinks.log_step(diagnostics.observe(timed(record, started, state), before))
-            job.triage.rewind(state, record)  # the next replay, or today's rewind
-            continue
-        account(job, verdict, record, fed)
-        if first_step is not None and state.step == first_step + 1:
-            report_memory(job)  # after one step: AdamW allocates its moments lazily
-            first_step = None   # once: a rewind to the start does not report again
-        sinks.log_step(diagnostics.observe(timed(record, started, state), before))
-        if cfg.run.val_every and state.step % cfg.run.val_every == 0:
-            val_loss, val_bpb = evaluate(job)
-            sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb,
-                           "domain_tokens": dict(state.domain_tokens)})
-            diagnostics.check_val(state.step, val_loss)
-        if stop_requested:
-            # Preemption: save where we are, exit 0; the requeued job resumes from here.
-            save(job, sync=True)
-            sinks.emit("preempt_save", step=state.step)
-            check_health(job)
-            return EXIT_OK
-        if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
-            save(job)
-        check_health(job, between_steps=True)
-    check_health(job, wait=True)
-    sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
-               domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
-    check_health(job)
-    return EXIT_OK
-
-
-def check_health(job: Job, wait: bool = False, between_steps: bool = False) -> None:
-    """What only rank 0 can see fail (its checkpoint writer, its metrics and event logs, its lock on
-    run.dir) is raised on every rank, so the job exits together and with one code. `wait`: first
-    let the save in flight finish (before leaving).
-
-    `between_steps`: no collective of its own. Rank 0 keeps what failed in `job.failure`, and the
-    next step's one all-reduce carries the flag (`accumulate(failed=...)`), so every rank raises
-    it there, after that step's backward and before its update; nothing of that step is logged
-    or saved. One process raises at once."""
-    def rank0() -> None:
-        raise_failure(job)
-        if wait:
-            job.store.wait()
-        job.store.check()
-        job.sinks.check()
-        job.lock.check()
-    if between_steps and job.engine.distributed:
-        if job.engine.is_main and job.failure is None:
-            try:
-                rank0()
-            except BaseException as exc:  # noqa: BLE001 - raised on every rank at the next step
-                job.failure = exc
-        return
-    job.engine.raise_together(rank0)
-
-
-def raise_failure(job: Job) -> None:
-    """Raise what check_health kept from rank 0's last step-boundary check, if anything."""
-    if job.failure is not None:
-        failure, job.failure = job.failure, None
-        raise failure
-
-
-def save(job: Job, sync: bool = False) -> None:
-    """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes)."""
-    if job.engine.is_main:
-        job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
-    job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
-
-
-def report_memory(job: Job) -> None:
-    """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
-    per_rank = job.engine.all_gather(job.engine.memory_report())
-    job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
-    if job.engine.is_main:
-        mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}
-        print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
 
 
 def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
@@ -471,34 +268,72 @@ def timed(record: StepRecord, started: float, state: TrainState) -> dict:
                                clip_frac=state.clipped_steps / max(state.step, 1)).to_json()
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m dsslm.train", description=__doc__)
-    parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
-    parser.add_argument("--allow-drift", action="append", default=[], metavar="KEY",
-                        help="accept a difference from the checkpoint's config/data/tokenizer on resume")
-    return parser.parse_known_args(argv)
+def validate(job: Job, diagnostics: Diagnostics) -> None:
+    """Validation loss and bits per byte per domain, logged and checked for a diverging domain."""
+    state = job.state
+    val_loss, val_bpb = evaluate(job)
+    job.sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb,
+                       "domain_tokens": dict(state.domain_tokens)})
+    diagnostics.check_val(state.step, val_loss)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(argv)
-    try:
-        cfg = load(args.config, overrides)
-        return train(cfg, tuple(args.allow_drift))
-    except (ConfigError, DataError) as err:
-        print(f"dsslm: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Escalation as err:
-        print(f"dsslm: escalated to a human: {err}", file=sys.stderr)
-        return EXIT_ESCALATED
-    except WRITE_FAILURES as err:
-        print(f"dsslm: {err}", file=sys.stderr)
-        return EXIT_WRITE_FAILED
-    except Preempted as stopped:
-        print(f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save", file=sys.stderr)
-        return EXIT_OK
-    except KeyboardInterrupt:
-        print("dsslm: interrupted; the save in flight, if any, was finished", file=sys.stderr)
-        return EXIT_INTERRUPTED
+def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean loss per real token (nats) and bits per byte on each domain's held-out split (every
+    rank runs every batch, so sharded engines see matching collectives)."""
+    job.engine.train_mode(False)
+    losses, bpb = {}, {}
+    for domain in job.loader.domains:
+        batches = job.loader.val_batches(domain, job.cfg.run.val_batches, job.cfg.train.micro_batch_size)
+        sums = validation_sums(job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
+                               lambda targets: job.byte_counter.count(domain, targets))
+        if sums.tokens:
+            losses[domain] = sums.loss
+            if sums.bits_per_byte is not None:
+                bpb[domain] = sums.bits_per_byte
+    job.engine.train_mode(True)
+    return losses, bpb
+
+
+def check_health(job: Job, wait: bool = False, between_steps: bool = False) -> None:
+    """What only rank 0 can see fail (its checkpoint writer, its metrics and event logs, its lock on
+    run.dir) is raised on every rank, so the job exits together and with one code. `wait`: first
+    let the save in flight finish (before leaving).
+
+    `between_steps`: no collective of its own. Rank 0 keeps what failed in `job.failure`, and the
+    next step's one all-reduce carries the flag (`accumulate(failed=...)`), so every rank raises
+    it there, after that step's backward and before its update; nothing of that step is logged
+    or saved. One process raises at once."""
+    def rank0() -> None:
+        raise_failure(job)
+        if wait:
+            job.store.wait()
+        job.store.check()
+        job.sinks.check()
+        job.lock.check()
+    if between_steps and job.engine.distributed:
+        if job.engine.is_main and job.failure is None:
+            try:
+                rank0()
+            except BaseException as exc:  # noqa: BLE001 - raised on every rank at the next step
+                job.failure = exc
+        return
+    job.engine.raise_together(rank0)
+
+
+def raise_failure(job: Job) -> None:
+    """Raise what check_health kept from rank 0's last step-boundary check, if anything."""
+    if job.failure is not None:
+        failure, job.failure = job.failure, None
+        raise failure
+
+
+def report_memory(job: Job) -> None:
+    """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
+    per_rank = job.engine.all_gather(job.engine.memory_report())
+    job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
+    if job.engine.is_main:
+        mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}
+        print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ save or a delete that did not finish.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from dsslm.durable import fsync_dir
+from dsslm.durable import file_sha256, fsync_dir
 from safetensors.torch import load_file
 
 FORMAT = 1
@@ -122,11 +121,6 @@ def stat_key(folder: Path) -> tuple | None:
         return None
 
 
-def _hash_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _check_regular(path: Path, max_bytes: int | None = None) -> int:
     """The size of `path` if it is a regular file (not a link, FIFO or device: reading one of
     those could hang or never end) of at most `max_bytes`; CheckpointError saying why not."""
@@ -174,11 +168,11 @@ def _check_files(folder: Path, manifest: dict, hash_files: bool = True) -> None:
         size = _check_regular(path, MAX_STATE_BYTES if name == STATE_FILE else None)
         if size != entry["size"]:
             raise CheckpointError(f"{name} is {size} bytes, MANIFEST says {entry['size']}")
-        if hash_files and _hash_file(path) != entry["sha256"]:
+        if hash_files and file_sha256(path) != entry["sha256"]:
             raise CheckpointError(f"{name} does not match its sha256 in MANIFEST")
 
 
-def verify(path, hash_files: bool = True) -> str | None:
+def invalid_reason(path, hash_files: bool = True) -> str | None:
     """None if `path` is a valid checkpoint folder, else the reason. Hashes every file, unless
     `hash_files=False`: then only the MANIFEST, the file list and every file's size are checked."""
     folder = Path(path)
@@ -202,7 +196,7 @@ def verify(path, hash_files: bool = True) -> str | None:
 def load_checkpoint(path) -> Checkpoint:
     """Verify a folder against its MANIFEST and load it; CheckpointError naming the reason if not."""
     folder = Path(path)
-    reason = verify(folder)
+    reason = invalid_reason(folder)
     if reason is not None:
         raise CheckpointError(f"{folder} is not a valid checkpoint: {reason}")
     return load_verified(folder)

@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsslm.ckpt.schema import Fields, Int, Optional, StateError, Str, check
+from dsslm.fields import Fields, Int, Optional, StateError, Str, validate
 from dsslm.config import ConfigError
 from dsslm.durable import fsync_dir
 
 LOCK_FILE = "LOCK"
 HEARTBEAT_S = 10.0
 MAX_LOCK_BYTES = 64 << 10  # a lock is a few hundred bytes; anything bigger was not written by us
-LOCK_SCHEMA = Fields(open=True, host=Str(255), boot_id=Str(64), pid_ns=Str(64), pid=Int(1, 2**31),
+LOCK_SPEC = Fields(open=True, host=Str(255), boot_id=Str(64), pid_ns=Str(64), pid=Int(1, 2**31),
                      pid_start=Optional(Int(0)), started=Str(64), slurm_job_id=Str(64), slurm_restart=Int(0),
                      elastic_run_id=Str(255), elastic_restart=Int(0), token=Str(64))
 
@@ -221,7 +221,7 @@ class RunLock:
             return None, None, 0.0
         try:
             holder = json.loads(raw)
-            check(holder, LOCK_SCHEMA, LOCK_FILE)
+            validate(holder, LOCK_SPEC, LOCK_FILE)
         except (ValueError, StateError):
             holder = None  # written by no dsslm: only its age can say it is abandoned
         return raw, holder, self._fs_now() - st.st_mtime

@@ -1,7 +1,7 @@
 """save / restore / resume_or_init / branch, over one table of stateful parts.
 
 What goes into a checkpoint and what comes out of it is one table, name -> object with
-`state_dict()` / `load_state_dict()` / `state_schema`, built once by the loop:
+`state_dict()` / `load_state_dict()` / `state_spec`, built once by the loop:
 
     parts = {"train": TrainState, "monitor": SpikeMonitor, "rng": RngStreams,
              "scaler": LossScaler (fp16 only)}
@@ -24,9 +24,9 @@ from typing import Any, Callable, Protocol
 import torch
 
 from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, load_checkpoint, load_verified
-from dsslm.ckpt.schema import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, check
+from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
 from dsslm.ckpt.store import CheckpointStore
-from dsslm.ckpt.train_state import FINGERPRINT_SCHEMA, TrainState, check_fingerprint
+from dsslm.ckpt.train_state import FINGERPRINT_SPEC, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
 from dsslm.engine.base import MOMENTS, Engine, OptimState
 from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
@@ -44,7 +44,7 @@ class WeightSource(Protocol):
 
 
 class Stateful(Protocol):
-    state_schema: Spec
+    state_spec: Spec
 
     def state_dict(self) -> Any: ...
 
@@ -56,7 +56,7 @@ class RngStreams:
 
     def __init__(self, engine: Engine, seed: int, train: TrainState):
         self.engine, self.seed, self.train = engine, seed, train
-        self.state_schema = _RngList()
+        self.state_spec = _RngList()
 
     def state_dict(self) -> list[dict]:
         return self.engine.all_gather(rng_state())  # a collective: every rank saves
@@ -70,8 +70,8 @@ class RngStreams:
 
 
 class _RngList(Spec):
-    def check(self, value: Any, path: str) -> None:
-        ListOf(Json(), max_len=1 << 16).check(value, path)
+    def validate(self, value: Any, path: str) -> None:
+        ListOf(Json(), max_len=1 << 16).validate(value, path)
         if not value:
             raise StateError(f"{path}: no rank's random state")
         for i, one in enumerate(value):
@@ -139,8 +139,8 @@ class Checkpointer:
     def check_state(self, state: Any) -> None:
         header = Fields(open=True, schema=Int(SCHEMA_VERSION, SCHEMA_VERSION), step=Int(0, MAX_STEP),
                         skip_list=Json(), world_size=Int(1, 1 << 20), engine=Str(64),
-                        fingerprint=FINGERPRINT_SCHEMA, config=MapOf(Json()))
-        check(state, header, "state")
+                        fingerprint=FINGERPRINT_SPEC, config=MapOf(Json()))
+        validate(state, header, "state")
         missing = [name for name in self.parts if name not in state]
         extra = sorted(set(state) - set(HEADER) - set(self.parts))
         if missing or extra:
@@ -148,7 +148,7 @@ class Checkpointer:
             raise StateError(f"{field}: {'missing' if missing else 'not a part of this run'} (the parts are "
                              f"{', '.join(self.parts)})")
         for name, part in self.parts.items():
-            check(state[name], part.state_schema, f"state.{name}")
+            validate(state[name], part.state_spec, f"state.{name}")
         train = state["train"]
         if state["step"] != train["step"] or state["skip_list"] != train["skip_list"]:
             raise StateError("state.step / state.skip_list: differ from state.train's copies")
@@ -216,7 +216,7 @@ class Checkpointer:
         for path in self.store.valid_paths():
             try:
                 state = upgrade_state(json.loads((path / STATE_FILE).read_text()))
-                check(state["train"], self.train.state_schema, "state.train")
+                validate(state["train"], self.train.state_spec, "state.train")
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # not one to rebuild from; reading it for a resume reports why
             out.append(state["train"])

@@ -43,11 +43,11 @@ from typing import Callable, Iterable
 from dsslm.durable import fsync_dir
 from dsslm.ckpt.format import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
                                CheckpointError, load_checkpoint, load_verified, parse_name, remove_checkpoint,
-                               safetensors_chunks, stat_key, step_name, verify)
-from dsslm.ckpt.schema import StateError
+                               safetensors_chunks, stat_key, step_name, invalid_reason)
+from dsslm.fields import StateError
 from dsslm.ckpt.snapshot import HostBuffers
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "load_checkpoint", "verify"]
+__all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "load_checkpoint", "invalid_reason"]
 # A check of a loaded checkpoint's contents: raises CheckpointError or StateError saying why not.
 Accept = Callable[[Checkpoint], None]
 
@@ -324,7 +324,7 @@ class CheckpointStore:
         self._settle_aside(step)
         if final.exists() or final.is_symlink():
             # Full hash: deciding what to delete deserves more than the cache. A link is never valid.
-            reason = "a symbolic link" if final.is_symlink() else verify(final)
+            reason = "a symbolic link" if final.is_symlink() else invalid_reason(final)
             if reason is None and final.name not in self._refused:
                 _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
             else:
@@ -400,7 +400,7 @@ class CheckpointStore:
         cached = self._verified.get(folder.name)
         if key is not None and not hashed and cached is not None and cached[0] == key:
             return cached[1]
-        reason = verify(folder, hash_files=hashed) if folder.exists() else "missing"
+        reason = invalid_reason(folder, hash_files=hashed) if folder.exists() else "missing"
         if key is not None:
             self._verified[folder.name] = (key, reason)
         return reason

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsslm.ckpt.schema import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, Str,
+from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, Str,
                                Window)
 from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
 
@@ -39,7 +39,7 @@ class TrainState:
     # from a checkpoint that predates it; the loop then derives it from the position.
     domain_tokens: dict | None = field(default_factory=dict)
 
-    state_schema = Fields(
+    state_spec = Fields(
         optional=("domain_tokens",),
         step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
         skip_list=ListOf(Window(), max_len=100_000),
@@ -61,7 +61,7 @@ class ResumeRefused(ConfigError):
 
 
 # The fingerprint: what must match for a resume to continue the same computation.
-FINGERPRINT_SCHEMA = Fields(config_hash=Str(64), config_items=MapOf(Json()), data_manifest_sha256=Str(64),
+FINGERPRINT_SPEC = Fields(config_hash=Str(64), config_items=MapOf(Json()), data_manifest_sha256=Str(64),
                             tokenizer_sha256=Str(64), global_batch_size=Int(1, MAX_COUNT))
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from dsslm.data.sources import DataError
-from dsslm.data.tokenizer import file_sha256, load_tokenizer
+from dsslm.data.tokenizer import load_tokenizer
+from dsslm.durable import file_sha256
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dsslm.durable import fsync_dir, write_json_atomic
+from dsslm.durable import file_sha256, publish_folder, write_json_atomic
 from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
 from dsslm.data.manifest import FORMAT, MANIFEST_FILE, load_manifest
-from dsslm.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, eos_token_of, file_sha256,
+from dsslm.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, eos_token_of,
                                   find_tokenizer_file, load_tokenizer, token_byte_lengths, train_bpe)
 
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
@@ -264,10 +264,8 @@ def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, sh
     if byte_lengths is None or train.bytes + val.bytes != text_bytes[0]:
         for entry in train_entries + val_entries:  # not countable exactly: record no byte count
             del entry["bytes"]
-    fsync_dir(tmp)
-    os.rename(tmp, out / domain)
+    publish_folder(tmp, out / domain)
     undo.append(out / domain)
-    fsync_dir(out)
     return {"train": train_entries, "val": val_entries, "text_bytes": text_bytes[0]}
 
 

@@ -17,6 +17,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from dsslm.durable import file_sha256
+
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 # Document-end tokens of common tokenizers, tried in this order when a tokenizer.json comes
@@ -178,14 +180,6 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: str | Path) -> BPETok
     tok.save(str(tmp))
     tmp.replace(path)
     return BPETokenizer.from_file(path)
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_tokenizer(data_dir: str | Path, manifest: dict) -> ByteTokenizer | BPETokenizer:

@@ -16,14 +16,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar, Union
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.wrap import set_matmul_precision
+from dsslm.engine.blocks import set_matmul_precision
 from dsslm.optim import adamw_impl, set_lr
 from dsslm.precision import LossScaler
 
@@ -37,8 +38,6 @@ COLLECTIVE_TIMEOUT_S = 1800
 # one that is slow (progress arrives every READ_BYTES hashed, many times a second).
 STALL_TIMEOUT_S = 600
 PROGRESS_EVERY_S = 30
-# A clipping bound: a number, or a function of the pre-clip global norm that returns it (ZClip).
-ClipBound = Union[float, Callable[[float], float]]
 
 
 @dataclass

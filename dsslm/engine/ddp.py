@@ -8,10 +8,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import (ClipBound, OptimState, TorchAdamWEngine, adam_state_by_name, check_names,
+from dsslm.engine.base import (OptimState, TorchAdamWEngine, adam_state_by_name, check_names,
                                load_adam_state)
-from dsslm.engine.wrap import prepare_model
+from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_adamw
 
 

@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import MOMENTS, ClipBound, OptimState, TorchAdamWEngine, check_names, storage_bytes, whole
+from dsslm.engine.base import MOMENTS, OptimState, TorchAdamWEngine, check_names, storage_bytes, whole
 from dsslm.engine.launch import ensure_process_group
-from dsslm.engine.wrap import prepare_model
+from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_adamw
 
 

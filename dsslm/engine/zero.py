@@ -50,13 +50,14 @@ from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpee
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # noqa: E402
                              safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
 
+from dsslm.clip import ClipBound  # noqa: E402
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import MOMENTS, ClipBound, Engine, OptimState, check_names, storage_bytes  # noqa: E402
+from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
-from dsslm.engine.wrap import prepare_model  # noqa: E402
+from dsslm.engine.blocks import prepare_model  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
-from dsslm.precision import SCALER_SCHEMA  # noqa: E402
+from dsslm.precision import SCALER_SPEC  # noqa: E402
 
 # DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
@@ -70,7 +71,7 @@ class DeepSpeedLossScale:
     itself moves inside DeepSpeed's `step()` (growth) and overflow branch (backoff).
     """
 
-    state_schema = SCALER_SCHEMA
+    state_spec = SCALER_SPEC
 
     def __init__(self, optimizer: Any):
         self._optimizer = optimizer

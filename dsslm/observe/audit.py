@@ -5,7 +5,7 @@ checkpoint c. The job that resumes from c trains those steps again; each must gi
 grad norm that was recorded. The loop hands every step's record to the audit:
 
     audit = ResumeAudit.after_resume(run_dir, from_step=c, env=run_env(...), ...)   # rank 0, before any record of ours
-    audit.check(record)   # every step; compares while inside c+1..k, then emits one `resume_audit` event
+    audit.compare(record)   # every step; compares while inside c+1..k, then emits one `resume_audit` event
 
 Where the computation is deterministic (CPU, and the same world size, engine, micro-batch split,
 torch version and thread count as the job that wrote the records) the two must be equal to the
@@ -112,7 +112,7 @@ class ResumeAudit:
                  reason="no records of steps after the checkpoint (it was taken at the crash, or the log lost them)")
         return audit
 
-    def check(self, record: Any) -> None:
+    def compare(self, record: Any) -> None:
         """One recomputed step (a StepRecord, or its dict)."""
         if not self.expected:
             return

@@ -1,6 +1,6 @@
 """Loss-spike monitor: judge each optimizer step, and plan the recovery when a spike persists.
 
-`SpikeMonitor.check(step, loss, gnorm)` runs on rank 0 with the globally reduced loss and the
+`SpikeMonitor.judge(step, loss, gnorm)` runs on rank 0 with the globally reduced loss and the
 pre-clip grad norm; the loop broadcasts the verdict. Only clean steps enter the baseline, so a run
 of spikes cannot teach the monitor that spikes are normal, and only upward deviations count:
 early in training the loss falls faster than a rolling baseline follows, and that is progress.
@@ -22,7 +22,7 @@ isolated outlier is skipped; the (max_skips+1)-th outlier in a row rewinds. Dete
 the defaults: an isolated spike is skipped on its own step (0 steps); a sustained one rewinds 2
 steps after its first step (max_skips=2), or at once when it is hard or non-finite.
 
-`recheck` judges an in-place re-run of the step just judged as if the first attempt had never
+`rejudge` judges an in-place re-run of the step just judged as if the first attempt had never
 been seen (its outlier is taken back out of the streak), so the monitor never learns a transient.
 
 `step` is the step count (the step whose update is being judged, as in metrics.jsonl). What to
@@ -37,7 +37,7 @@ from enum import Enum
 
 from typing import Any
 
-from dsslm.ckpt.schema import MAX_STEP, Fields, Float, Int, ListOf, Optional, Spec, StateError, Str
+from dsslm.fields import MAX_STEP, Fields, Float, Int, ListOf, Optional, Spec, StateError, Str
 from dsslm.config import MonitorCfg
 
 MAD_TO_STD = 1.4826  # MAD x 1.4826 estimates the standard deviation of a normal distribution
@@ -63,14 +63,14 @@ class SpikeMonitor:
 
     def __init__(self, cfg: MonitorCfg):
         self.cfg = cfg
-        self.state_schema = _MonitorState(cfg)
+        self.state_spec = _MonitorState(cfg)
         self._losses: deque[float] = deque(maxlen=cfg.window)
         self._gnorms: deque[float] = deque(maxlen=cfg.window)
         self._streak = 0                  # consecutive outliers so far, reset by a clean step
         self._spike_start: int | None = None
         self._baseline_max: float | None = None  # max_multiple: largest of the first steps' losses
         self._baseline_count = 0
-        self._before: tuple[int, int | None] = (0, None)  # the streak before the last check (recheck)
+        self._before: tuple[int, int | None] = (0, None)  # the streak before the last verdict (rejudge)
         self.last_reason = ""             # why the last verdict was not OK, for the events log
 
     @property
@@ -79,7 +79,7 @@ class SpikeMonitor:
         clean step or `reset_streak()`. None when no outlier is pending."""
         return self._spike_start
 
-    def check(self, step: int, loss: float, gnorm: float) -> Verdict:
+    def judge(self, step: int, loss: float, gnorm: float) -> Verdict:
         loss, gnorm = float(loss), float(gnorm)
         if not self.cfg.enabled:
             return Verdict.OK
@@ -100,11 +100,11 @@ class SpikeMonitor:
         self.reset_streak()
         return Verdict.OK
 
-    def recheck(self, step: int, loss: float, gnorm: float) -> Verdict:
+    def rejudge(self, step: int, loss: float, gnorm: float) -> Verdict:
         """Judge an in-place re-run of the step `check` just called an outlier, as if that first
         attempt had not been seen (it never entered the baseline; its place in the streak goes)."""
         self._streak, self._spike_start = self._before
-        return self.check(step, loss, gnorm)
+        return self.judge(step, loss, gnorm)
 
     def loss_z(self, loss: float) -> float:
         """Robust z-score of `loss` against the clean history (positive = above the median)."""
@@ -214,8 +214,8 @@ class _MonitorState(Spec):
             spike_start=Optional(Int(1, MAX_STEP)), baseline_max=Optional(Float()),
             baseline_count=Int(0, MAX_STEP))
 
-    def check(self, value: Any, path: str) -> None:
-        self.fields.check(value, path)
+    def validate(self, value: Any, path: str) -> None:
+        self.fields.validate(value, path)
         saved = value.get("detector", "mad")
         if saved != self.detector:
             raise StateError(f"{path}.detector: {saved!r}, but this run judges with monitor.detector="

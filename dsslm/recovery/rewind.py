@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from dsslm.ckpt.format import Checkpoint
 from dsslm.ckpt.resume import Checkpointer
-from dsslm.ckpt.schema import Fields, Float, Int, ListOf, Optional, StateError, Window, check
+from dsslm.fields import Fields, Float, Int, ListOf, Optional, StateError, Window, validate
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
 from dsslm.data.stream import merge_windows
@@ -30,7 +30,7 @@ from dsslm.recovery.monitor import SpikeMonitor
 
 RECOVERY_FILE = "skip_list.json"
 RECOVERY_SCHEMA_VERSION = 2
-RECOVERY_SCHEMA = Fields(optional=("schema",), schema=Int(1, RECOVERY_SCHEMA_VERSION),
+RECOVERY_SPEC = Fields(optional=("schema",), schema=Int(1, RECOVERY_SCHEMA_VERSION),
                          skip_list=ListOf(Window(), max_len=100_000), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
                          lr_scale=Optional(Float(1e-12, 1.0)))
 
@@ -111,7 +111,7 @@ def read_recovery(run_dir: Path, batch_size: int) -> dict:
         recovery = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise StateError(f"{path}: unreadable ({exc})") from None
-    check(recovery, RECOVERY_SCHEMA, RECOVERY_FILE)
+    validate(recovery, RECOVERY_SPEC, RECOVERY_FILE)
     recovery.setdefault("schema", 1)  # the file's own schema; the contents are returned in today's units
     if recovery["schema"] == 1:
         recovery["skip_list"] = [[a * batch_size, b * batch_size] for a, b in recovery["skip_list"]]
@@ -200,7 +200,7 @@ class Rewinder:
 
     def rewind(self, state: TrainState, spike_step: int, spike_start: int | None = None) -> None:
         """Go back to a checkpoint from before the spike at `spike_step` and never feed its data
-        window again (today's policy: no replay tells data from state); `state` (the
+        window again (the plain rewind policy: no replay tells data from state); `state` (the
         checkpointer's train part) is restored in place."""
         def plan() -> tuple[RewindPlan, dict, str]:
             start = spike_start or self.monitor.spike_start or spike_step

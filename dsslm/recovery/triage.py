@@ -13,7 +13,7 @@ it (the *base*) and replays to `target`:
                  monitor's thresholds: **transient**; the run simply continues from the replay,
                  nothing is skipped and the learning rate is untouched.
     skip_window  it came back: from the base again, the spike's data window (at least
-                 `skip_batches` batches, as today's policy) replaced by the next unseen data.
+                 `skip_batches` batches, as the plain rewind does) replaced by the next unseen data.
                  Gone: **data**; the window is committed to the skip list and skip_list.json.
     backoff      still there: from the base again with the original data and lr_scale x
                  `lr_backoff`. Gone: **state**. It comes back: back off once more, up to
@@ -26,7 +26,7 @@ it (the *base*) and replays to `target`:
 (an outlier or a rewind). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
 exactly; on GPU kernels are not bitwise and it comes back within the thresholds. Each spike may
 spend at most `triage_max_replay_steps` replayed steps; a phase that would cross that falls back
-to today's policy (`Rewinder.rewind`: skip the window, back off when the region repeats).
+to the plain rewind policy (`Rewinder.rewind`: skip the window, back off when the region repeats).
 
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A
@@ -48,7 +48,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from dsslm.ckpt.format import Checkpoint
-from dsslm.ckpt.schema import MAX_STEP, Fields, Float, Int, Json, ListOf, Spec, StateError, Str, Window
+from dsslm.fields import MAX_STEP, Fields, Float, Int, Json, ListOf, Spec, StateError, Str, Window
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
 from dsslm.data.stream import merge_windows
@@ -87,12 +87,12 @@ class Replay:
     evidence: list = field(default_factory=list)
 
 
-class Progress:
+class ReplayProgress:
     """The checkpoint part "triage": the replay in progress, or None."""
 
     def __init__(self) -> None:
         self.replay: Replay | None = None
-        self.state_schema = _TriageState()
+        self.state_spec = _TriageState()
 
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None}
@@ -105,7 +105,7 @@ class Triage:
     """The loop's spike policy: `review` every step, `rewind` on a REWIND verdict."""
 
     def __init__(self, cfg: Config, engine: Engine, rewinder: Rewinder, monitor: SpikeMonitor,
-                 forensics: Forensics, progress: Progress, emit: Callable[..., Any]):
+                 forensics: Forensics, progress: ReplayProgress, emit: Callable[..., Any]):
         self.cfg, self.engine, self.rewinder, self.monitor = cfg, engine, rewinder, monitor
         self.forensics, self.progress, self.emit = forensics, progress, emit
         self.enabled = cfg.monitor.enabled and cfg.monitor.triage
@@ -130,26 +130,25 @@ class Triage:
         """Re-run an isolated outlier in place? Not while a replay is asking whether it comes back."""
         return self.enabled and not self.replaying(step)
 
-    def review(self, state: TrainState, verdict: Verdict, record: Any) -> Verdict:
-        """The verdict the loop acts on for the step just computed (`record`, a StepRecord): during
-        a replay a spike step outside the thresholds is the spike coming back (REWIND: the next
-        phase), and the target passing clean concludes the triage."""
-        row = [record.step, _num(record.loss), _num(record.gnorm), verdict.value]
-        if not self.replaying(record.step):
+    def review(self, state: TrainState, step: int, verdict: Verdict, reason: str, loss: float,
+               gnorm: float) -> tuple[Verdict, str]:
+        """The verdict (and why) the loop acts on for the step just computed: during a replay a
+        spike step outside the thresholds is the spike coming back (REWIND: the next phase), and
+        the target passing clean concludes the triage."""
+        row = [step, _num(loss), _num(gnorm), verdict.value]
+        if not self.replaying(step):
             self._recent.append(row)
-            return verdict
+            return verdict, reason
         self.replay.evidence[-1]["steps"].append(row)
         if verdict is not Verdict.OK:
-            record.verdict = Verdict.REWIND.value
-            record.reason = f"triage: the spike came back in the {self.replay.phase} replay ({record.reason})"
-            return Verdict.REWIND
-        if record.step == self.replay.target:
+            return Verdict.REWIND, f"triage: the spike came back in the {self.replay.phase} replay ({reason})"
+        if step == self.replay.target:
             self._conclude(state)
-        return verdict
+        return verdict, reason
 
     def rewind(self, state: TrainState, record: Any) -> None:
         """Act on a REWIND at step `record.step`: start a triage, take its next phase, or (triage
-        off, or over budget) today's policy. Restores `state` in place on every rank."""
+        off, or over budget) the plain rewind policy. Restores `state` in place on every rank."""
         if self.replay is not None:
             self._next_phase(state, record.step)
         elif self.enabled:
@@ -186,7 +185,7 @@ class Triage:
         return factor
 
     def pins(self, step: int, valid_steps: list[int]) -> list[int]:
-        """Checkpoints retention must keep: today's recovery pins and a replay's base."""
+        """Checkpoints retention must keep: the plain rewind's pins and a replay's base."""
         base = [self.replay.base_step] if self.replay else []
         return recovery_pins(step, valid_steps, self.cfg) + [s for s in valid_steps if s in base]
 
@@ -264,7 +263,7 @@ class Triage:
         self.forensics.record_decision(list(range(r.spike_start, r.target + 1)), decision)
 
     def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint) -> None:
-        """Over the replay budget: today's policy, on what the replays showed so far."""
+        """Over the replay budget: the plain rewind policy, on what the replays showed so far."""
         self.replay = None
         self.emit("triage", step=r.target, verdict="data", scope="window", spike_start=r.spike_start,
                   target=r.target, replay_steps=r.replay_steps, fallback="replay budget spent "
@@ -287,12 +286,12 @@ class _TriageState(Spec):
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
                     evidence=ListOf(Json(), max_len=10_000))
 
-    def check(self, value: Any, path: str) -> None:
-        Fields(format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json()).check(value, path)
+    def validate(self, value: Any, path: str) -> None:
+        Fields(format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json()).validate(value, path)
         r = value["replay"]
         if r is None:
             return
-        self.replay.check(r, f"{path}.replay")
+        self.replay.validate(r, f"{path}.replay")
         if r["phase"] not in {p.value for p in Phase}:
             raise StateError(f"{path}.replay.phase: {r['phase']!r} is not one of {', '.join(p.value for p in Phase)}")
         if not r["base_step"] < r["spike_start"] <= r["target"]:

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from dsslm.ckpt.format import verify
+from dsslm.ckpt.format import invalid_reason
 from helpers import TINY, events, hook_env, read_jsonl, run_distributed, run_train, start_train
 
 EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 4, 130
@@ -46,7 +46,7 @@ def test_escalation_with_a_save_in_flight_keeps_that_save(tmp_path):
                      "faults.poison_batches=[[70,100000]]", check=False, env=env)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert 71 <= events(run_dir, "escalation")[0]["step"] <= 74  # skips, then the rewind that escalates
-    assert verify(run_dir / "checkpoints" / "step-00000070") is None
+    assert invalid_reason(run_dir / "checkpoints" / "step-00000070") is None
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
@@ -62,7 +62,7 @@ def test_ctrl_c_with_a_save_in_flight_finishes_it_and_exits_130(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err
-    assert verify(run_dir / "checkpoints" / "step-00000010") is None
+    assert invalid_reason(run_dir / "checkpoints" / "step-00000010") is None
     assert len(events(run_dir, "interrupted")) == 1 and not (run_dir / "LOCK").exists()
 
 
@@ -100,7 +100,7 @@ def test_a_write_failure_on_rank_0_stops_both_ranks_with_exit_4(tmp_path, what):
     assert max(seconds for _, seconds in results) < 60  # a hang would wait out the 1800 s collective timeout
     steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert steps and max(steps) < 12  # stopped at a step boundary right after the failure, long before 40
-    assert verify(tmp_path / "run" / "checkpoints" / "step-00000003") is None  # what was saved is intact
+    assert invalid_reason(tmp_path / "run" / "checkpoints" / "step-00000003") is None  # what was saved is intact
 
 
 def sigcgt_has(pid: int, sig: int) -> bool:

@@ -13,14 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from dsslm import export as export_cli
+from dsslm.durable import file_sha256
 from dsslm.ckpt.format import MANIFEST
 from dsslm.config import load
 from dsslm.data import prepare
 from dsslm.data.tokenizer import ByteTokenizer
-from dsslm.hf_folder import HFWeights, read_config
+from dsslm.hf.folder import HFWeights, read_config
 from dsslm.train import main as train_main
 from dsslm.train import train
-from dsslm.trained import open_trained
+from dsslm.ckpt.trained import open_trained
 from helpers import TINY, events, losses_by_step, run_train, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
@@ -108,7 +109,7 @@ def test_bf16_export_loads_sharded_and_imports_rounded(runs, tmp_path, capsys):
 
 
 def test_qk_norm_model_is_refused_where_transformers_lacks_qwen3(runs, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("dsslm.hf.QWEN3", "Qwen9ForCausalLM")  # what an old transformers offers: nothing
+    monkeypatch.setattr("dsslm.hf.convert.QWEN3", "Qwen9ForCausalLM")  # what an old transformers offers: nothing
     rc, _, err = export_main(capsys, runs["bpe"], "--out", tmp_path / "hf")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "Qwen9ForCausalLM" in err
     assert list(tmp_path.iterdir()) == []
@@ -116,7 +117,7 @@ def test_qk_norm_model_is_refused_where_transformers_lacks_qwen3(runs, tmp_path,
 
 def test_a_failed_parity_check_leaves_nothing_that_looks_exported(runs, tmp_path, capsys, monkeypatch):
     # The classic conversion bug: q/k rows left in dsslm's interleaved RoPE order.
-    monkeypatch.setattr("dsslm.hf.rope_order", lambda head_dim: torch.arange(head_dim))
+    monkeypatch.setattr("dsslm.hf.convert.rope_order", lambda head_dim: torch.arange(head_dim))
     rc, _, err = export_main(capsys, runs["byte"], "--out", tmp_path / "hf")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "parity check failed" in err
     assert list(tmp_path.iterdir()) == []
@@ -144,7 +145,7 @@ def corrupt(run_dir: Path, tmp_path: Path, how: str) -> Path:
         state["config"]["model"]["d_model"] = 64
         (ckpt / "state.json").write_text(json.dumps(state))
         manifest = json.loads((ckpt / MANIFEST).read_text())
-        manifest["files"]["state.json"] = {"sha256": export_cli.file_sha256(ckpt / "state.json"),
+        manifest["files"]["state.json"] = {"sha256": file_sha256(ckpt / "state.json"),
                                            "size": (ckpt / "state.json").stat().st_size}
         (ckpt / MANIFEST).write_text(json.dumps(manifest))
     return ckpt
@@ -267,8 +268,8 @@ def test_config_json_reads_what_the_export_wrote(runs, tmp_path, capsys):
 def test_import_of_a_folder_transformers_wrote_itself_matches_its_logits(runs, tmp_path, arch):
     """Someone else's model: saved by transformers (sharded, untied, eps 1e-5, rope_theta 5e5)."""
     from dsslm.data import load_manifest
-    from dsslm.hf import byte_tokenizer
-    from dsslm.hf_folder import apply_shape
+    from dsslm.hf.convert import byte_tokenizer
+    from dsslm.hf.folder import apply_shape
     from dsslm.model import build_model
 
     config_class = transformers.LlamaConfig if arch.startswith("Llama") else transformers.Qwen3Config

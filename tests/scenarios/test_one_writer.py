@@ -7,7 +7,7 @@ import signal
 import socket
 import time
 
-from dsslm.ckpt.format import verify
+from dsslm.ckpt.format import invalid_reason
 from helpers import events, read_jsonl, run_train, start_train
 
 
@@ -52,4 +52,4 @@ def test_a_killed_holders_lock_and_half_written_save_are_cleared(tmp_path):
     assert len(takeover) == 1 and "not running" in takeover[0]["reason"]
     assert events(run_dir, "leftovers_removed")[0]["folders"] == leftovers
     assert not list((run_dir / "checkpoints").glob(".tmp-*")) and not (run_dir / "LOCK").exists()
-    assert verify(run_dir / "checkpoints" / "step-00000030") is None
+    assert invalid_reason(run_dir / "checkpoints" / "step-00000030") is None

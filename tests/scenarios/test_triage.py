@@ -209,7 +209,7 @@ def test_spike_forensics_hold_the_batch_and_the_report_decodes_the_worst_sequenc
     assert [(d["scope"], d["verdict"]) for d in decisions] == [("step", "data"), ("window", "data")]
     assert not list((data_run / "spikes").glob(".tmp-*"))
     from dsslm.report import main as report
-    from dsslm.spikes import printable
+    from dsslm.recovery.forensics import printable
     assert report([str(data_run)]) == 0
     summary = (data_run / "report" / "summary.md").read_text()
     text = bytes(gram.tolist()).decode("utf-8", errors="replace")

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from dsslm.ckpt.schema import StateError
+from dsslm.fields import StateError
 from dsslm.clip import ZClip, build_clipper
 from dsslm.config import OptimCfg, load
 
@@ -70,18 +70,18 @@ def test_zclip_state_round_trips_and_is_checked():
         first = ZClip(CFG)
         head = run(first, norms[:cut])
         state = json.loads(json.dumps(first.state_dict()))
-        first.state_schema.check(state, "clip")
+        first.state_spec.validate(state, "clip")
         restored = ZClip(CFG)
         restored.load_state_dict(state)
         assert head + run(restored, norms[cut:]) == reference
         assert head + run(ZClip(CFG), norms[cut:]) != reference
-    schema = ZClip(CFG).state_schema
+    schema = ZClip(CFG).state_spec
     for bad, field in (({"format": 1, "mean": 1.0, "var": None, "warmup_norms": []}, "clip.var"),
                        ({"format": 1, "mean": None, "var": None, "warmup_norms": [-1.0]}, r"clip.warmup_norms\[0\]"),
                        ({"format": 1, "mean": 1.0, "var": 0.1, "warmup_norms": [1.0]}, "clip.warmup_norms"),
                        ({"format": 1, "mean": None, "var": None, "warmup_norms": [1.0] * 6}, "clip.warmup_norms")):
         with pytest.raises(StateError, match=f"^{field}"):
-            schema.check(bad, "clip")
+            schema.validate(bad, "clip")
 
 
 def test_zclip_bound_reaches_the_gradients(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from dsslm.config import ModelCfg, load
 from dsslm.data.tokenizer import ByteTokenizer
-from dsslm.hf import (LLAMA, QWEN3, HFError, architecture_of, byte_tokenizer, from_hf, hf_shapes, model_values,
+from dsslm.hf.convert import (LLAMA, QWEN3, HFError, architecture_of, byte_tokenizer, from_hf, hf_shapes, model_values,
                       rope_order, to_hf)
 from dsslm.model import apply_rope, build_model, rope_table
 

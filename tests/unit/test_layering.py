@@ -3,8 +3,11 @@
 - torch.distributed, deepspeed and accelerate are imported only inside dsslm/engine/;
 - model.py imports nothing of dsslm but config;
 - data/ and ckpt/format.py import only config and durable of dsslm (and data/ itself);
+- the ground floor (config, durable, exits, fields) imports nothing of dsslm; model, optim,
+  precision, rng and clip import only the ground floor (so no loop runs through a folder);
 - lower folders never import higher ones: data and ckpt never import recovery, observe or
-  train; recovery never imports observe or train; nothing but the CLIs imports train.
+  train; recovery never imports observe or train; hf/ only what a checkpoint and its data need;
+  nothing but the CLIs imports train or job.
 """
 from __future__ import annotations
 
@@ -71,6 +74,26 @@ def test_distributed_libraries_only_inside_engine(module):
     assert not bad, f"{module} imports {bad}: only dsslm/engine/ may; ask the engine instead"
 
 
+GROUND_FLOOR = ("dsslm.config", "dsslm.durable", "dsslm.exits", "dsslm.fields")
+LOW = ("dsslm.model", "dsslm.optim", "dsslm.precision", "dsslm.rng", "dsslm.clip")
+
+
+def below(imported: str, allowed: tuple[str, ...]) -> bool:
+    return imported == "dsslm" or any(imported == a or imported.startswith(a + ".") for a in allowed)
+
+
+@pytest.mark.parametrize("module", GROUND_FLOOR)
+def test_the_ground_floor_imports_nothing_of_dsslm(module):
+    bad = sorted(m for m in dsslm_imports(module) if m != "dsslm")
+    assert not bad, f"{module} is on the ground floor and imports {bad}"
+
+
+@pytest.mark.parametrize("module", LOW)
+def test_low_modules_import_only_the_ground_floor(module):
+    bad = sorted(m for m in dsslm_imports(module) if not below(m, GROUND_FLOOR))
+    assert not bad, f"{module} may import only {GROUND_FLOOR} of dsslm; it imports {bad}"
+
+
 def test_model_imports_only_config():
     assert dsslm_imports("dsslm.model") <= {"dsslm.config", "dsslm.config.ModelCfg"}
 
@@ -83,7 +106,8 @@ def test_data_and_ckpt_format_import_only_config_durable_and_data(module):
     assert not bad, f"{module} imports {bad}"
 
 
-HIGHER = {"data": ("ckpt", "recovery", "observe", "train", "engine"), "ckpt": ("recovery", "observe", "train"),
+HIGHER = {"data": ("ckpt", "recovery", "observe", "train", "engine", "hf"),
+          "ckpt": ("recovery", "observe", "train", "hf"), "hf": ("recovery", "observe", "train", "engine"),
           "recovery": ("observe", "train"), "engine": ("ckpt", "recovery", "observe", "train", "data"),
           "observe": ("recovery", "train")}
 
@@ -102,7 +126,8 @@ def test_no_folder_imports_a_higher_one(module):
 def test_only_the_clis_import_train(module):
     if module in CLIS:
         return
-    assert not any(m == "dsslm.train" or m.startswith("dsslm.train.") for m in dsslm_imports(module)), module
+    bad = sorted(m for m in dsslm_imports(module) if below(m, ("dsslm.train", "dsslm.job")))
+    assert not bad, f"{module} imports {bad}: only the CLIs may"
 
 
 def test_the_reader_catches_nested_and_relative_imports(tmp_path):

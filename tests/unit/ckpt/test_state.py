@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from dsslm.ckpt import format as ckpt_format
 from dsslm.ckpt.resume import upgrade_state
-from dsslm.ckpt.schema import Fields, Float, Int, ListOf, StateError, Window, check
+from dsslm.fields import Fields, Float, Int, ListOf, StateError, Window, validate
 from dsslm.train import main, train
 from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg
 
@@ -236,7 +236,7 @@ def test_schema_1_state_is_upgraded_to_the_step_vocabulary():
 
 def test_schema_checks_name_the_field():
     spec = Fields(step=Int(0, 10), windows=ListOf(Window()), lr=Float(0.0, 1.0))
-    check({"step": 3, "windows": [[1, 2]], "lr": 0.5}, spec, "s")
+    validate({"step": 3, "windows": [[1, 2]], "lr": 0.5}, spec, "s")
     for bad, field in (({"step": True, "windows": [], "lr": 0.5}, "s.step"),
                        ({"step": 3, "windows": [[2, 1]], "lr": 0.5}, "s.windows[0]"),
                        ({"step": 3, "windows": [[1, 2.5]], "lr": 0.5}, "s.windows[0][1]"),
@@ -244,7 +244,7 @@ def test_schema_checks_name_the_field():
                        ({"step": 3, "windows": []}, "s.lr"),
                        ({"step": 3, "windows": [], "lr": 0.5, "x": 1}, "s.x")):
         with pytest.raises(StateError, match=r"^" + field.replace("[", r"\[").replace("]", r"\]") + ":"):
-            check(bad, spec, "s")
+            validate(bad, spec, "s")
 
 
 def test_metrics_of_the_refused_step_and_the_resume_line_up(reference):

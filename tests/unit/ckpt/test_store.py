@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from dsslm.ckpt import format as ckpt_io, snapshot, store as checkpoint
-from dsslm.ckpt.store import CheckpointError, CheckpointStore, load_checkpoint, verify
+from dsslm.ckpt.store import CheckpointError, CheckpointStore, load_checkpoint, invalid_reason
 
 from helpers import ROOT
 
@@ -163,8 +163,8 @@ def test_loaders_rehash_even_when_the_cache_says_valid(tmp_path):
 
 def test_valid_steps_is_cached_and_load_hashes_only_what_it_returns(tmp_path, monkeypatch):
     hashed = []
-    real = ckpt_io._hash_file
-    monkeypatch.setattr(ckpt_io, "_hash_file", lambda p: hashed.append(p.parent.name) or real(p))
+    real = ckpt_io.file_sha256
+    monkeypatch.setattr(ckpt_io, "file_sha256", lambda p: hashed.append(p.parent.name) or real(p))
     mgr = CheckpointStore(tmp_path, keep_last=5)
     for step in (1, 2, 3):
         mgr.save(step, make_tensors(step), state_for(step))  # retention lists valid steps each time
@@ -199,19 +199,19 @@ def test_unfinished_and_foreign_folders_are_ignored_not_deleted(tmp_path):
 def test_extra_and_missing_files_invalidate(tmp_path):
     path = CheckpointStore(tmp_path).save(1, make_tensors(), state_for(1))
     (path / "notes.txt").write_text("x")
-    assert "notes.txt" in verify(path)
+    assert "notes.txt" in invalid_reason(path)
     (path / "notes.txt").unlink()
-    assert verify(path) is None
+    assert invalid_reason(path) is None
     copied = shutil.copytree(path, path.with_name("step-00000009"))  # a folder renamed by hand
-    assert "MANIFEST says step 1" in verify(copied)
+    assert "MANIFEST says step 1" in invalid_reason(copied)
     manifest = json.loads((path / "MANIFEST").read_text())
     del manifest["files"]["state.json"]
     (path / "state.json").unlink()
     (path / "MANIFEST").write_text(json.dumps(manifest))
-    assert "state.json" in verify(path)  # the contract requires it
+    assert "state.json" in invalid_reason(path)  # the contract requires it
     other = CheckpointStore(tmp_path).save(2, make_tensors(), state_for(2))
     (other / "optim.safetensors").unlink()
-    assert verify(other) == "file optim.safetensors is missing"
+    assert invalid_reason(other) == "file optim.safetensors is missing"
 
 
 def test_latest_before(tmp_path):
@@ -418,7 +418,7 @@ def test_existing_invalid_folder_is_renamed_aside_not_deleted(tmp_path):
     mgr.save(4, make_tensors(2), state_for(4, "new"))
     assert mgr.load_latest().state["tag"] == "new"
     invalid = [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-00000004.invalid-")]
-    assert len(invalid) == 1 and verify(invalid[0]) is not None
+    assert len(invalid) == 1 and invalid_reason(invalid[0]) is not None
 
 
 @pytest.mark.gpu
@@ -470,8 +470,8 @@ def test_a_restarted_store_hashes_only_what_it_loads(tmp_path, monkeypatch):
         writer.save(step, make_tensors(step), state_for(step))
     flip_byte(ckpt(tmp_path, 3) / "optim.safetensors")
     hashed = []
-    real = ckpt_io._hash_file
-    monkeypatch.setattr(ckpt_io, "_hash_file", lambda p: hashed.append(p.parent.name) or real(p))
+    real = ckpt_io.file_sha256
+    monkeypatch.setattr(ckpt_io, "file_sha256", lambda p: hashed.append(p.parent.name) or real(p))
     events, on_event = recorder()
     restarted = CheckpointStore(tmp_path, keep_last=3, on_event=on_event)
     assert restarted.valid_steps() == [1, 2, 3] and restarted.apply_retention() == [] and hashed == []

@@ -13,7 +13,8 @@ from dsslm.data import DataError, load_manifest, prepare
 from dsslm.data.__main__ import main
 from dsslm.data.bytecount import ByteCounter
 from dsslm.loss import bits_per_byte
-from dsslm.data.tokenizer import file_sha256, load_tokenizer, token_byte_lengths
+from dsslm.data.tokenizer import load_tokenizer, token_byte_lengths
+from dsslm.durable import file_sha256
 
 TEXT = "héllo wörld, 日本語 🙂 naïve ß\n\tdef f(x):\n        return x * 2\n"
 

@@ -55,32 +55,32 @@ def audit_of(records, exact_why: str = "", tol: float = 0.0, last_step: int = 10
 
 def test_equal_steps_are_exact_and_one_differing_bit_is_an_alert():
     audit, emitted = audit_of([record(11), record(12)])
-    audit.check(record(11))
+    audit.compare(record(11))
     assert emitted == []  # reports once, when the window is done
-    audit.check(record(12))
+    audit.compare(record(12))
     assert emitted[0][0] == "resume_audit" and emitted[0][1]["verdict"] == "exact"
     assert emitted[0][1]["steps"] == [11, 12] and emitted[0][1]["max_loss_diff"] == 0.0
     audit, emitted = audit_of([record(11), record(12)])
-    audit.check(record(11))
-    audit.check(record(12, loss=record(12)["loss"] + 1e-12, gnorm=record(12)["gnorm"]))
+    audit.compare(record(11))
+    audit.compare(record(12, loss=record(12)["loss"] + 1e-12, gnorm=record(12)["gnorm"]))
     assert [e for e, _ in emitted] == ["resume_audit", "alert"] and emitted[0][1]["verdict"] == "mismatch"
     assert emitted[1][1]["reason"] == "resume_audit" and emitted[1][1]["at_step"] == 12
 
 
 def test_a_tolerance_applies_where_results_are_not_reproducible():
     audit, emitted = audit_of([record(11)], exact_why="cuda kernels are not bitwise deterministic", tol=0.05)
-    audit.check(record(11, loss=record(11)["loss"] * 1.01, gnorm=record(11)["gnorm"] * 0.99))
+    audit.compare(record(11, loss=record(11)["loss"] * 1.01, gnorm=record(11)["gnorm"] * 0.99))
     assert emitted[0][1]["verdict"] == "within_tolerance" and "cuda" in emitted[0][1]["expected"]
     for loss in (record(11)["loss"] * 1.2, float("nan")):
         audit, emitted = audit_of([record(11)], exact_why="world_size 1 -> 2", tol=0.05)
-        audit.check(record(11, loss=loss, gnorm=record(11)["gnorm"]))
+        audit.compare(record(11, loss=loss, gnorm=record(11)["gnorm"]))
         assert [e for e, _ in emitted] == ["resume_audit", "alert"]
 
 
 def test_steps_fed_other_inputs_are_counted_not_compared_and_nan_equals_nan():
     audit, emitted = audit_of([record(11), record(12, loss="nan", gnorm="nan")], last_step=12)
-    audit.check(record(11, lr=5e-4, loss=0.0))  # another schedule (train.total_steps changed)
-    audit.check(record(12, loss=float("nan"), gnorm=float("nan")))
+    audit.compare(record(11, lr=5e-4, loss=0.0))  # another schedule (train.total_steps changed)
+    audit.compare(record(12, loss=float("nan"), gnorm=float("nan")))
     fields = emitted[0][1]
     assert fields["incomparable"] == 1 and fields["compared"] == 1 and fields["verdict"] == "exact"
 
@@ -88,10 +88,10 @@ def test_steps_fed_other_inputs_are_counted_not_compared_and_nan_equals_nan():
 def test_a_run_shorter_than_the_window_reports_at_its_end_and_a_rewind_ends_it():
     audit, emitted = audit_of([record(s) for s in range(11, 20)], last_step=13)
     for s in (11, 12, 13):
-        audit.check(record(s))
+        audit.compare(record(s))
     assert emitted[0][1]["steps"] == [11, 13]
     audit, emitted = audit_of([record(s) for s in range(11, 20)])
-    audit.check(record(11, verdict="rewind"))
+    audit.compare(record(11, verdict="rewind"))
     assert emitted[0][1]["compared"] == 1 and len(emitted) == 1
 
 

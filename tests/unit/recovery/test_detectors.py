@@ -1,12 +1,12 @@
 """The zscore and max_multiple detectors, non-finite steps as outliers, the in-place re-run's
-recheck, and every detector's state through JSON and the checkpoint schema."""
+rejudge, and every detector's state through JSON and the checkpoint schema."""
 import json
 import math
 import random
 
 import pytest
 
-from dsslm.ckpt.schema import StateError
+from dsslm.fields import StateError
 from dsslm.config import MonitorCfg
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
 
@@ -24,7 +24,7 @@ def flat_stream(seed, n_steps, noise=0.015, spikes=None):
 def verdicts(monitor, stream):
     out = []
     for step, loss, gnorm in stream:
-        v = monitor.check(step, loss, gnorm)
+        v = monitor.judge(step, loss, gnorm)
         out.append(v)
         if v is Verdict.REWIND:
             monitor.reset_streak()
@@ -36,22 +36,22 @@ def test_zscore_is_quiet_on_clean_curves_and_skips_a_spike(seed):
     monitor = SpikeMonitor(MonitorCfg(**ZSCORE))
     assert set(verdicts(monitor, flat_stream(seed, 1000))) == {Verdict.OK}
     history = monitor.state_dict()["losses"]
-    assert monitor.check(1000, 2.0 * 1.15, 0.5) is Verdict.SKIP  # +15% on 1.5% noise: z ~ 10
+    assert monitor.judge(1000, 2.0 * 1.15, 0.5) is Verdict.SKIP  # +15% on 1.5% noise: z ~ 10
     assert monitor.state_dict()["losses"] == history            # the outlier never enters the window
-    assert monitor.check(1001, 2.0, 0.5 * 8) is Verdict.SKIP    # the grad norm is judged the same way
-    assert monitor.check(1002, 2.0 * 1.6, 0.5) is Verdict.REWIND  # z ~ 40 > hard_loss_z = 20
+    assert monitor.judge(1001, 2.0, 0.5 * 8) is Verdict.SKIP    # the grad norm is judged the same way
+    assert monitor.judge(1002, 2.0 * 1.6, 0.5) is Verdict.REWIND  # z ~ 40 > hard_loss_z = 20
 
 
 def test_zscore_waits_for_min_history_and_is_not_the_mad_score():
     monitor = SpikeMonitor(MonitorCfg(**ZSCORE))
     assert set(verdicts(monitor, flat_stream(0, 63))) == {Verdict.OK}
-    assert monitor.check(63, 50.0, 0.5) is Verdict.OK  # 63 clean steps < min_history = 64: no judgement
+    assert monitor.judge(63, 50.0, 0.5) is Verdict.OK  # 63 clean steps < min_history = 64: no judgement
     # Heavy tails inflate the std but not the MAD: the same point is an outlier for one only.
     rng = random.Random(1)
     tails = [(s, 2.0 + (0.3 if s % 10 == 0 else 0.01 * rng.gauss(0, 1)), 0.5) for s in range(100)]
     mad, zscore = SpikeMonitor(MonitorCfg(window=100)), SpikeMonitor(MonitorCfg(detector="zscore", window=100))
     verdicts(mad, tails), verdicts(zscore, tails)
-    assert mad.check(100, 2.15, 0.5) is Verdict.SKIP and zscore.check(100, 2.15, 0.5) is Verdict.OK
+    assert mad.judge(100, 2.15, 0.5) is Verdict.SKIP and zscore.judge(100, 2.15, 0.5) is Verdict.OK
 
 
 def test_max_multiple_catches_only_blowups_after_its_first_steps():
@@ -60,10 +60,10 @@ def test_max_multiple_catches_only_blowups_after_its_first_steps():
     early = [(s, 10.0 - 0.05 * s, 1.0) for s in range(100)]  # a falling loss; its max is 10.0
     assert set(verdicts(monitor, early)) == {Verdict.OK}
     assert monitor.state_dict()["baseline_max"] == 10.0 and monitor.state_dict()["baseline_count"] == 100
-    assert monitor.check(100, 99.0, 1e6) is Verdict.OK       # 9.9x, and a grad norm it never judges
-    assert monitor.check(101, 100.0, 1.0) is Verdict.SKIP    # 10x the first steps' max
-    assert monitor.check(102, 150.0, 1.0) is Verdict.SKIP
-    assert monitor.check(103, 150.0, 1.0) is Verdict.REWIND  # the third in a row (max_skips = 2)
+    assert monitor.judge(100, 99.0, 1e6) is Verdict.OK       # 9.9x, and a grad norm it never judges
+    assert monitor.judge(101, 100.0, 1.0) is Verdict.SKIP    # 10x the first steps' max
+    assert monitor.judge(102, 150.0, 1.0) is Verdict.SKIP
+    assert monitor.judge(103, 150.0, 1.0) is Verdict.REWIND  # the third in a row (max_skips = 2)
     assert monitor.state_dict()["baseline_max"] == 10.0      # later losses never move the baseline
 
 
@@ -71,27 +71,27 @@ def test_nonfinite_skip_makes_nan_an_outlier_not_a_rewind():
     monitor = SpikeMonitor(MonitorCfg(nonfinite="skip", window=30, min_history=20))
     verdicts(monitor, flat_stream(0, 30))
     history = monitor.state_dict()["losses"]
-    assert monitor.check(30, math.nan, 0.5) is Verdict.SKIP
-    assert monitor.check(31, 2.0, math.inf) is Verdict.SKIP
-    assert monitor.check(32, math.nan, 0.5) is Verdict.REWIND  # a run of them still rewinds
+    assert monitor.judge(30, math.nan, 0.5) is Verdict.SKIP
+    assert monitor.judge(31, 2.0, math.inf) is Verdict.SKIP
+    assert monitor.judge(32, math.nan, 0.5) is Verdict.REWIND  # a run of them still rewinds
     assert monitor.state_dict()["losses"] == history
-    assert SpikeMonitor(MonitorCfg()).check(0, math.nan, 1.0) is Verdict.REWIND  # the default
+    assert SpikeMonitor(MonitorCfg()).judge(0, math.nan, 1.0) is Verdict.REWIND  # the default
 
 
 @pytest.mark.parametrize("detector", ["mad", "zscore"])
-def test_recheck_judges_the_rerun_as_if_the_first_attempt_never_happened(detector):
+def test_rejudge_judges_the_rerun_as_if_the_first_attempt_never_happened(detector):
     cfg = MonitorCfg(detector=detector, window=50, min_history=20)
     monitor = SpikeMonitor(cfg)
     verdicts(monitor, flat_stream(0, 50))
-    assert monitor.check(50, 2.0 * 1.2, 0.5) is Verdict.SKIP
-    assert monitor.check(51, 2.0 * 1.2, 0.5) is Verdict.SKIP          # streak 2: one more rewinds
-    assert monitor.recheck(51, 2.0 * 1.2, 0.5) is Verdict.SKIP        # reproduced: still streak 2, not 3
+    assert monitor.judge(50, 2.0 * 1.2, 0.5) is Verdict.SKIP
+    assert monitor.judge(51, 2.0 * 1.2, 0.5) is Verdict.SKIP          # streak 2: one more rewinds
+    assert monitor.rejudge(51, 2.0 * 1.2, 0.5) is Verdict.SKIP        # reproduced: still streak 2, not 3
     assert monitor.state_dict()["streak"] == 2 and monitor.spike_start == 50
     history = monitor.state_dict()["losses"]
-    assert monitor.check(52, 2.0 * 1.2, 0.5) is Verdict.REWIND
+    assert monitor.judge(52, 2.0 * 1.2, 0.5) is Verdict.REWIND
     monitor.reset_streak()
-    assert monitor.check(53, 2.0 * 1.2, 0.5) is Verdict.SKIP
-    assert monitor.recheck(53, 2.01, 0.5) is Verdict.OK               # a normal re-run: transient
+    assert monitor.judge(53, 2.0 * 1.2, 0.5) is Verdict.SKIP
+    assert monitor.rejudge(53, 2.01, 0.5) is Verdict.OK               # a normal re-run: transient
     assert monitor.state_dict()["streak"] == 0 and monitor.spike_start is None
     assert monitor.state_dict()["losses"] == history[1:] + [2.01]     # the re-run's values, not the outlier's
 
@@ -112,7 +112,7 @@ def test_every_detector_state_round_trips_through_json(detector, cut):
     first = SpikeMonitor(cfg)
     before = verdicts(first, stream[:cut])
     state = json.loads(json.dumps(first.state_dict()))
-    SpikeMonitor(cfg).state_schema.check(state, "monitor")
+    SpikeMonitor(cfg).state_spec.validate(state, "monitor")
     restored = SpikeMonitor(cfg)
     restored.load_state_dict(state)
     assert before + verdicts(restored, stream[cut:]) == reference
@@ -122,10 +122,10 @@ def test_every_detector_state_round_trips_through_json(detector, cut):
 def test_the_schema_refuses_another_detector_and_reads_format_1():
     zscore_state = SpikeMonitor(MonitorCfg(detector="zscore")).state_dict()
     with pytest.raises(StateError, match=r"^monitor\.detector: 'zscore'"):
-        SpikeMonitor(MonitorCfg()).state_schema.check(zscore_state, "monitor")
+        SpikeMonitor(MonitorCfg()).state_spec.validate(zscore_state, "monitor")
     old = {"format": 1, "losses": [2.0, 2.1], "gnorms": [0.5, 0.6], "streak": 1, "spike_start": 7}
     monitor = SpikeMonitor(MonitorCfg())
-    monitor.state_schema.check(old, "monitor")
+    monitor.state_spec.validate(old, "monitor")
     monitor.load_state_dict(old)
     assert monitor.state_dict() == {"format": 2, "detector": "mad", "losses": [2.0, 2.1], "gnorms": [0.5, 0.6],
                                     "streak": 1, "spike_start": 7, "baseline_max": None, "baseline_count": 0}

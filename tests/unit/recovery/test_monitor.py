@@ -31,7 +31,7 @@ def clean_curve(seed, n_steps=3000, noise=0.015, gnorm_sigma=0.25, warmup_steps=
 
 
 def feed(monitor, stream):
-    return [monitor.check(step, loss, gnorm) for step, loss, gnorm in stream]
+    return [monitor.judge(step, loss, gnorm) for step, loss, gnorm in stream]
 
 
 def warmed_monitor(n_steps=200, cfg=None, seed=0):
@@ -57,15 +57,15 @@ def test_a_sudden_drop_in_loss_is_progress_not_a_spike():
     monitor = warmed_monitor()
     rng = random.Random(1)
     # The loss falls 15% in one step (a phase change): z is about -10, far below -loss_z.
-    verdicts = [monitor.check(200 + i, 1.7 * (1 + 0.015 * rng.gauss(0, 1)), 0.4) for i in range(100)]
+    verdicts = [monitor.judge(200 + i, 1.7 * (1 + 0.015 * rng.gauss(0, 1)), 0.4) for i in range(100)]
     assert set(verdicts) == {Verdict.OK}
 
 
 def test_noise_free_curves_do_not_divide_by_a_zero_mad():
     monitor = SpikeMonitor(MonitorCfg())
     assert set(feed(monitor, ((s, 3.0, 1.0) for s in range(100)))) == {Verdict.OK}
-    assert monitor.check(100, 3.0 * 1.005, 1.0) is Verdict.OK   # 0.5% wobble: under the floor
-    assert monitor.check(101, 3.0 * 1.03, 1.0) is Verdict.SKIP  # 3%: z = 0.09 / 0.007 = 12.9
+    assert monitor.judge(100, 3.0 * 1.005, 1.0) is Verdict.OK   # 0.5% wobble: under the floor
+    assert monitor.judge(101, 3.0 * 1.03, 1.0) is Verdict.SKIP  # 3%: z = 0.09 / 0.007 = 12.9
     falling = SpikeMonitor(MonitorCfg())
     assert set(feed(falling, ((s, 2.0 + 3.0 * math.exp(-s / 50), 1.0) for s in range(1000)))) == {Verdict.OK}
 
@@ -75,24 +75,24 @@ def test_isolated_spike_is_skipped_at_once_and_kept_out_of_the_history():
     losses_before = monitor.state_dict()["losses"]
     median = sorted(losses_before)[len(losses_before) // 2]
     assert 6 < monitor.loss_z(median * 1.15) < 20
-    assert monitor.check(200, median * 1.15, 0.4) is Verdict.SKIP  # detection delay: 0 steps
+    assert monitor.judge(200, median * 1.15, 0.4) is Verdict.SKIP  # detection delay: 0 steps
     assert monitor.spike_start == 200
     assert monitor.state_dict()["losses"] == losses_before
-    assert monitor.check(201, median, 0.4) is Verdict.OK
+    assert monitor.judge(201, median, 0.4) is Verdict.OK
     assert monitor.spike_start is None
     assert max(monitor.state_dict()["losses"]) < median * 1.15
 
 
 def test_grad_norm_outlier_is_skipped():
     monitor = warmed_monitor()
-    assert monitor.check(200, 2.0, 0.4 * 6) is Verdict.SKIP
-    assert monitor.check(201, 2.0, 0.4 * 3) is Verdict.OK
+    assert monitor.judge(200, 2.0, 0.4 * 6) is Verdict.SKIP
+    assert monitor.judge(201, 2.0, 0.4 * 3) is Verdict.OK
 
 
 @pytest.mark.parametrize("max_skips", [0, 2, 4])
 def test_sustained_spike_rewinds_after_max_skips(max_skips):
     monitor = warmed_monitor(cfg=MonitorCfg(max_skips=max_skips))
-    verdicts = [monitor.check(200 + i, 2.3, 0.4) for i in range(max_skips + 1)]
+    verdicts = [monitor.judge(200 + i, 2.3, 0.4) for i in range(max_skips + 1)]
     assert verdicts == [Verdict.SKIP] * max_skips + [Verdict.REWIND]  # detection delay: max_skips
     assert monitor.spike_start == 200
 
@@ -101,8 +101,8 @@ def test_a_clean_step_resets_the_consecutive_count():
     monitor = warmed_monitor()
     verdicts = []
     for i in range(0, 30, 3):  # two spikes, one clean step, repeated
-        verdicts += [monitor.check(200 + i, 2.3, 0.4), monitor.check(201 + i, 2.3, 0.4),
-                     monitor.check(202 + i, 2.0, 0.4)]
+        verdicts += [monitor.judge(200 + i, 2.3, 0.4), monitor.judge(201 + i, 2.3, 0.4),
+                     monitor.judge(202 + i, 2.0, 0.4)]
     assert Verdict.REWIND not in verdicts
     assert verdicts.count(Verdict.SKIP) == 20
 
@@ -111,27 +111,27 @@ def test_a_clean_step_resets_the_consecutive_count():
 def test_non_finite_rewinds_immediately(loss, gnorm):
     monitor = warmed_monitor()
     history = monitor.state_dict()["losses"]
-    assert monitor.check(200, loss, gnorm) is Verdict.REWIND
+    assert monitor.judge(200, loss, gnorm) is Verdict.REWIND
     assert monitor.spike_start == 200
     assert monitor.state_dict()["losses"] == history
 
 
 def test_nan_rewinds_even_before_min_history():
     monitor = SpikeMonitor(MonitorCfg())
-    assert monitor.check(0, 10.8, 1.0) is Verdict.OK
-    assert monitor.check(1, math.nan, 1.0) is Verdict.REWIND
+    assert monitor.judge(0, 10.8, 1.0) is Verdict.OK
+    assert monitor.judge(1, math.nan, 1.0) is Verdict.REWIND
     assert monitor.state_dict()["losses"] == [10.8]
 
 
 def test_hard_threshold_rewinds_immediately_and_keeps_the_streak_start():
     monitor = warmed_monitor()
     assert monitor.loss_z(2.0 + 25 * 0.03) > 20   # noise is 1.5% of 2.0 = 0.03 nats
-    assert monitor.check(200, 2.0 + 25 * 0.03, 0.4) is Verdict.REWIND
+    assert monitor.judge(200, 2.0 + 25 * 0.03, 0.4) is Verdict.REWIND
     assert monitor.spike_start == 200
     monitor.reset_streak()
     assert monitor.spike_start is None
-    assert monitor.check(300, 2.3, 0.4) is Verdict.SKIP      # a skip, then a hard spike
-    assert monitor.check(301, 50.0, 0.4) is Verdict.REWIND
+    assert monitor.judge(300, 2.3, 0.4) is Verdict.SKIP      # a skip, then a hard spike
+    assert monitor.judge(301, 50.0, 0.4) is Verdict.REWIND
     assert monitor.spike_start == 300
 
 
@@ -154,7 +154,7 @@ def judge(monitor, stream):
     """Verdicts and spike starts, acting on a REWIND as the loop does (reset_streak)."""
     out = []
     for step, loss, gnorm in stream:
-        verdict = monitor.check(step, loss, gnorm)
+        verdict = monitor.judge(step, loss, gnorm)
         out.append((verdict, monitor.spike_start))
         if verdict is Verdict.REWIND:
             monitor.reset_streak()
@@ -177,13 +177,13 @@ def test_state_roundtrip_judges_like_the_uninterrupted_monitor(cut):
 
 def test_the_streak_travels_in_the_state():
     monitor = warmed_monitor()
-    assert [monitor.check(200 + i, 2.3, 0.4) for i in range(2)] == [Verdict.SKIP] * 2
+    assert [monitor.judge(200 + i, 2.3, 0.4) for i in range(2)] == [Verdict.SKIP] * 2
     state = json.loads(json.dumps(monitor.state_dict()))
     restored, streakless = SpikeMonitor(MonitorCfg()), SpikeMonitor(MonitorCfg())
     restored.load_state_dict(state)
     streakless.load_state_dict({**state, "streak": 0, "spike_start": None})
-    assert restored.check(202, 2.3, 0.4) is Verdict.REWIND and restored.spike_start == 200
-    assert streakless.check(202, 2.3, 0.4) is Verdict.SKIP and streakless.spike_start == 202
+    assert restored.judge(202, 2.3, 0.4) is Verdict.REWIND and restored.spike_start == 200
+    assert streakless.judge(202, 2.3, 0.4) is Verdict.SKIP and streakless.spike_start == 202
 
 
 def test_load_state_dict_refuses_another_format():

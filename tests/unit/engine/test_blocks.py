@@ -6,7 +6,7 @@ import torch
 
 from dsslm.config import ConfigError
 from dsslm.engine.ddp import DDPEngine
-from dsslm.engine.wrap import checkpointed_blocks
+from dsslm.engine.blocks import checkpointed_blocks
 from dsslm.loss import accumulate
 from dsslm.model import build_model
 from dsslm.optim import adamw_impl, lr_at

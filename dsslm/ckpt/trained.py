@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dsslm.ckpt.format import ASIDE_SUFFIX, STATE_FILE, TENSOR_SUFFIX, Checkpoint, CheckpointError, parse_name, verify
+from dsslm.ckpt.format import ASIDE_SUFFIX, STATE_FILE, TENSOR_SUFFIX, Checkpoint, CheckpointError, parse_name, invalid_reason
 from dsslm.ckpt.resume import check_table
-from dsslm.ckpt.schema import MAX_STEP, Int, StateError, check
-from dsslm.ckpt.train_state import FINGERPRINT_SCHEMA
+from dsslm.fields import MAX_STEP, Int, StateError, validate
+from dsslm.ckpt.train_state import FINGERPRINT_SPEC
 from dsslm.config import Config, ConfigError, from_dict
 from dsslm.data import DataError, load_manifest
 from dsslm.data.manifest import verify_split
@@ -97,7 +97,7 @@ def _newest(ckpt_dir: Path, device: torch.device) -> Trained:
 def load_weights(folder: Path) -> Checkpoint:
     """Verify every file against the MANIFEST, then load state.json and the weights only (a tool
     has no use for the AdamW moments, twice the weights' size)."""
-    reason = verify(folder)
+    reason = invalid_reason(folder)
     if reason is not None:
         raise CheckpointError(f"not a valid checkpoint: {reason}")
     try:
@@ -112,10 +112,10 @@ def _accept(ckpt: Checkpoint, device: torch.device) -> Trained:
     state = ckpt.state
     if not isinstance(state, dict) or "config" not in state:
         raise StateError("state.json has no config")
-    check(state.get("step"), Int(0, MAX_STEP), "state.step")
+    validate(state.get("step"), Int(0, MAX_STEP), "state.step")
     if state["step"] != ckpt.step:
         raise StateError(f"state.step: {state['step']}, the folder name says {ckpt.step}")
-    check(state.get("fingerprint"), FINGERPRINT_SCHEMA, "state.fingerprint")
+    validate(state.get("fingerprint"), FINGERPRINT_SPEC, "state.fingerprint")
     try:
         cfg = from_dict(state["config"], "state.json")
     except ConfigError as exc:

@@ -11,7 +11,6 @@ data is loaded. The weight files' SHA-256 go into the run's lineage.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -21,7 +20,8 @@ import torch
 
 from dsslm.config import HF_PREFIX, Config, ModelCfg, validate
 from dsslm.data.tokenizer import load_tokenizer
-from dsslm.hf import EXPORTED_KEYS, PROBE_TEXT, HFError, architecture_of, from_hf, hf_shapes, model_values
+from dsslm.durable import file_sha256
+from dsslm.hf.convert import EXPORTED_KEYS, PROBE_TEXT, HFError, architecture_of, from_hf, hf_shapes, model_values
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -117,11 +117,6 @@ def weight_files(hf_dir: Path) -> tuple[list[str], dict[str, str]]:
         raise HFError(f"{hf_dir} holds only pickle weights ({pickles[0]}); dsslm never unpickles: save the model "
                       "with safetensors (save_pretrained(dir, safe_serialization=True)) and import that")
     raise HFError(f"{hf_dir} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

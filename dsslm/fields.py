@@ -2,7 +2,7 @@
 
 A checkpoint's `state.json` was written by us, but anyone who can write into `run.dir` can also
 recompute its MANIFEST, so its hashes matching proves nothing about its contents. Each stateful
-part declares the shape of its `state_dict()` with these specs; `check(value, spec, "monitor")`
+part declares the shape of its `state_dict()` with these specs; `validate(value, spec, "monitor")`
 raises `StateError` naming the first field that does not fit (`monitor.losses[3]: ...`), and the
 store passes that checkpoint over like one whose hashes do not match.
 
@@ -26,12 +26,12 @@ class Spec(abc.ABC):
     """One field's expected type and range."""
 
     @abc.abstractmethod
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         """Raise StateError naming `path` unless `value` fits."""
 
 
-def check(value: Any, spec: Spec, path: str) -> None:
-    spec.check(value, path)
+def validate(value: Any, spec: Spec, path: str) -> None:
+    spec.validate(value, path)
 
 
 def _fail(path: str, value: Any, want: str) -> None:
@@ -44,7 +44,7 @@ class Int(Spec):
     def __init__(self, lo: int | None = None, hi: int | None = None):
         self.lo, self.hi = lo, hi
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         # bool is an int in Python; 1e30 is a float: neither is a count.
         if isinstance(value, bool) or not isinstance(value, int):
             _fail(path, value, "an integer")
@@ -59,7 +59,7 @@ class Float(Spec):
     def __init__(self, lo: float | None = None, hi: float | None = None, finite: bool = True):
         self.lo, self.hi, self.finite = lo, hi, finite
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if not self.finite and value in ("nan", "inf", "-inf"):
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -74,13 +74,13 @@ class Str(Spec):
     def __init__(self, max_len: int = 10_000):
         self.max_len = max_len
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if not isinstance(value, str) or len(value) > self.max_len:
             _fail(path, value, f"a string of at most {self.max_len} characters")
 
 
 class Bool(Spec):
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if not isinstance(value, bool):
             _fail(path, value, "true or false")
 
@@ -89,16 +89,16 @@ class Optional(Spec):
     def __init__(self, inner: Spec):
         self.inner = inner
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if value is not None:
-            self.inner.check(value, path)
+            self.inner.validate(value, path)
 
 
 class ListOf(Spec):
     def __init__(self, item: Spec, max_len: int = 1_000_000, length: int | None = None):
         self.item, self.max_len, self.length = item, max_len, length
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if not isinstance(value, list):
             _fail(path, value, "a list")
         if self.length is not None and len(value) != self.length:
@@ -106,14 +106,14 @@ class ListOf(Spec):
         if len(value) > self.max_len:
             _fail(path, value, f"a list of at most {self.max_len} items")
         for i, item in enumerate(value):
-            self.item.check(item, f"{path}[{i}]")
+            self.item.validate(item, f"{path}[{i}]")
 
 
 class Window(Spec):
     """A half-open [start, end) range of non-negative integers with start <= end."""
 
-    def check(self, value: Any, path: str) -> None:
-        ListOf(Int(0, MAX_COUNT), length=2).check(value, path)
+    def validate(self, value: Any, path: str) -> None:
+        ListOf(Int(0, MAX_COUNT), length=2).validate(value, path)
         if value[0] > value[1]:
             _fail(path, value, "a window [start, end) with start <= end")
 
@@ -124,11 +124,11 @@ class MapOf(Spec):
     def __init__(self, value: Spec, max_len: int = 100_000):
         self.value, self.max_len = value, max_len
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if not isinstance(value, dict) or len(value) > self.max_len:
             _fail(path, value, f"an object of at most {self.max_len} entries")
         for key, item in value.items():
-            self.value.check(item, f"{path}.{key}")
+            self.value.validate(item, f"{path}.{key}")
 
 
 class Fields(Spec):
@@ -137,7 +137,7 @@ class Fields(Spec):
     def __init__(self, optional: tuple[str, ...] = (), open: bool = False, **fields: Spec):
         self.fields, self.optional, self.open = fields, set(optional), open
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         if not isinstance(value, dict):
             _fail(path, value, "an object")
         for name, spec in self.fields.items():
@@ -145,7 +145,7 @@ class Fields(Spec):
                 if name in self.optional:
                     continue
                 raise StateError(f"{path}.{name}: missing")
-            spec.check(value[name], f"{path}.{name}")
+            spec.validate(value[name], f"{path}.{name}")
         extra = sorted(set(value) - set(self.fields))
         if extra and not self.open:
             raise StateError(f"{path}.{extra[0]}: not a field of this state (written by another version?)")
@@ -154,5 +154,5 @@ class Fields(Spec):
 class Json(Spec):
     """Anything JSON: for free-form records (lineage, config) that only people read."""
 
-    def check(self, value: Any, path: str) -> None:
+    def validate(self, value: Any, path: str) -> None:
         return

@@ -1,0 +1,213 @@
+"""One run's job: everything the loop's verbs share (`Job`), built by `setup` and brought to its
+first step by `start` (resume, branch or start fresh). `train.py` holds the loop that uses it.
+
+`setup` builds in the order things may fail and be taken down: the engine (and its process
+group), run.dir's lock before anything is written there, the data verified, the loader and its
+prefetch, the sinks, the checkpoint store; `cleanup` (an ExitStack) takes them down in reverse,
+saves finished first.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsslm.ckpt.lock import LockLost, RunLock
+from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
+from dsslm.ckpt.store import CheckpointError, CheckpointStore
+from dsslm.ckpt.train_state import TrainState, fingerprint
+from dsslm.clip import Clipper, build_clipper
+from dsslm.config import Config, ConfigError, to_dict
+from dsslm.data import DataError, Loader, load_manifest, manifest_hash
+from dsslm.data.bytecount import ByteCounter
+from dsslm.data.corpus import default_data_dir
+from dsslm.data.prefetch import Prefetcher
+from dsslm.data.stream import batch_size_at
+from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
+from dsslm.engine import Engine, build_engine
+from dsslm.exits import note_exit
+from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
+from dsslm.model import build_model
+from dsslm.observe.audit import ResumeAudit, run_env
+from dsslm.observe.sinks import Sinks
+from dsslm.recovery.faults import Drills
+from dsslm.recovery.forensics import Forensics
+from dsslm.recovery.monitor import SpikeMonitor
+from dsslm.recovery.rewind import Escalation, Rewinder
+from dsslm.recovery.triage import ReplayProgress, Triage
+from dsslm.rng import seed_everything
+
+
+@dataclass
+class Job:
+    """Everything the loop's verbs share for one run."""
+    cfg: Config
+    run_dir: Path
+    engine: Engine
+    loader: Loader
+    feed: Prefetcher             # the loader's steps, the next one read in the background
+    store: CheckpointStore
+    checkpointer: Checkpointer   # save / restore over the table of stateful parts
+    state: TrainState            # the table's "train" part: the loop mutates it in place
+    monitor: SpikeMonitor
+    rewinder: Rewinder
+    triage: Triage               # the spike policy: replays that tell data / state / transient apart
+    forensics: Forensics         # run.dir/spikes/step-XXXXXXXX/
+    clipper: Clipper             # optim.clip_mode: the clip bound, and what it learns from applied steps
+    drills: Drills
+    sinks: Sinks
+    byte_counter: ByteCounter    # bytes of text per validation target: the bits-per-byte denominator
+    lock: RunLock                # rank 0 holds run.dir/LOCK; checked at every step boundary
+    verified: dict | None         # what verify_data hashed: reported by start(), once nothing can refuse the run
+    audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
+    failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
+
+
+def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
+    """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
+    data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
+    manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
+    if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
+        apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
+    cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
+    seed_everything(cfg.run.seed)  # identical initial weights on every rank
+    engine = build_engine(cfg, build_model(cfg.model))
+    cleanup.callback(engine.close)
+    run_dir, state = Path(cfg.run.dir), TrainState()
+    lock = RunLock(run_dir, cfg.run.lock_stale_s)
+    takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
+    cleanup.callback(lock.release)
+    verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
+    feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
+                      batch_schedule(cfg, engine.world_size), pin_memory=engine.device.type == "cuda",
+                      enabled=cfg.data.prefetch)
+    cleanup.callback(feed.close)
+    sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
+                  cfg.observe, to_dict(cfg))
+    cleanup.callback(sinks.close)
+    # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to write).
+    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost)))
+    store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
+                            on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
+    cleanup.push(finish_saves(store))
+    report_claim(sinks, takeover, engine.decide(store.remove_leftovers))
+    drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
+                    global_batch, loader)
+    drills.arm(store)
+    monitor, clipper = SpikeMonitor(cfg.monitor), build_clipper(cfg.optim)
+    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit)
+    progress = ReplayProgress()
+    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "triage": progress,
+                                  "rng": RngStreams(engine, cfg.run.seed, state)}
+    if engine.scaler is not None:
+        parts["scaler"] = engine.scaler
+    if cfg.optim.clip_mode == "zclip":
+        parts["clip"] = clipper
+    prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
+    checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
+    rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
+    triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
+    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
+               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified)
+
+
+def start(job: Job) -> None:
+    """Resume, branch or start fresh; fold in the run-level skip list; say so."""
+    cfg, engine = job.cfg, job.engine
+    hf_dir = hf_dir_of(cfg.run.init_from)
+    how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
+    job.rewinder.merge_run_file(job.state)
+    env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
+                  cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
+    if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
+        job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
+                                             cfg.train.total_steps, job.sinks.emit)
+    if cfg.monitor.enabled:
+        job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
+    job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
+                   config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
+                   optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
+    if job.verified is not None:
+        job.sinks.emit("data_verified", **job.verified)
+    if engine.is_main:
+        tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
+        print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
+              f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
+              f"(sequence {job.state.next_sequence})", flush=True)
+
+
+def save(job: Job, sync: bool = False) -> None:
+    """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes)."""
+    if job.engine.is_main:
+        job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
+    job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
+
+
+def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
+    """Say what taking run.dir over cleared: a dead holder's lock, and its half-written saves."""
+    if takeover is not None:
+        sinks.emit("lock_takeover", **takeover)
+    if removed:
+        sinks.emit("leftovers_removed", folders=removed, reason="temp folders of saves a kill cut short")
+
+
+def finish_saves(store: CheckpointStore):
+    """An ExitStack exit callback: every way out waits for the save in flight, so it is published,
+    not lost with the process. Its own failure is the error unless another one is on its way."""
+    def on_exit(exc_type, exc, tb) -> bool:
+        try:
+            store.close()
+        except CheckpointError as err:
+            if exc_type is None:
+                raise
+            print(f"dsslm: also: {err}", file=sys.stderr, flush=True)
+        return False
+    return on_exit
+
+
+def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:
+    """Hash the shards their cached verification cannot vouch for (all of them for
+    data.verify=full), split over the ranks and each rank's threads. Every rank reaches the same
+    verdict (a DataError on every rank); rank 0 updates the cache."""
+    started = time.perf_counter()
+    cache = cache_path(data_dir, Path(cfg.run.dir))
+    plan = engine.decide(lambda: plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full"))
+    mine = share_of(plan["hash"], engine.rank, engine.world_size)
+    hashed_bytes = sum(size for _, size in plan["hash"])
+    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress), "hashing the data shards",
+                               total_units=hashed_bytes)
+    found = {path: digest for part in parts for path, digest in part.items()}
+    if engine.is_main and found:
+        try:
+            update_cache(cache, manifest, found)
+        except OSError as exc:
+            print(f"dsslm: cannot write {cache} ({exc}); the next start hashes these shards again", file=sys.stderr)
+    check_digests(data_dir, manifest, found)
+    summary = {"hashed_shards": len(found), "hashed_per_rank": [len(part) for part in parts],
+               "hashed_bytes": hashed_bytes, "cached_shards": plan["cached"],
+               "cached_bytes": plan["cached_bytes"], "full": cfg.data.verify == "full", "cache": str(cache),
+               "seconds": round(time.perf_counter() - started, 3)}
+    if engine.is_main:
+        print(f"dsslm: data verified: hashed {len(found)} shards ({hashed_bytes / 1e9:.2f} GB) in "
+              f"{summary['seconds']:.1f} s; {plan['cached']} unchanged since their cached verification", flush=True)
+    return summary
+
+
+FP16_OVERFLOW = "fp16_overflow"
+
+
+def batch_schedule(cfg: Config, world_size: int):
+    """The global batch in sequences of the step starting at a position: the full one, or less
+    while train.batch_ramp ramps."""
+    t = cfg.train
+    return functools.partial(batch_size_at, full=t.micro_batch_size * t.grad_accum * world_size,
+                             granule=t.grad_accum * world_size, ramp_start=t.batch_ramp.start,
+                             ramp_tokens=t.batch_ramp.tokens, seq_len=cfg.model.seq_len)

@@ -18,7 +18,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -75,6 +75,29 @@ def parse_name(name: str) -> tuple[int, bool] | None:
     """(step, is_aside) for `step-XXXXXXXX` or its `.replaced` aside; None for any other name."""
     match = _NAME_RE.fullmatch(name)
     return None if match is None else (int(match.group(1)), match.group(2) is not None)
+
+
+def candidates(ckpt_dir: Path, pass_over: Callable[[str, str], None]) -> dict[int, list[Path]]:
+    """step -> its candidate folders, `step-XXXXXXXX` before its `.replaced` aside: the order every
+    reader tries them in (the newest step first is the caller's `sorted(..., reverse=True)`).
+    Temp folders and other names are skipped silently; a `step-` name that does not parse and a
+    symbolic link (never followed: retention would delete what it points to) go to `pass_over`."""
+    found: dict[int, list[Path]] = {}
+    if not ckpt_dir.is_dir():
+        return found
+    for name in os.listdir(ckpt_dir):
+        if not name.startswith("step-"):
+            continue  # temp folders of any process, drill markers: not checkpoints
+        parsed = parse_name(name)
+        if parsed is None:
+            pass_over(name, f"name {name!r} is not step-XXXXXXXX")
+        elif os.path.islink(ckpt_dir / name):
+            pass_over(name, "is a symbolic link; a checkpoint folder must be a real folder")
+        else:
+            found.setdefault(parsed[0], []).append(ckpt_dir / name)
+    for paths in found.values():
+        paths.sort(key=lambda p: p.name.endswith(ASIDE_SUFFIX))
+    return found
 
 
 def check_group_name(group: str) -> None:

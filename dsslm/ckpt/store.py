@@ -42,8 +42,8 @@ from typing import Callable, Iterable
 
 from dsslm.durable import fsync_dir
 from dsslm.ckpt.format import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
-                               CheckpointError, load_checkpoint, load_verified, parse_name, remove_checkpoint,
-                               safetensors_chunks, stat_key, step_name, invalid_reason)
+                               CheckpointError, load_checkpoint, load_verified, remove_checkpoint,
+                               candidates, safetensors_chunks, stat_key, step_name, invalid_reason)
 from dsslm.fields import StateError
 from dsslm.ckpt.snapshot import HostBuffers
 
@@ -356,23 +356,7 @@ class CheckpointStore:
 
     def _scan(self) -> dict[int, list[Path]]:
         """step -> candidate folders, `step-XXXXXXXX` before its aside. Skips `.tmp-*` silently."""
-        found: dict[int, list[Path]] = collections.defaultdict(list)
-        if not self.ckpt_dir.is_dir():
-            return {}
-        for name in os.listdir(self.ckpt_dir):
-            if not name.startswith("step-"):
-                continue  # temp folders of any process, drill markers: not checkpoints
-            parsed = parse_name(name)
-            if parsed is None:
-                self._pass_over(name, f"name {name!r} is not step-XXXXXXXX")
-            elif os.path.islink(self.ckpt_dir / name):
-                # Never followed: retention would delete what it points to (another run's checkpoint).
-                self._pass_over(name, "is a symbolic link; a checkpoint folder must be a real folder")
-            else:
-                found[parsed[0]].append(self.ckpt_dir / name)
-        for paths in found.values():
-            paths.sort(key=lambda p: p.name.endswith(ASIDE_SUFFIX))
-        return dict(found)
+        return candidates(self.ckpt_dir, self._pass_over)
 
     def _valid_paths(self) -> dict[int, Path]:
         """step -> its valid folder; a folder whose contents were refused counts as neither valid

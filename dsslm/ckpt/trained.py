@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dsslm.ckpt.format import ASIDE_SUFFIX, STATE_FILE, TENSOR_SUFFIX, Checkpoint, CheckpointError, parse_name, invalid_reason
+from dsslm.ckpt.format import (STATE_FILE, TENSOR_SUFFIX, Checkpoint, CheckpointError, candidates, invalid_reason,
+                               parse_name)
 from dsslm.ckpt.resume import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC
@@ -81,15 +81,18 @@ def open_trained(path: str | Path, device: torch.device = torch.device("cpu")) -
 
 def _newest(ckpt_dir: Path, device: torch.device) -> Trained:
     """The store's reader rule, read-only: newest step first, `step-N` before its `.replaced` aside."""
-    candidates = sorted((-parse_name(name)[0], name.endswith(ASIDE_SUFFIX), name) for name in os.listdir(ckpt_dir)
-                        if parse_name(name) is not None)
     reasons = []
-    for _, _, name in candidates:
-        try:
-            return _accept(load_weights(ckpt_dir / name), device)
-        except (CheckpointError, StateError) as exc:
-            reasons.append(f"{name}: {exc}")
-            print(f"dsslm: passed over {ckpt_dir / name}: {exc}", file=sys.stderr)
+
+    def pass_over(name: str, reason: str) -> None:
+        reasons.append(f"{name}: {reason}")
+        print(f"dsslm: passed over {ckpt_dir / name}: {reason}", file=sys.stderr)
+    found = candidates(ckpt_dir, pass_over)
+    for step in sorted(found, reverse=True):
+        for path in found[step]:
+            try:
+                return _accept(load_weights(path), device)
+            except (CheckpointError, StateError) as exc:
+                pass_over(path.name, str(exc))
     more = f" ({len(reasons)} passed over; newest: {reasons[0]})" if reasons else ""
     raise ToolError(f"{ckpt_dir} holds no valid checkpoint{more}")
 

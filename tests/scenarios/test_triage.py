@@ -409,3 +409,14 @@ def test_preempted_mid_replay_from_a_rewind_point_reaches_the_same_verdict(tmp_p
     assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"] == pytest.approx(0.01)
     assert final_state(cut)["skip_list"] == final_state(ref)["skip_list"] == []
     assert losses_by_step(cut) == losses_by_step(ref)
+
+
+def test_at_the_shipped_checkpoint_spacing_a_spike_gets_the_whole_triage(tmp_path):
+    """ckpt.every=1000 (the shipped configs) and the default rewind points: the only durable
+    checkpoint before the spike over 161..163 is step 0, whose replays (4 x 163 steps) do not fit
+    the default budget of 300; the rewind point at 150 does, so the spike is triaged in full."""
+    assert train(cfg(tmp_path, "faults.repeat_batches=[[160,163]]", "ckpt.every=1000", "train.total_steps=170")) == 0
+    decision = triages(tmp_path, "window")[-1]
+    assert decision["verdict"] == "data" and "fallback" not in decision and decision["from_step"] == 150
+    assert [(e["triage_phase"], e["checkpoint"]) for e in events(tmp_path, "rewind")] == \
+        [("same_data", "memory:step-00000150"), ("skip_window", "memory:step-00000150")]

@@ -106,3 +106,31 @@ def test_a_replayed_step_within_the_measured_spread_does_not_show_the_spike_agai
     triage.noise = 0.0
     assert monitor.judge(52, 2.1, 1.0) is Verdict.SKIP
     assert triage.review(state, 52, Verdict.SKIP, "", 2.1, 1.0)[0] is Verdict.REWIND
+
+
+@pytest.mark.parametrize("replayed, verdict", [([], "unknown"), (["same_data"], "unknown"),
+                                               (["same_data", "skip_window"], "state")])
+def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_window(replayed, verdict):
+    """Every phase replayed so far came back (that is why the triage went on): only a skip-window
+    replay coming back says something (not the data); the window handed over is the one planned
+    from the original pass, with the skip list and lr_scale from before the triage."""
+    calls, emitted = [], []
+
+    class Rewinder(_Rewinder):
+        def rewind(self, state, target, spike_start, fallback=None):
+            calls.append((target, spike_start, fallback))
+
+    class Ckpt:
+        state = {"step": 45}
+
+    progress = ReplayProgress()
+    triage = Triage(Config(), _Engine(), Rewinder(), None, None, progress, lambda e, **f: emitted.append((e, f)))
+    evidence = [{"phase": "original", "steps": []}] + [{"phase": p, "steps": []} for p in replayed]
+    r = Replay(phase="backoff", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[[0, 16]],
+               lr_scale=0.5, backoffs=1, evidence=evidence)
+    triage._fall_back(TrainState(), r, Ckpt())
+    assert triage.replay is None
+    (name, fields), = emitted
+    assert name == "triage" and fields["verdict"] == verdict and fields["window"] == [800, 928]
+    assert "replay budget" in fields["fallback"] and "[800, 928]" in fields["fallback"]
+    assert calls == [(53, 51, {"window": [800, 928], "skip_list": [[0, 16]], "lr_scale": 0.5, "verdict": verdict})]

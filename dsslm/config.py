@@ -152,6 +152,8 @@ class MonitorCfg:
     max_backoffs: int = 2       # lr_backoff steps a state spike may take before escalating (exit 3)
     lr_recover_steps: int = 0   # a state backoff ramps back to the full lr over this many steps (0: it stays)
     forensics: bool = True      # write run.dir/spikes/step-XXXXXXXX/ for every spike
+    rewind_every: int = 50      # steps between in-memory rewind points (0 = off: rewinds load checkpoints)
+    rewind_points: int = 2      # rewind points kept (host memory: ~16 B x params / world size per rank each)
 
 
 @dataclass
@@ -170,6 +172,7 @@ class FaultsCfg:
     grad_fault_rank: int = 0    # the rank whose gradients the fault corrupts (-1 = every rank)
     grad_fault_mode: str = "scale"  # scale (by grad_fault_scale) | nan (non-finite)
     grad_fault_scale: float = 1000.0
+    replay_noise: float = 0.0   # non-deterministic kernels: each computation's loss x (1 +- this), alternating
 
 
 @dataclass
@@ -211,6 +214,7 @@ RESUME_MUTABLE_KEYS = (
     "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
     "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
+    "monitor.rewind_every", "monitor.rewind_points",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
     "optim.impl",
@@ -378,12 +382,15 @@ def validate_spike_policy(cfg: Config) -> None:
            f"monitor.max_multiple={m.max_multiple} must be > 1 and monitor.max_multiple_steps="
            f"{m.max_multiple_steps} >= 1")
     _check(m.triage_max_replay_steps >= 0, f"monitor.triage_max_replay_steps={m.triage_max_replay_steps} must be >= 0")
+    _check(m.rewind_every >= 0 and m.rewind_points >= 1, f"monitor.rewind_every={m.rewind_every} must be >= 0 "
+           f"(0 = off) and monitor.rewind_points={m.rewind_points} >= 1")
     _check(m.max_backoffs >= 1, f"monitor.max_backoffs={m.max_backoffs} must be >= 1")
     _check(m.lr_recover_steps >= 0, f"monitor.lr_recover_steps={m.lr_recover_steps} must be >= 0 (0: a backoff stays)")
     _check(0 < o.zclip_alpha < 1, f"optim.zclip_alpha={o.zclip_alpha} must be in (0, 1)")
     _check(o.zclip_z > 0 and o.zclip_warmup_steps >= 2,
            f"optim.zclip_z={o.zclip_z} must be > 0 and optim.zclip_warmup_steps={o.zclip_warmup_steps} >= 2")
     _check(f.repeat_ngram >= 0, f"faults.repeat_ngram={f.repeat_ngram} must be >= 0 (0 = one whole document)")
+    _check(0 <= f.replay_noise < 0.5, f"faults.replay_noise={f.replay_noise} must be in [0, 0.5)")
     _check(f.grad_fault_scale > 0, f"faults.grad_fault_scale={f.grad_fault_scale} must be > 0")
     for key in ("poison_batches", "repeat_batches"):
         for window in getattr(f, key):

@@ -130,6 +130,7 @@ def start(job: Job) -> None:
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
         job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
                                              cfg.train.total_steps, job.sinks.emit)
+        job.sinks.listeners.append(job.audit.observe)  # the triage decisions must come again too
     if cfg.monitor.enabled:
         job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,

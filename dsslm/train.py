@@ -146,6 +146,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             return EXIT_OK
         if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
             save(job)
+        job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
     check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
@@ -167,6 +168,8 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
     result = compute(job, step, batches, tokens, stop.requested)
+    if job.triage.spread_pending:  # once per job, where kernels are not bitwise deterministic
+        result = measure_spread(job, step, batches, streams, result, stop)
     verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -190,7 +193,7 @@ def decide(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, r
         job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
     if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
         verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
-    verdict, reason = job.triage.review(job.state, step, verdict, reason, result.loss, result.gnorm)
+    verdict, reason = job.triage.review(job.state, step, verdict, reason, result.loss, result.gnorm, spike)
     return verdict, reason, result
 
 
@@ -230,6 +233,17 @@ def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: St
     verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
     job.triage.note_rerun(step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
     return verdict, rerun_reason, result
+
+
+def measure_spread(job: Job, step: int, batches: list, streams: tuple, first: StepResult,
+                   stop: StopFlag) -> StepResult:
+    """The job's first step once more, as rerun_in_place does it: how far apart two computations
+    of one step land is what a triage replay must exceed to show a spike again."""
+    job.engine.drop_gradients()
+    set_step_streams(streams)
+    again = compute(job, step, batches, first.batch_tokens, stop.requested or first.stop_requested)
+    job.triage.note_spread(step, (first.loss, first.gnorm), (again.loss, again.gnorm))
+    return again
 
 
 def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
@@ -329,7 +343,7 @@ def raise_failure(job: Job) -> None:
 
 def report_memory(job: Job) -> None:
     """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
-    per_rank = job.engine.all_gather(job.engine.memory_report())
+    per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.rewinder.ring.memory()})
     job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
     if job.engine.is_main:
         mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}

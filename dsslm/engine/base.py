@@ -284,6 +284,14 @@ class Engine(abc.ABC):
         dist.all_gather_object(out, obj)
         return out
 
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """`objs[r]` on rank r; only rank 0's `objs` is read (the others pass None)."""
+        if not self.distributed:
+            return objs[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs if self.is_main else None, src=0)
+        return out[0]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

@@ -13,6 +13,15 @@ bit, and any difference is an `alert`: a piece of state was not restored. Elsewh
 are not bitwise deterministic; another world size sums in another order) a relative difference
 up to `observe.audit_tol` is expected, and more is an alert.
 
+The audit compares what recovery decided as well: the `triage` decisions the interrupted job
+made after the checkpoint (read from events.jsonl, back to the checkpoint's `save` or the resume
+that started from it) must come again, in order, with the same verdict, scope, spike steps,
+window, lr_scale and escalation (`audit.observe(event)`, every event this job emits; one
+`resume_audit` event with `scope: "recovery"` once they have all come, or at the first that
+differs, with an `alert` where results are bitwise reproducible). Transient verdicts are left
+out: a fault that struck once does not strike the recomputation. Each step's `verdict` (ok,
+skip_step, rewind) is compared like its loss.
+
 Which records: the unbroken run of step records (steps rising by one) at the end of metrics.jsonl,
 if it passes through or starts right after step c; that is the trajectory that left the
 checkpoint. Records whose inputs differ from the recomputed step (`lr`, the data position: a
@@ -72,6 +81,25 @@ def recorded_after(metrics: Path, from_step: int) -> dict[int, dict]:
     return {r["step"]: r for r in run if r["step"] > from_step}
 
 
+RECOVERY_KEYS = ("step", "verdict", "scope", "spike_start", "target", "window", "lr_scale", "escalated")
+
+
+def recorded_decisions(events: Path, from_step: int) -> list[dict]:
+    """The interrupted job's non-transient `triage` decisions made after it held checkpoint
+    `from_step` (after that step's newest `save`, or the `resume` from it), oldest first; [] when
+    the log does not reach back to one."""
+    found: list[dict] = []
+    for event in read_jsonl_backward(events):
+        name = event.get("event")
+        if name == "triage" and event.get("verdict") != "transient":
+            found.append({k: event.get(k) for k in RECOVERY_KEYS})
+        elif name in ("save", "resume") and event.get("step") == from_step:
+            return found[::-1]
+        elif name == "resume":
+            return []  # that job started elsewhere: its decisions did not leave this checkpoint
+    return []
+
+
 def last_start_env(events: Path) -> dict | None:
     """The `env` of the newest `start` event: the job that wrote the newest records."""
     for event in read_jsonl_backward(events):
@@ -94,6 +122,8 @@ class ResumeAudit:
         self.incomparable = 0
         self.worst = {"loss": 0.0, "gnorm": 0.0}
         self.first_mismatch: dict | None = None
+        self.decisions: list[dict] = []   # recorded triage decisions still to come again
+        self.decisions_compared = 0
 
     @classmethod
     def off(cls) -> "ResumeAudit":
@@ -106,6 +136,7 @@ class ResumeAudit:
         expected = recorded_after(run_dir / "metrics.jsonl", from_step)
         audit = cls(emit, expected, from_step, _why_not_exact(last_start_env(run_dir / "events.jsonl"), env),
                     tol, total_steps)
+        audit.decisions = recorded_decisions(run_dir / "events.jsonl", from_step)
         if not audit.expected or audit.last_step <= from_step:
             audit.expected = {}
             emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",
@@ -124,6 +155,29 @@ class ResumeAudit:
             self._report(got["step"])
             self.expected = {}
 
+    def observe(self, event: dict) -> None:
+        """Every event this job emits (a `Sinks` listener): a triage decision must be the next one
+        the interrupted job recorded."""
+        if not self.decisions or event.get("event") != "triage" or event.get("verdict") == "transient":
+            return
+        want = self.decisions.pop(0)
+        got = {k: event.get(k) for k in RECOVERY_KEYS}
+        self.decisions_compared += 1
+        differs = [k for k in RECOVERY_KEYS if got[k] != want[k]]
+        if differs or not self.decisions:
+            expected = "exact" if self.exact else f"not bitwise ({self.exact_why})"
+            self.emit("resume_audit", step=got["step"], from_step=self.from_step, scope="recovery",
+                      compared=self.decisions_compared, verdict="mismatch" if differs else "exact",
+                      expected=expected, **({"recorded": want, "recomputed": got} if differs else {}))
+            if differs and self.exact:
+                self.emit("alert", step=got["step"], reason="resume_audit", field=differs[0], recorded=want[differs[0]],
+                          recomputed=got[differs[0]],
+                          message=f"after resuming from step {self.from_step}, the triage of the spike at step "
+                                  f"{got['spike_start']} decided {differs[0]}={got[differs[0]]!r} where the "
+                                  f"interrupted job decided {want[differs[0]]!r}: recovery state was not restored")
+            if differs:
+                self.decisions = []
+
     def _compare(self, got: dict, want: dict) -> None:
         if any(key in got and key in want and got[key] != want[key] for key in INPUT_KEYS):
             self.incomparable += 1
@@ -137,6 +191,9 @@ class ResumeAudit:
             allowed = 0.0 if self.exact else self.tol * scale  # NaN against a number is never within it
             if d > allowed and self.first_mismatch is None:
                 self.first_mismatch = {"at_step": got["step"], "field": key, "recorded": b, "recomputed": a}
+        if self.exact and got.get("verdict") != want.get("verdict") and self.first_mismatch is None:
+            self.first_mismatch = {"at_step": got["step"], "field": "verdict", "recorded": want.get("verdict"),
+                                   "recomputed": got.get("verdict")}
 
     def _report(self, step: int) -> None:
         if not self.compared:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dsslm.config import ConfigError, ObserveCfg
 
@@ -276,6 +276,7 @@ class Sinks:
         self.tensorboard = TensorBoard(run_dir, is_main and tensorboard)
         self.wandb = WandB(run_dir, is_main and observe.wandb, observe.wandb_project, observe.wandb_mode, config)
         self.progress = Progress(total_steps, is_main)
+        self.listeners: list[Callable[[dict], None]] = []  # shown every event after it is written (the resume audit)
 
     def log_step(self, record: dict) -> None:
         self.metrics.write(record)
@@ -290,7 +291,10 @@ class Sinks:
         self.wandb.write(record)
 
     def emit(self, event: str, **fields: Any) -> dict:
-        return self.events.emit(event, **fields)
+        record = self.events.emit(event, **fields)
+        for listener in self.listeners:
+            listener(record)
+        return record
 
     def check(self) -> None:
         """LogWriteError if metrics.jsonl or events.jsonl could not be appended to."""

@@ -53,6 +53,7 @@ class Drills:
         self.cfg, self.run_dir, self.rank, self.is_main = cfg, run_dir, rank, is_main
         self.seed, self.vocab_size, self.batch_size, self.loader = seed, vocab_size, batch_size, loader
         self._repeated: dict[int, torch.Tensor] = {}  # window start -> the tokens its sequences repeat
+        self._computations = 0  # faults.replay_noise: computations so far (the noise's sign)
 
     def _once(self, name: str) -> bool:
         """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
@@ -162,7 +163,12 @@ class Drills:
 
     def loss_multiplier(self, step: int) -> float:
         """What the last micro-batch's loss of step `step` is multiplied by: NaN for a transient
-        non-finite loss (a flipped bit, a bad kernel) in faults.nan_steps, once; else 1."""
+        non-finite loss (a flipped bit, a bad kernel) in faults.nan_steps, once; else 1, or with
+        faults.replay_noise = e, 1 + e and 1 - e on alternate computations: kernels that are not
+        bitwise deterministic, with a known spread (a re-run of a step differs by 2e relative)."""
         if step in self.cfg.nan_steps and self._once(f"nan-{step}-rank{self.rank}"):
             return float("nan")
+        if self.cfg.replay_noise:
+            self._computations += 1
+            return 1.0 + self.cfg.replay_noise * (1 if self._computations % 2 else -1)
         return 1.0

@@ -106,6 +106,20 @@ class SpikeMonitor:
         self._streak, self._spike_start = self._before
         return self.judge(step, loss, gnorm)
 
+    def beyond_noise(self, loss: float, gnorm: float, rel: float) -> bool:
+        """Is a step just judged an outlier still one with `rel` (relative) taken off its loss and
+        grad norm? A replay on kernels that are not bitwise deterministic differs from its
+        original by up to the measured spread; within it, it does not show the spike again."""
+        if not (math.isfinite(loss) and math.isfinite(gnorm)) or rel <= 0 or not self._ready():
+            return True
+        hard, outlier, _ = self._assess(loss - rel * abs(loss), gnorm * (1.0 - rel))
+        return hard or outlier
+
+    def forgive(self) -> None:
+        """Take back the last verdict's place in the streak (a replayed step within the noise)."""
+        self._streak, self._spike_start = self._before
+        self.last_reason = ""
+
     def loss_z(self, loss: float) -> float:
         """Robust z-score of `loss` against the clean history (positive = above the median)."""
         median = statistics.median(self._losses)

@@ -27,6 +27,7 @@ from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
 from dsslm.optim import decay_start_step
 from dsslm.recovery.monitor import SpikeMonitor
+from dsslm.recovery.rewind_points import RewindPoint, RewindRing
 
 RECOVERY_FILE = "skip_list.json"
 RECOVERY_SCHEMA_VERSION = 2
@@ -130,10 +131,24 @@ def write_recovery(run_dir: Path, state: TrainState) -> None:
 def merge_recovery(state: TrainState, recovery: dict) -> None:
     """Fold the run-level record into a state just restored from a checkpoint (or fresh)."""
     state.skip_list = merge_windows(state.skip_list + recovery["skip_list"])
-    seen = {r["step"] for r in state.rewinds}
-    state.rewinds = state.rewinds + [r for r in recovery["rewinds"] if r["step"] not in seen]
+    state.rewinds = merge_history(state.rewinds, recovery["rewinds"])
     if recovery["lr_scale"] is not None:
         state.lr_scale = min(state.lr_scale, recovery["lr_scale"])
+
+
+def merge_history(mine: list[dict], theirs: list[dict]) -> list[dict]:
+    """`mine` plus the records of `theirs` it does not hold, counted as a multiset: one spike
+    rewound twice is two decisions, and a record `mine` already holds once is not added again
+    (the checkpoint's history is a prefix of the run file's, which each decision rewrites whole)."""
+    have = collections.Counter(json.dumps(r, sort_keys=True) for r in mine)
+    out = list(mine)
+    for record in theirs:
+        key = json.dumps(record, sort_keys=True)
+        if have[key]:
+            have[key] -= 1
+        else:
+            out.append(record)
+    return out
 
 
 def recovery_pins(step: int, valid_steps: list[int], cfg: Config) -> list[int]:
@@ -158,6 +173,8 @@ class Rewinder:
         self.batch_size, self.run_dir, self.emit = batch_size, run_dir, emit
         # step -> [first, end) sequences it was fed, for the few steps a spike can span.
         self._fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+        self.ring = RewindRing(engine, checkpointer, cfg.monitor.rewind_every if cfg.monitor.enabled else 0,
+                               cfg.monitor.rewind_points)
 
     def note(self, step: int, first: int, end: int) -> None:
         """The step `step` is being fed sequences [first, end) (every rank, every step)."""
@@ -198,25 +215,38 @@ class Rewinder:
         # in the history: its window then starts at the oldest step seen.
         return self._fed.get(step) or next(iter(self._fed.values()))
 
-    def rewind(self, state: TrainState, spike_step: int, spike_start: int | None = None) -> None:
+    def rewind(self, state: TrainState, spike_step: int, spike_start: int | None = None,
+               fallback: dict | None = None) -> None:
         """Go back to a checkpoint from before the spike at `spike_step` and never feed its data
         window again (the plain rewind policy: no replay tells data from state); `state` (the
-        checkpointer's train part) is restored in place."""
+        checkpointer's train part) is restored in place.
+
+        `fallback`: a triage that cannot replay hands over what it planned before any replay
+        overwrote the feed record, {"window", "skip_list", "lr_scale", "verdict"}: that window is
+        skipped, on top of the skip list and lr_scale from before the triage (a tentative
+        window or a backoff a replay tried is not kept), and the record carries the verdict."""
         def plan() -> tuple[RewindPlan, dict, str]:
             start = spike_start or self.monitor.spike_start or spike_step
             p = plan_rewind(start, spike_step, self._sequences_of, state.rewinds, self.cfg.monitor, self.batch_size)
+            if fallback is not None:
+                p.window = list(fallback["window"])
             return p, rewind_record(start, p), self.monitor.last_reason
 
         rewind_plan, record, reason = self.engine.decide(plan)
         if rewind_plan.escalate:
             self.escalate(spike_step, len(state.rewinds), f"window {rewind_plan.window}")
         ckpt = self.checkpoint_before(spike_step, rewind_plan.to_step, record["step"])
-        old_scale = state.lr_scale
-        skip_list = merge_windows(state.skip_list + [rewind_plan.window])
-        self.restore(state, ckpt, skip_list, state.lr_scale * rewind_plan.lr_scale_factor, record)
+        record["to_step"] = ckpt.state["step"]  # the step loaded, not the newest one allowed
+        base_skips, old_scale = state.skip_list, state.lr_scale
+        if fallback is not None:
+            base_skips, old_scale = fallback["skip_list"], fallback["lr_scale"]
+            record["verdict"] = fallback["verdict"]
+        skip_list = merge_windows(base_skips + [rewind_plan.window])
+        # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
+        self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
         self.engine.decide(lambda: write_recovery(self.run_dir, state))
         self.emit("rewind", step=spike_step, to_step=state.step, window=rewind_plan.window,
-                  checkpoint=str(ckpt.path), reason=reason)
+                  checkpoint=str(ckpt.path), reason=reason, **({"verdict": fallback["verdict"]} if fallback else {}))
         if rewind_plan.lr_scale_factor != 1.0:
             self.emit("lr_scale", step=state.step, old=old_scale, new=state.lr_scale)
 
@@ -230,18 +260,27 @@ class Rewinder:
         raise Escalation(f"spike at step {spike_step} after {rewinds} rewinds ({detail}); "
                          f"see {self.run_dir / 'events.jsonl'}")
 
-    def checkpoint_before(self, spike_step: int, to_step: int, spike_start: int) -> Checkpoint:
-        """The newest valid checkpoint at or before `to_step` (every rank); when there is none
-        (the first steps after a branch, whose only checkpoint is where it started), the newest
-        before the spike's first step; else Escalation."""
+    def checkpoint_before(self, spike_step: int, to_step: int, spike_start: int) -> Checkpoint | RewindPoint:
+        """The newest rewind point or valid checkpoint at or before `to_step` (every rank; a
+        rewind point when it is at least as new: no disk read); when there is none (the first
+        steps after a branch, whose only checkpoint is where it started), the newest before the
+        spike's first step; else Escalation."""
         self.engine.decide(self.checkpointer.store.wait)  # rank 0's writer error reaches every rank
-        ckpt = self.checkpointer.latest(to_step) or self.checkpointer.latest(spike_start - 1)
-        if ckpt is None:
-            self.emit("escalation", step=spike_step, reason="no checkpoint before the spike")
-            raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {to_step}")
-        return ckpt
+        for limit in (to_step, spike_start - 1):
+            point = self.ring.newest(limit)
+            durable = self.engine.decide(lambda: max((s for s in self.checkpointer.store.valid_steps() if s <= limit),
+                                                     default=-1))
+            if point is not None and point.step >= durable:
+                return point
+            ckpt = self.checkpointer.latest(limit)
+            if ckpt is not None and (point is None or ckpt.state["step"] > point.step):
+                return ckpt
+            if point is not None:
+                return point
+        self.emit("escalation", step=spike_step, reason="no checkpoint before the spike")
+        raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {to_step}")
 
-    def restore(self, state: TrainState, ckpt: Checkpoint, skip_list: list, lr_scale: float,
+    def restore(self, state: TrainState, ckpt: Checkpoint | RewindPoint, skip_list: list, lr_scale: float,
                 record: dict | None) -> None:
         """Load `ckpt` on every rank, keeping what the run learnt since: `skip_list` (the windows
         to skip from now on), its rewind history (plus `record`), the lower lr_scale and the
@@ -249,7 +288,10 @@ class Rewinder:
         reach it)."""
         history = state.rewinds + ([record] if record else [])
         counters = state.skipped_steps, state.clipped_steps
+        if isinstance(ckpt, RewindPoint):
+            ckpt = self.ring.checkpoint(ckpt)  # a collective: the ranks' shares gathered back
         self.checkpointer.restore(ckpt)
+        self.ring.drop_after(state.step)  # the points after it belong to the trajectory left
         state.skip_list = merge_windows(state.skip_list + skip_list)
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
         state.skipped_steps, state.clipped_steps = counters

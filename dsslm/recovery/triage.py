@@ -15,8 +15,8 @@ it (the *base*) and replays to `target`:
     skip_window  it came back: from the base again, the spike's data window (at least
                  `skip_batches` batches, as the plain rewind does) replaced by the next unseen data.
                  Gone: **data**; the window is committed to the skip list and skip_list.json.
-    backoff      still there: from the base again with the original data and lr_scale x
-                 `lr_backoff`. Gone: **state**. It comes back: back off once more, up to
+    backoff      still there: from the base again with the original data and the learning rate
+                 x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
                  `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
                  the run, or, with `lr_recover_steps` = R > 0, holds through the spike and ramps
                  linearly back to the full learning rate over the R steps after it (`lr_factor`:
@@ -24,9 +24,14 @@ it (the *base*) and replays to `target`:
 
 "Comes back" means a step of [spike_start, target] is outside the monitor's thresholds again
 (an outlier or a rewind). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
-exactly; on GPU kernels are not bitwise and it comes back within the thresholds. Each spike may
-spend at most `triage_max_replay_steps` replayed steps; a phase that would cross that falls back
-to the plain rewind policy (`Rewinder.rewind`: skip the window, back off when the region repeats).
+exactly; on GPU kernels are not bitwise, and a replayed step counts only beyond 3x the spread of
+one step computed twice (`note_spread`). The base is the newest rewind point (in memory, every
+`monitor.rewind_every` steps) or durable checkpoint at or before the planned step. Each spike may
+spend at most `triage_max_replay_steps` replayed steps, checked for the whole plan (same_data,
+skip_window and every backoff) before the first replay; a triage that does not fit falls back to
+the plain rewind policy (`Rewinder.rewind`: skip the window planned from the original pass, back
+off when the region repeats) with the verdict `unknown` (or `state`, when a base that moved after
+a restart leaves a later phase over budget and the skip-window replay had come back).
 
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A
@@ -48,7 +53,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import MAX_STEP, Fields, Float, Int, Json, ListOf, Spec, StateError, Str, Window
+from dsslm.fields import MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, Spec, StateError, Str, Window
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
 from dsslm.data.stream import merge_windows
@@ -58,6 +63,8 @@ from dsslm.recovery.monitor import SpikeMonitor, Verdict
 from dsslm.recovery.rewind import Rewinder, recovery_pins, write_recovery
 
 STATE_FORMAT = 1
+# One re-run samples the spread once; a replay's difference is taken as noise up to this many times it.
+NOISE_MARGIN = 3.0
 
 
 class Phase(str, Enum):
@@ -88,17 +95,36 @@ class Replay:
 
 
 class ReplayProgress:
-    """The checkpoint part "triage": the replay in progress, or None."""
+    """The checkpoint part "triage": everything recovery decides from that is not the monitor's
+    or the train state's. The replay in progress (or None); `fed`, which sequences the last steps
+    were fed (`Rewinder.note`: a streak open at a checkpoint plans its window from the steps
+    before it); `recent`, the original pass's last rows (a triage's "original" evidence).
+
+    `fed` and `recent` are shared with the Rewinder and the Triage (`bind`) and refilled in place,
+    so a restore (a resume, or a rewind loading its base) hands both what the checkpoint knew:
+    the uninterrupted run and every resume decide from the same records. Checkpoints written
+    before these fields existed load with both empty (the old behaviour)."""
 
     def __init__(self) -> None:
         self.replay: Replay | None = None
         self.state_spec = _TriageState()
+        self.fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+        self.recent: collections.deque = collections.deque()
+
+    def bind(self, fed: collections.OrderedDict, recent: collections.deque) -> None:
+        self.fed, self.recent = fed, recent
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None}
+        return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None,
+                "fed": [[step, first, end] for step, (first, end) in self.fed.items()],
+                "recent": [list(row) for row in self.recent]}
 
     def load_state_dict(self, state: dict) -> None:
         self.replay = Replay(**state["replay"]) if state["replay"] else None
+        self.fed.clear()
+        self.fed.update((int(step), (int(first), int(end))) for step, first, end in state.get("fed", []))
+        self.recent.clear()
+        self.recent.extend(list(row) for row in state.get("recent", []))
 
 
 class Triage:
@@ -109,8 +135,15 @@ class Triage:
         self.cfg, self.engine, self.rewinder, self.monitor = cfg, engine, rewinder, monitor
         self.forensics, self.progress, self.emit = forensics, progress, emit
         self.enabled = cfg.monitor.enabled and cfg.monitor.triage
+        # Where a step is not bitwise reproducible (CUDA kernels; the faults.replay_noise drill), a
+        # replayed step counts as the spike coming back only beyond NOISE_MARGIN x the spread of one
+        # step computed twice, measured on this job's first step (`note_spread`).
+        self.spread_pending = self.enabled and (engine is not None and engine.device.type != "cpu"
+                                                or cfg.faults.replay_noise > 0)
+        self.noise = 0.0
         # The original pass's last few steps, for the evidence of a spike that rewinds.
         self._recent: collections.deque = collections.deque(maxlen=max(8, 2 * (cfg.monitor.max_skips + 2)))
+        progress.bind(rewinder._fed, self._recent)  # both travel in the checkpoint part "triage"
 
     @property
     def replay(self) -> Replay | None:
@@ -131,16 +164,23 @@ class Triage:
         return self.enabled and not self.replaying(step)
 
     def review(self, state: TrainState, step: int, verdict: Verdict, reason: str, loss: float,
-               gnorm: float) -> tuple[Verdict, str]:
+               gnorm: float, spike: bool = True) -> tuple[Verdict, str]:
         """The verdict (and why) the loop acts on for the step just computed: during a replay a
         spike step outside the thresholds is the spike coming back (REWIND: the next phase), and
-        the target passing clean concludes the triage."""
+        the target passing clean concludes the triage. `spike`: False for a skip that is no
+        spike (an fp16 loss-scaler overflow, scheduled by the scaler's growth): that step is
+        skipped as in any pass, and says nothing about whether the spike came back."""
         row = [step, _num(loss), _num(gnorm), verdict.value]
         if not self.replaying(step):
             self._recent.append(row)
             return verdict, reason
         self.replay.evidence[-1]["steps"].append(row)
-        if verdict is not Verdict.OK:
+        if verdict is not Verdict.OK and spike and self.noise and \
+                not self.engine.decide(lambda: self.monitor.beyond_noise(loss, gnorm, self.noise)):
+            self.monitor.forgive()
+            row[3] = "within_noise"
+            verdict, reason = Verdict.OK, ""
+        if verdict is not Verdict.OK and spike:
             return Verdict.REWIND, f"triage: the spike came back in the {self.replay.phase} replay ({reason})"
         if step == self.replay.target:
             self._conclude(state)
@@ -167,22 +207,40 @@ class Triage:
         self.emit("triage", step=step, **decision)
         self.forensics.record_decision([step], decision)
 
+    def note_spread(self, step: int, first: tuple[float, float], again: tuple[float, float]) -> None:
+        """The same step computed twice on the same weights, batch and random state (every rank,
+        the global loss and grad norm): the spread a replay must exceed to show a spike again."""
+        spread = max(_relative(first[0], again[0]), _relative(first[1], again[1]))
+        if not math.isfinite(spread):
+            return  # a non-finite step measures nothing; the next one is measured instead
+        self.spread_pending, self.noise = False, NOISE_MARGIN * spread
+        self.emit("replay_spread", step=step, loss=[_num(first[0]), _num(again[0])],
+                  gnorm=[_num(first[1]), _num(again[1])], spread=spread, margin=self.noise)
+
     def lr_factor(self, state: TrainState, step: int) -> float:
-        """What step `step`'s learning rate is multiplied by for temporary backoffs
-        (monitor.lr_recover_steps > 0): the backoff replay in progress, and each state decision's
+        """What step `step`'s learning rate is multiplied by for backoffs on trial and temporary
+        ones: the backoff replay in progress after its planned base (a replay that had to start
+        from an older checkpoint, its rewind point gone with a restart, trains the steps up to the
+        base as they were), and with monitor.lr_recover_steps = R > 0 each state decision's
         factor from its base through its spike, ramping back to 1 over the next R steps."""
         recover = self.cfg.monitor.lr_recover_steps
-        if not recover:
-            return 1.0
         factor = 1.0
         r = self.replay
-        if r is not None and r.phase == Phase.BACKOFF.value:
+        if r is not None and r.phase == Phase.BACKOFF.value and step > r.base_step:
             factor *= self.cfg.monitor.lr_backoff ** r.backoffs
+        if not recover:
+            return factor
         for record in state.rewinds:
             if "target" in record and record["to_step"] < step < record["target"] + recover:
                 low, ramp = record["lr_scale_factor"], max(0, step - record["target"]) / recover
                 factor *= low + (1.0 - low) * ramp
         return factor
+
+    def keep_rewind_point(self, step: int) -> None:
+        """Every rank, after each applied or skipped step: a rewind point when one is due, but not
+        during a replay (the points its later phases start from must stay in the ring)."""
+        if self.replay is None and self.rewinder.ring.due(step):
+            self.rewinder.ring.take(step)
 
     def pins(self, step: int, valid_steps: list[int]) -> list[int]:
         """Checkpoints retention must keep: the plain rewind's pins and a replay's base."""
@@ -201,20 +259,20 @@ class Triage:
                         lr_scale=state.lr_scale, reason=reason)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
                                 "reason": reason})
-        if not self._affordable(replay):
+        # The whole plan before the first replay: same_data, skip_window and every backoff. A
+        # triage that could stop half way would act on a verdict no replay has shown.
+        if not self._affordable(replay, phases=2 + self.cfg.monitor.max_backoffs):
             return self._fall_back(state, replay, ckpt)
         self._replay_from(state, ckpt, replay, window=None, lr_scale=replay.lr_scale)
 
     def _next_phase(self, state: TrainState, step: int) -> None:
         r = self.replay
-        backoff = self.cfg.monitor.lr_backoff
         if r.phase == Phase.SAME_DATA.value:
             r.phase, window, lr_scale = Phase.SKIP_WINDOW.value, r.window, r.lr_scale
         elif r.phase == Phase.SKIP_WINDOW.value or r.backoffs < self.cfg.monitor.max_backoffs:
             r.phase, r.backoffs = Phase.BACKOFF.value, r.backoffs + 1
-            # A temporary backoff goes through lr_factor, a lasting one through lr_scale.
-            temporary = self.cfg.monitor.lr_recover_steps > 0
-            window, lr_scale = None, r.lr_scale * (1.0 if temporary else backoff ** r.backoffs)
+            # On trial through lr_factor (from the base on); a lasting verdict sets lr_scale in _decide.
+            window, lr_scale = None, r.lr_scale
         else:
             self.replay = None
             self._decide(state, r, "state", escalated=True)
@@ -224,20 +282,23 @@ class Triage:
             return self._fall_back(state, r, ckpt)
         self._replay_from(state, ckpt, r, window, lr_scale)
 
-    def _affordable(self, r: Replay, ckpt: Checkpoint | None = None) -> bool:
+    def _affordable(self, r: Replay, ckpt: Checkpoint | None = None, phases: int = 1) -> bool:
         base = ckpt.state["step"] if ckpt is not None else r.base_step
-        return r.replay_steps + (r.target - base) <= self.cfg.monitor.triage_max_replay_steps
+        return r.replay_steps + phases * (r.target - base) <= self.cfg.monitor.triage_max_replay_steps
 
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
                      lr_scale: float) -> None:
-        r.base_step = ckpt.state["step"]
-        r.replay_steps += r.target - r.base_step
-        r.evidence.append({"phase": r.phase, "from_step": r.base_step, "lr_scale": lr_scale, "steps": []})
+        # r.base_step stays the planned base: a phase that must load an older checkpoint (after a
+        # restart the rewind point is gone) changes nothing before it (window, lr_factor).
+        loaded = ckpt.state["step"]
+        r.replay_steps += r.target - loaded
+        trial = self.cfg.monitor.lr_backoff ** r.backoffs if r.phase == Phase.BACKOFF.value else 1.0
+        r.evidence.append({"phase": r.phase, "from_step": loaded, "lr_scale": lr_scale * trial, "steps": []})
         skip_list = merge_windows(r.skip_list + ([window] if window else []))
         self.rewinder.restore(state, ckpt, skip_list, lr_scale, None)
         self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
         self.emit("rewind", step=r.target, to_step=state.step, window=window or [], checkpoint=str(ckpt.path),
-                  reason=r.reason, triage_phase=r.phase, lr_scale=state.lr_scale)
+                  reason=r.reason, triage_phase=r.phase, lr_scale=state.lr_scale * trial)
 
     def _conclude(self, state: TrainState) -> None:
         r, self.replay = self.replay, None
@@ -246,11 +307,16 @@ class Triage:
     def _decide(self, state: TrainState, r: Replay, verdict: str, escalated: bool = False) -> None:
         """Record the verdict: the rewind history, skip_list.json, the event, the forensics."""
         window = r.window if verdict == "data" else [r.window[0], r.window[0]]
-        factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" else 1.0
+        # An escalation concluded nothing: the backoff its last replay tried is not the run's.
+        factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" and not escalated else 1.0
         record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
                   "lr_scale_factor": min(1.0, factor), "verdict": verdict}
-        if verdict == "state" and self.cfg.monitor.lr_recover_steps:
+        if verdict == "state" and self.cfg.monitor.lr_recover_steps and not escalated:
             record["target"] = r.target  # temporary: lr_factor ramps it back from here
+        if escalated:  # what a person restarting after exit 3 resumes with: the run before the triage
+            state.lr_scale, state.skip_list = r.lr_scale, merge_windows(r.skip_list)
+        elif verdict == "state" and not self.cfg.monitor.lr_recover_steps:
+            state.lr_scale = r.lr_scale * factor  # lasting: the backoff the replay tried, from now on
         state.rewinds = state.rewinds + [record]
         self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
         decision = {"verdict": verdict, "scope": "window", "spike_start": r.spike_start, "target": r.target,
@@ -263,13 +329,24 @@ class Triage:
         self.forensics.record_decision(list(range(r.spike_start, r.target + 1)), decision)
 
     def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint) -> None:
-        """Over the replay budget: the plain rewind policy, on what the replays showed so far."""
+        """Over the replay budget: the plain rewind policy with the window planned before any
+        replay (the feed record now holds what the replays fed), recording what the replays
+        showed: `state` when the spike came back without its window, else `unknown`."""
         self.replay = None
-        self.emit("triage", step=r.target, verdict="data", scope="window", spike_start=r.spike_start,
-                  target=r.target, replay_steps=r.replay_steps, fallback="replay budget spent "
-                  f"(monitor.triage_max_replay_steps={self.cfg.monitor.triage_max_replay_steps})",
-                  evidence=r.evidence)
-        self.rewinder.rewind(state, r.target, r.spike_start)
+        came_back = {e["phase"] for e in r.evidence[1:]}  # every phase replayed so far came back
+        verdict = "state" if came_back & {Phase.SKIP_WINDOW.value, Phase.BACKOFF.value} else "unknown"
+        budget = self.cfg.monitor.triage_max_replay_steps
+        self.emit("triage", step=r.target, verdict=verdict, scope="window", spike_start=r.spike_start,
+                  target=r.target, from_step=ckpt.state["step"], replay_steps=r.replay_steps, window=r.window,
+                  fallback=f"replay budget: monitor.triage_max_replay_steps={budget} does not cover the triage's "
+                  f"replays of {r.target - ckpt.state['step']} steps each from step {ckpt.state['step']}; the plain "
+                  f"rewind policy skips the planned window {r.window} untested", evidence=r.evidence)
+        self.rewinder.rewind(state, r.target, r.spike_start, fallback={
+            "window": r.window, "skip_list": r.skip_list, "lr_scale": r.lr_scale, "verdict": verdict})
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(float(a) - float(b)) / max(abs(float(a)), abs(float(b)), 1e-12)
 
 
 def _num(x: float) -> float | str:
@@ -286,8 +363,12 @@ class _TriageState(Spec):
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
                     evidence=ListOf(Json(), max_len=10_000))
 
+    fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
+    recent = ListOf(ListOf(Json(), length=4), max_len=1000)
+
     def validate(self, value: Any, path: str) -> None:
-        Fields(format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json()).validate(value, path)
+        Fields(optional=("fed", "recent"), format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json(),
+               fed=self.fed, recent=self.recent).validate(value, path)
         r = value["replay"]
         if r is None:
             return

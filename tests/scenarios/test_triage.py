@@ -136,16 +136,54 @@ def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, 
     assert rc == 3 and "escalated" in capsys.readouterr().err
     assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "backoff"]
     assert triages(tmp_path, "window")[-1]["escalated"] and len(events(tmp_path, "escalation")) == 1
+    # No verdict concluded a backoff: the restart a person makes after exit 3 trains at the
+    # learning rate from before the triage, not at the backoff the last replay tried.
+    run_file = json.loads((tmp_path / "skip_list.json").read_text())
+    assert run_file["lr_scale"] == 1.0 and run_file["skip_list"] == []
+    assert run_file["rewinds"][-1]["lr_scale_factor"] == 1.0 and triages(tmp_path, "window")[-1]["lr_scale"] == 1.0
 
 
-def test_over_the_replay_budget_falls_back_to_todays_policy(tmp_path):
-    # The same-data replay costs 8 steps (checkpoint 45 to step 53); the next would pass 10.
+def test_over_the_replay_budget_falls_back_before_any_replay_and_says_what_it_knows(tmp_path):
+    """Each replay costs 8 steps (checkpoint 45 to step 53): the same-data replay alone fits in
+    10, the whole plan (same_data, skip_window, 2 backoffs: 32) does not. The triage must not
+    start a plan it cannot finish, nor call the spike data when no replay showed it: verdict
+    unknown, the plain rewind with the window planned from the original pass, recorded as such."""
     assert train(cfg(tmp_path, DATA, "monitor.triage_max_replay_steps=10")) == 0
     decision = triages(tmp_path, "window")[-1]
-    assert decision["verdict"] == "data" and "replay budget" in decision["fallback"]
+    assert decision["verdict"] == "unknown" and "replay budget" in decision["fallback"]
+    assert decision["replay_steps"] == 0 and decision["from_step"] == 45
     rewinds = events(tmp_path, "rewind")
-    assert [e.get("triage_phase") for e in rewinds] == ["same_data", None]
-    assert rewinds[-1]["window"][0] == 50 * B and final_state(tmp_path)["skip_list"] == [rewinds[-1]["window"]]
+    assert [e.get("triage_phase") for e in rewinds] == [None] and rewinds[0]["verdict"] == "unknown"
+    assert rewinds[0]["window"] == decision["window"] and decision["window"][0] == 50 * B
+    assert final_state(tmp_path)["skip_list"] == [decision["window"]]
+    record = final_state(tmp_path)["train"]["rewinds"][-1]
+    assert record["verdict"] == "unknown" and record["to_step"] == rewinds[0]["to_step"] == 45
+    assert final_state(tmp_path)["train"]["lr_scale"] == 1.0
+
+
+def test_killed_inside_a_spike_streak_reaches_the_uninterrupted_verdicts_to_the_bit(tmp_path):
+    """Checkpoints every 4 steps: step 52's is taken with the streak of steps 51, 52 open, and
+    the run dies right after it. The resumed run must plan the skip window from step 51's data
+    (the feed record travels in the checkpoint), not from the first step it fed itself: the same
+    verdict, window, evidence, skip list, lr_scale and losses as the run never interrupted."""
+    from dsslm.recovery.faults import DrillAbort
+    every = ["ckpt.every=4", "ckpt.keep_every=0"]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert train(cfg(ref, DATA, *every)) == 0
+    with pytest.raises(DrillAbort):
+        train(cfg(cut, DATA, *every, "faults.crash_at_step=52", "faults.crash_mode=raise"))
+    assert final_state(cut, 52)["monitor"]["streak"] == 2
+    assert train(cfg(cut, DATA, *every)) == 0
+    assert events(cut, "resume")[-1]["step"] == 52
+    mine, theirs = triages(cut, "window"), triages(ref, "window")
+    assert [d["verdict"] for d in theirs] == ["data"] and theirs[0]["window"][0] == 50 * B
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("time", "t")}
+    assert [strip(d) for d in mine] == [strip(d) for d in theirs]
+    for key in ("skip_list",):
+        assert final_state(cut)[key] == final_state(ref)[key]
+    assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"] == 1.0
+    assert json.loads((cut / "skip_list.json").read_text()) == json.loads((ref / "skip_list.json").read_text())
+    assert losses_by_step(cut) == losses_by_step(ref)
 
 
 @pytest.mark.parametrize("triage", ["true", "false"])
@@ -287,3 +325,98 @@ def test_a_temporary_state_backoff_ramps_back_and_resumes_to_the_bit(tmp_path):
     assert train(cfg(cut, *steps)) == 0
     assert events(cut, "resume")[-1]["step"] > target
     assert losses_by_step(cut) == losses_by_step(ref)
+
+
+RING = ["ckpt.every=100", "monitor.rewind_every=5", "monitor.rewind_points=3"]
+DURABLE = ["ckpt.every=5", "monitor.rewind_every=0"]
+
+
+def assert_same_run(mine, theirs):
+    assert losses_by_step(mine) == losses_by_step(theirs)
+    decide = lambda run: [(d["verdict"], d["window"], d["from_step"]) for d in triages(run, "window")]
+    assert decide(mine) == decide(theirs) and decide(mine)
+    a, b = tensors(mine), tensors(theirs)
+    for name in a:  # weights, both moments and Adam's step, to the bit
+        assert a[name].keys() == b[name].keys()
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+
+
+def test_a_rewind_point_in_memory_is_the_checkpoint_of_its_step_to_the_bit(tmp_path):
+    """Durable checkpoints only at 0 and 64, rewind points every 5 steps: the data spike over
+    51..53 is triaged from the point at 45 (no checkpoint covers it), and every replay and the
+    rest of the run equal those of a run that rewound to a durable checkpoint of step 45."""
+    ring, durable = tmp_path / "ring", tmp_path / "durable"
+    assert train(cfg(ring, DATA, *RING)) == 0
+    assert train(cfg(durable, DATA, *DURABLE)) == 0
+    rewinds = events(ring, "rewind")
+    assert [e["checkpoint"] for e in rewinds] == ["memory:step-00000045"] * 2
+    assert sorted(int(p.name[5:]) for p in (ring / "checkpoints").glob("step-*")) == [0, 64]
+    assert_same_run(ring, durable)
+    memory = events(ring, "memory")[0]["per_rank"][0]
+    assert memory["rewind_bytes"] == 3 * memory["rewind_point_bytes"] > 16 * 127_296 * 0.75
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_split_the_rewind_points_and_restore_them_to_the_bit(tmp_path):
+    """2 gloo ranks: each keeps about half of every point; the restore gathers both halves."""
+    from helpers import run_train
+    two = ["train.micro_batch_size=8", "engine.kind=ddp"]
+    ring, durable = tmp_path / "ring", tmp_path / "durable"
+    run_train(ring, *RUN, DATA, *RING, *two, nproc=2, timeout_s=500)
+    run_train(durable, *RUN, DATA, *DURABLE, *two, nproc=2, timeout_s=500)
+    assert [e["checkpoint"] for e in events(ring, "rewind")] == ["memory:step-00000045"] * 2
+    assert_same_run(ring, durable)
+    shares = [r["rewind_point_bytes"] for r in events(ring, "memory")[0]["per_rank"]]
+    assert len(shares) == 2 and max(shares) < 0.6 * sum(shares)
+
+
+def test_where_kernels_are_not_bitwise_a_replay_must_exceed_the_measured_spread(tmp_path):
+    """faults.replay_noise=0.01: every computation's loss (and so its gradients) 1% up or down,
+    alternating, as kernels that are not bitwise deterministic would. The job's first step is
+    computed twice and the spread measured (2/101 relative); the data spike is still told apart,
+    since its replay comes back far beyond 3x that spread."""
+    assert train(cfg(tmp_path, DATA, "faults.replay_noise=0.01")) == 0
+    spread = events(tmp_path, "replay_spread")
+    assert len(spread) == 1 and spread[0]["step"] == 1
+    assert spread[0]["spread"] == pytest.approx(0.02 / 1.01, rel=1e-2)
+    assert spread[0]["margin"] == pytest.approx(3 * spread[0]["spread"])
+    assert [d["verdict"] for d in triages(tmp_path, "window")] == ["data"]
+
+
+def test_preempted_mid_replay_from_a_rewind_point_reaches_the_same_verdict(tmp_path, monkeypatch):
+    """The state spike is triaged from the rewind point at 45 (durable checkpoints only at 0 and
+    64). SIGUSR1 as the skip_window replay starts: the preemption checkpoint carries the replay;
+    the requeued job has no rewind points, so its backoff replay starts from the durable step 0
+    and replays 1..45 exactly as they were trained: the same verdict, lr_scale and losses."""
+    original = triage_module.Triage._replay_from
+
+    def replay_then_preempt(self, state, ckpt, r, window, lr_scale):
+        original(self, state, ckpt, r, window, lr_scale)
+        if r.phase == "skip_window":
+            signal.raise_signal(signal.SIGUSR1)
+
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert train(cfg(ref, *STATE, *RING)) == 0
+    monkeypatch.setattr(triage_module.Triage, "_replay_from", replay_then_preempt)
+    assert train(cfg(cut, *STATE, *RING)) == 0
+    assert events(cut, "rewind")[-1]["checkpoint"] == "memory:step-00000045"
+    assert final_state(cut, events(cut, "preempt_save")[0]["step"])["triage"]["replay"]["phase"] == "skip_window"
+    monkeypatch.setattr(triage_module.Triage, "_replay_from", original)
+    assert train(cfg(cut, *STATE, *RING)) == 0
+    decide = lambda run: [(d["verdict"], d["window"], d["lr_scale"]) for d in triages(run, "window")]
+    assert decide(cut) == decide(ref) and decide(ref)[0][0] == "state"
+    assert events(cut, "rewind")[-1]["checkpoint"].endswith("step-00000000")
+    assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"] == pytest.approx(0.01)
+    assert final_state(cut)["skip_list"] == final_state(ref)["skip_list"] == []
+    assert losses_by_step(cut) == losses_by_step(ref)
+
+
+def test_at_the_shipped_checkpoint_spacing_a_spike_gets_the_whole_triage(tmp_path):
+    """ckpt.every=1000 (the shipped configs) and the default rewind points: the only durable
+    checkpoint before the spike over 161..163 is step 0, whose replays (4 x 163 steps) do not fit
+    the default budget of 300; the rewind point at 150 does, so the spike is triaged in full."""
+    assert train(cfg(tmp_path, "faults.repeat_batches=[[160,163]]", "ckpt.every=1000", "train.total_steps=170")) == 0
+    decision = triages(tmp_path, "window")[-1]
+    assert decision["verdict"] == "data" and "fallback" not in decision and decision["from_step"] == 150
+    assert [(e["triage_phase"], e["checkpoint"]) for e in events(tmp_path, "rewind")] == \
+        [("same_data", "memory:step-00000150"), ("skip_window", "memory:step-00000150")]

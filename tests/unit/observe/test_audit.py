@@ -90,9 +90,9 @@ def test_a_run_shorter_than_the_window_reports_at_its_end_and_a_rewind_ends_it()
     for s in (11, 12, 13):
         audit.compare(record(s))
     assert emitted[0][1]["steps"] == [11, 13]
-    audit, emitted = audit_of([record(s) for s in range(11, 20)])
+    audit, emitted = audit_of([record(11, verdict="rewind")] + [record(s) for s in range(12, 20)])
     audit.compare(record(11, verdict="rewind"))
-    assert emitted[0][1]["compared"] == 1 and len(emitted) == 1
+    assert emitted[0][1]["compared"] == 1 and len(emitted) == 1 and emitted[0][1]["verdict"] == "exact"
 
 
 def test_exactness_needs_the_same_environment():
@@ -101,3 +101,43 @@ def test_exactness_needs_the_same_environment():
     assert "torch_threads" in _why_not_exact(ENV, {**ENV, "torch_threads": 2})
     assert "not bitwise" in _why_not_exact({**ENV, "device": "cuda"}, {**ENV, "device": "cuda"})
     assert "did not record" in _why_not_exact(None, ENV)
+
+
+def decision(step, verdict="data", window=(800, 928), **kw):
+    return {"event": "triage", "step": step, "verdict": verdict, "scope": "window", "spike_start": step - 2,
+            "target": step, "window": list(window), "lr_scale": 1.0, "escalated": False, **kw}
+
+
+def test_the_triage_decisions_after_the_checkpoint_must_come_again(tmp_path):
+    """The interrupted job decided data at 53 and state at 60 after holding checkpoint 52; a
+    resume that decides otherwise did not restore recovery state (the feed record of an open
+    streak, a replay in progress), however equal its losses."""
+    from dsslm.observe.audit import recorded_decisions
+    events = [{"event": "save", "step": 48}, decision(40), {"event": "save", "step": 52},
+              decision(53, "transient"), decision(53), {"event": "rewind", "step": 53}, decision(60, "state")]
+    path = write(tmp_path / "events.jsonl", events)
+    recorded = recorded_decisions(path, 52)
+    assert [(d["step"], d["verdict"]) for d in recorded] == [(53, "data"), (60, "state")]
+    assert recorded_decisions(path, 44) == []  # the log does not reach back to that checkpoint
+    # The same decisions: one report, exact.
+    audit, emitted = audit_of([])
+    audit.decisions = recorded
+    audit.observe({**decision(53, "transient")})  # a fault that struck once is not compared
+    audit.observe(decision(53))
+    assert emitted == []
+    audit.observe(decision(60, "state"))
+    assert [(e, f["scope"], f["verdict"], f["compared"]) for e, f in emitted] == [("resume_audit", "recovery", "exact", 2)]
+    # A window planned one step late: a mismatch and an alert naming the field.
+    audit, emitted = audit_of([])
+    audit.decisions = recorded_decisions(path, 52)
+    audit.observe(decision(53, window=(816, 944)))
+    assert [e for e, _ in emitted] == ["resume_audit", "alert"] and emitted[1][1]["field"] == "window"
+    audit.observe(decision(60, "state"))
+    assert len(emitted) == 2  # reported once
+
+
+def test_a_recomputed_step_with_another_verdict_is_a_mismatch():
+    audit, emitted = audit_of([record(11, verdict="skip_step"), record(12)])
+    audit.compare(record(11))
+    audit.compare(record(12))
+    assert emitted[0][1]["verdict"] == "mismatch" and emitted[1][1]["field"] == "verdict"

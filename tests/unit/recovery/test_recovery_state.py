@@ -1,0 +1,136 @@
+"""What recovery decides from, as state: the run file's history merge, the checkpoint part
+"triage" (the replay, the feed record, the original pass's rows), and a replay's reading of a
+scaler overflow."""
+import collections
+import json
+
+import pytest
+
+from dsslm.ckpt.train_state import TrainState
+from dsslm.config import Config
+from dsslm.fields import StateError
+from dsslm.recovery.monitor import Verdict
+from dsslm.recovery.rewind import merge_history, merge_recovery
+from dsslm.recovery.triage import Replay, ReplayProgress, Triage
+
+
+def test_repeated_rewinds_of_one_spike_are_two_decisions_after_a_resume():
+    first = {"step": 51, "window": [800, 928], "to_step": 45, "lr_scale_factor": 1.0}
+    again = {"step": 51, "window": [800, 1056], "to_step": 45, "lr_scale_factor": 0.7}
+    state = TrainState(rewinds=[first])  # the checkpoint saw the first rewind only
+    merge_recovery(state, {"skip_list": [[800, 1056]], "rewinds": [first, again], "lr_scale": 0.7})
+    assert state.rewinds == [first, again]
+    # The same decision twice (a plain rewind of a spike that came back identically) stays twice.
+    state = TrainState(rewinds=[first])
+    merge_recovery(state, {"skip_list": [], "rewinds": [first, first], "lr_scale": None})
+    assert state.rewinds == [first, first]
+    assert merge_history([first, again], [first]) == [first, again]
+
+
+def test_the_triage_part_carries_the_feed_record_and_the_original_rows():
+    fed, recent = collections.OrderedDict(), collections.deque(maxlen=8)
+    progress = ReplayProgress()
+    progress.bind(fed, recent)
+    fed[51], fed[52] = (800, 816), (816, 832)
+    recent.extend([[51, 3.1, 9.0, "skip_step"], [52, 3.2, 9.5, "skip_step"]])
+    progress.replay = Replay(phase="same_data", spike_start=51, target=53, base_step=45, window=[800, 928],
+                             skip_list=[], lr_scale=1.0)
+    saved = json.loads(json.dumps(progress.state_dict()))
+    progress.state_spec.validate(saved, "state.triage")
+    other_fed, other_recent = collections.OrderedDict({9: (1, 2)}), collections.deque(maxlen=8)
+    restored = ReplayProgress()
+    restored.bind(other_fed, other_recent)
+    restored.load_state_dict(saved)
+    assert other_fed == fed and list(other_recent) == list(recent) and restored.replay == progress.replay
+    # A checkpoint written before the fields existed still loads (with nothing recorded).
+    old = {"format": 1, "replay": None}
+    restored.state_spec.validate(old, "state.triage")
+    restored.load_state_dict(old)
+    assert not other_fed and not other_recent
+    with pytest.raises(StateError, match=r"state.triage.fed\[0\]"):
+        restored.state_spec.validate({**saved, "fed": [[51, 800]]}, "state.triage")
+
+
+class _Rewinder:
+    def __init__(self):
+        self._fed = collections.OrderedDict()
+
+
+def test_a_scaler_overflow_in_a_replay_is_not_the_spike_coming_back():
+    progress = ReplayProgress()
+    triage = Triage(Config(), None, _Rewinder(), None, None, progress, lambda *a, **k: None)
+    progress.replay = Replay(phase="same_data", spike_start=51, target=53, base_step=45, window=[800, 928],
+                             skip_list=[], lr_scale=1.0, evidence=[{"phase": "same_data", "steps": []}])
+    state = TrainState()
+    verdict, _ = triage.review(state, 51, Verdict.SKIP, "fp16_overflow (loss scale now 32768)", 3.0, float("inf"),
+                               spike=False)
+    assert verdict is Verdict.SKIP and triage.replay is not None
+    verdict, reason = triage.review(state, 52, Verdict.SKIP, "loss z=9", 9.0, 3.0)
+    assert verdict is Verdict.REWIND and "came back" in reason
+
+
+class _Engine:
+    device = __import__("torch").device("cpu")
+
+    def decide(self, fn):
+        return fn()
+
+
+def test_a_replayed_step_within_the_measured_spread_does_not_show_the_spike_again():
+    from dsslm.recovery.monitor import SpikeMonitor
+    cfg = Config()
+    cfg.monitor.min_history, cfg.monitor.window = 10, 20
+    monitor = SpikeMonitor(cfg.monitor)
+    for step in range(1, 21):
+        assert monitor.judge(step, 2.0 + 0.01 * (-1) ** step, 1.0) is Verdict.OK
+    emitted = []
+    progress = ReplayProgress()
+    triage = Triage(cfg, _Engine(), _Rewinder(), monitor, None, progress, lambda e, **f: emitted.append((e, f)))
+    # Two computations of one step 1% above and below: a spread of 2/101, a margin of 3x it.
+    triage.note_spread(1, (2.0 * 1.01, 1.01), (2.0 * 0.99, 0.99))
+    assert emitted[0][0] == "replay_spread" and emitted[0][1]["spread"] == pytest.approx(0.02 / 1.01)
+    assert triage.noise == pytest.approx(0.06 / 1.01)
+    progress.replay = Replay(phase="same_data", spike_start=51, target=53, base_step=45, window=[800, 928],
+                             skip_list=[], lr_scale=1.0, evidence=[{"phase": "same_data", "steps": []}])
+    state = TrainState()
+    # 5% above the median: an outlier to the monitor (z ~ 6.7), but within 3x the spread of it.
+    assert monitor.judge(51, 2.1, 1.0) is Verdict.SKIP
+    verdict, _ = triage.review(state, 51, Verdict.SKIP, monitor.last_reason, 2.1, 1.0)
+    assert verdict is Verdict.OK and monitor.spike_start is None
+    assert progress.replay.evidence[-1]["steps"][-1][3] == "within_noise"
+    # 50% above: far beyond the noise, the spike came back.
+    assert monitor.judge(52, 3.0, 1.0) is Verdict.REWIND
+    verdict, reason = triage.review(state, 52, Verdict.REWIND, monitor.last_reason, 3.0, 1.0)
+    assert verdict is Verdict.REWIND and "came back" in reason
+    # Without a measured spread (CPU: bitwise replays) the first outlier already came back.
+    triage.noise = 0.0
+    assert monitor.judge(52, 2.1, 1.0) is Verdict.SKIP
+    assert triage.review(state, 52, Verdict.SKIP, "", 2.1, 1.0)[0] is Verdict.REWIND
+
+
+@pytest.mark.parametrize("replayed, verdict", [([], "unknown"), (["same_data"], "unknown"),
+                                               (["same_data", "skip_window"], "state")])
+def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_window(replayed, verdict):
+    """Every phase replayed so far came back (that is why the triage went on): only a skip-window
+    replay coming back says something (not the data); the window handed over is the one planned
+    from the original pass, with the skip list and lr_scale from before the triage."""
+    calls, emitted = [], []
+
+    class Rewinder(_Rewinder):
+        def rewind(self, state, target, spike_start, fallback=None):
+            calls.append((target, spike_start, fallback))
+
+    class Ckpt:
+        state = {"step": 45}
+
+    progress = ReplayProgress()
+    triage = Triage(Config(), _Engine(), Rewinder(), None, None, progress, lambda e, **f: emitted.append((e, f)))
+    evidence = [{"phase": "original", "steps": []}] + [{"phase": p, "steps": []} for p in replayed]
+    r = Replay(phase="backoff", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[[0, 16]],
+               lr_scale=0.5, backoffs=1, evidence=evidence)
+    triage._fall_back(TrainState(), r, Ckpt())
+    assert triage.replay is None
+    (name, fields), = emitted
+    assert name == "triage" and fields["verdict"] == verdict and fields["window"] == [800, 928]
+    assert "replay budget" in fields["fallback"] and "[800, 928]" in fields["fallback"]
+    assert calls == [(53, 51, {"window": [800, 928], "skip_list": [[0, 16]], "lr_scale": 0.5, "verdict": verdict})]

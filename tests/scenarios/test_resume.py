@@ -78,16 +78,21 @@ def test_corrupt_newest_checkpoint_falls_back_manifestless_ignored_and_tmp_remov
     newest.write_bytes(bytes(data))
     truncated = ckpts / "step-00000020" / "optim.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:-100])
-    (ckpts / "step-00000025").mkdir()  # no MANIFEST: does not exist for readers
+    (ckpts / "step-00000025").mkdir()  # no MANIFEST: a delete a kill cut short (retention removes MANIFEST first)
     (ckpts / "step-00000025" / "state.json").write_text("{}")
+    (ckpts / "step-00000026").mkdir()  # no MANIFEST, and a file no checkpoint has: not provably ours
+    (ckpts / "step-00000026" / "notes.txt").write_text("a person's notes")
     (ckpts / ".tmp-step-00000028-1-x").mkdir()
     metrics_before = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert train(inprocess(run_dir)) == 0
     assert events(run_dir, "resume")[-1]["step"] == 10
     passed = {e["checkpoint"] for e in events(run_dir, "passed_over")}
-    assert {"step-00000030", "step-00000020", "step-00000025"} <= {p.split("/")[-1] for p in passed}
-    assert (ckpts / "step-00000025").exists()  # invalid folders are never deleted...
-    # ...but a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
+    assert {"step-00000030", "step-00000020", "step-00000026"} <= {p.split("/")[-1] for p in passed}
+    assert (ckpts / "step-00000026").exists()  # invalid folders are never deleted...
+    # ...except a half-deleted one, finished (one event), as it holds nothing but a checkpoint's files
+    assert not (ckpts / "step-00000025").exists()
+    assert events(run_dir, "deletes_finished")[-1]["folders"] == ["step-00000025"]
+    # ...and a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
     assert not (ckpts / ".tmp-step-00000028-1-x").exists()
     assert events(run_dir, "leftovers_removed")[-1]["folders"] == [".tmp-step-00000028-1-x"]
     redone = read_jsonl(run_dir / "metrics.jsonl")[metrics_before:]

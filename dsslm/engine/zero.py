@@ -408,13 +408,13 @@ class ZeroEngine(Engine):
 
     @torch.no_grad()
     def load_local_state(self, reader: StateReader) -> None:
-        """Working copies from the full weights (a replica under stages 1 and 2; gathered one
-        parameter at a time under stage 3), then only this rank's master and moment fragments."""
-        for name, param in self.params.items():
-            gathered = (deepspeed.zero.GatheredParameters([param], modifier_rank=0)
-                        if self.layout == "zero3" else contextlib.nullcontext())
-            with gathered:
-                param.data.copy_(reader.read(f"model/{name}").reshape(param.shape).to(param.device, param.dtype))
+        """Only this rank's fp32 master and moment fragments are read; the working copies follow
+        from the masters (stages 1 and 2: DeepSpeed's own copy-and-all-gather, as after a step;
+        stage 3: each parameter gathered once and written from the full weights)."""
+        if self.layout == "zero3":
+            for name, param in self.params.items():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.data.copy_(reader.read(f"model/{name}").reshape(param.shape).to(param.device, param.dtype))
         kinds = optim_kinds(reader)
         steps = {name: float(reader.read(f"optim/step/{name}")[0]) for name in kinds.get("step", ())}
         inner = self.optimizer.optimizer.state
@@ -444,6 +444,8 @@ class ZeroEngine(Engine):
                      else safe_set_local_optimizer_state(param, full, key))
                 else:
                     self._local(param, key).copy_(value)
+        if self.layout != "zero3":
+            self.optimizer.update_lp_params()  # a collective: every rank's working copy from the masters
 
     def _inner_group(self, flat: torch.Tensor) -> dict:
         for group in self.optimizer.optimizer.param_groups:

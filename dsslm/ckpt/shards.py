@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -271,10 +272,14 @@ def _scan(path: Path) -> dict:
             # "model/NAME" -> "model NAME", "optim/exp_avg/NAME@START" -> "optim exp_avg NAME"
             label = " ".join((group + name).split("@")[0].split("/", 2))
             if t.is_floating_point():
-                bad = int((~torch.isfinite(t)).sum())
-                if bad:
-                    raise CheckpointError(f"{label}: {bad} non-finite value(s) (in {path.name})")
-                if label.startswith("optim exp_avg_sq ") and bool((t < 0).any()):
+                # numpy, one thread: torch's OpenMP kernels stall 30-40x here when other processes
+                # hold the cores (measured: 13 s against 0.3 s for 250 MB on a busy 2-core box)
+                values = t.numpy()
+                finite = np.isfinite(values)
+                if not finite.all():
+                    raise CheckpointError(f"{label}: {int(finite.size - finite.sum())} non-finite value(s) "
+                                          f"(in {path.name})")
+                if label.startswith("optim exp_avg_sq ") and bool((values < 0).any()):
                     raise CheckpointError(f"{label}: negative values (a second moment is >= 0; in {path.name})")
     return out
 

@@ -119,6 +119,7 @@ class CkptCfg:
     keep_last: int = 3
     keep_every: int = 0         # also keep every checkpoint whose step is a multiple (0 = none)
     async_save: bool = True
+    format: str = "auto"        # sharded (each rank its own files) | gathered (rank 0 writes all) | auto: sharded from 2 ranks
 
 
 @dataclass
@@ -291,6 +292,7 @@ def validate(cfg: Config) -> None:
     _check_choice("faults.crash_mode", cfg.faults.crash_mode, ("sigkill", "raise"))
     _check_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "every_n"))
     _check_choice("engine.fsdp_grad_reduce", e.fsdp_grad_reduce, ("step", "micro_batch"))
+    _check_choice("ckpt.format", cfg.ckpt.format, ("auto", "sharded", "gathered"))
     for key, value in (("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.grad_accum", t.grad_accum), ("ckpt.every", cfg.ckpt.every),
                        ("ckpt.keep_last", cfg.ckpt.keep_last),

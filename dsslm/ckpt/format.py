@@ -18,7 +18,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -63,6 +63,7 @@ class Checkpoint:
     path: Path
     tensors: dict[str, dict[str, torch.Tensor]]  # {"model": {...}, "optim": {...}}, on CPU
     state: dict                                   # state.json
+    reader: Any = None                            # shards.TensorReader: tensors read on demand (tensors then {})
 
 
 def step_name(step: int) -> str:
@@ -105,7 +106,7 @@ def check_group_name(group: str) -> None:
         raise ValueError(f"tensor group {group!r} must match [A-Za-z0-9_]+ (it becomes a file name)")
 
 
-def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
+def safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Iterator[memoryview]:
     """Yield the safetensors encoding of contiguous CPU tensors without building it in memory.
 
     safetensors.torch.save() copies everything into one bytes object while holding the GIL
@@ -123,6 +124,8 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format allows trailing spaces; 8-byte aligned data
     yield memoryview(struct.pack("<Q", len(blob)) + blob)
@@ -158,10 +161,21 @@ def _check_regular(path: Path, max_bytes: int | None = None) -> int:
     return st.st_size
 
 
+def no_duplicates(pairs: list) -> dict:
+    """json object_pairs_hook: a key given twice is refused, not silently the last one winning
+    (a MANIFEST that lists a file twice could vouch for two different contents)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
 def read_manifest(folder: Path) -> dict:
     try:
         _check_regular(folder / MANIFEST, MAX_MANIFEST_BYTES)
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_text(), object_pairs_hook=no_duplicates)
     except FileNotFoundError:
         raise CheckpointError("no MANIFEST (a save or a delete did not finish)") from None
     except (OSError, ValueError) as exc:

@@ -23,12 +23,13 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, load_checkpoint, load_verified
+from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, invalid_reason, read_manifest
+from dsslm.ckpt.shards import check_headers, open_folder, read_rank_file, split_files, verify_share
 from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
-from dsslm.engine.base import MOMENTS, Engine, OptimState
+from dsslm.engine.base import MOMENTS, Engine, OptimState, optim_kinds
 from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
 
 SCHEMA_VERSION = 2
@@ -62,15 +63,31 @@ class RngStreams:
         return self.engine.all_gather(rng_state())  # a collective: every rank saves
 
     def load_state_dict(self, rngs: list[dict]) -> None:
-        if len(rngs) == self.engine.world_size:
-            set_rng_state(rngs[self.engine.rank])
+        self.load_local_state_dict(rngs[self.engine.rank] if len(rngs) == self.engine.world_size else None)
+
+    # A sharded save keeps each rank's streams in that rank's own file (state.json says
+    # {"per_rank": W}): no gather, and state.json the same size at any world size.
+    def local_state_dict(self) -> dict:
+        return rng_state()
+
+    def load_local_state_dict(self, own: dict | None) -> None:
+        """This rank's streams, or None: saved at another world size, where per-rank streams
+        cannot map one to one; derive fresh ones."""
+        if own is not None:
+            set_rng_state(own)
         else:
-            # Another world size: per-rank streams cannot map one to one; derive fresh ones.
             seed_everything(self.seed + 7919 * self.engine.rank + self.train.step)
+
+    @staticmethod
+    def check_local(value: Any, path: str) -> None:
+        check_rng_state(value, path)
 
 
 class _RngList(Spec):
     def validate(self, value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            Fields(per_rank=Int(1, 1 << 20)).validate(value, path)
+            return
         ListOf(Json(), max_len=1 << 16).validate(value, path)
         if not value:
             raise StateError(f"{path}: no rank's random state")
@@ -97,21 +114,51 @@ class Checkpointer:
         return self.parts["train"]  # type: ignore[return-value]
 
     # --- save -------------------------------------------------------------------------------
+    @property
+    def format(self) -> str:
+        """ckpt.format, with auto resolved: sharded from 2 ranks up."""
+        fmt = self.cfg.ckpt.format
+        if fmt == "auto":
+            return "sharded" if self.engine.world_size > 1 else "gathered"
+        return fmt
+
     def save(self, sync: bool = False, async_save: bool = True) -> None:
-        """Snapshot on every rank (sharded engines gather, RNG is gathered); rank 0 writes."""
+        """Snapshot on every rank; gathered: sharded engines gather, RNG is gathered, rank 0
+        writes; sharded: every rank writes its own shard and random streams, rank 0 the rest."""
+        if self.format == "sharded":
+            self._save_sharded(sync or not async_save)
+            return
         model_sd, optim = self.engine.full_state()
         parts = {name: part.state_dict() for name, part in self.parts.items()}  # collectives inside
         if not self.engine.is_main:
             if sync or not async_save:
                 self.engine.decide(self.store.wait)
             return
-        state = {"schema": SCHEMA_VERSION, "step": self.train.step, "skip_list": self.train.skip_list,
-                 **parts, "world_size": self.engine.world_size, "engine": self.engine.name,
-                 "fingerprint": self.fingerprint, "config": self.config}
         tensors = {"model": model_sd, "optim": optim.to_tensors()}
-        self.store.save_async(self.train.step, tensors, state)
+        self.store.save_async(self.train.step, tensors, self._state(parts))
         if sync or not async_save:
             self.engine.decide(self.store.wait)  # a failed write reaches every rank, not rank 0 alone
+
+    def _state(self, parts: dict) -> dict:
+        return {"schema": SCHEMA_VERSION, "step": self.train.step, "skip_list": self.train.skip_list,
+                **parts, "world_size": self.engine.world_size, "engine": self.engine.name,
+                "fingerprint": self.fingerprint, "config": self.config}
+
+    def _save_sharded(self, sync: bool) -> None:
+        engine = self.engine
+        shards = engine.local_state()
+        own = {name: part.local_state_dict() for name, part in self.parts.items() if hasattr(part, "local_state_dict")}
+        parts = {name: {"per_rank": engine.world_size} if name in own else part.state_dict()
+                 for name, part in self.parts.items()}
+        # Rank 0 makes the temp folder every rank writes into: one name, drawn once.
+        tmp = engine.decide(lambda: self.store.make_tmp(self.train.step))
+        state = self._state(parts) if engine.is_main else None
+        self.store.save_shard_async(self.train.step, tmp, engine.rank, engine.world_size, shards, own,
+                                    engine.exchange(tmp), state)
+        if sync:
+            if not engine.is_main:
+                self.store.wait()  # this rank's files; its failures are rank 0's to raise
+            engine.decide(self.store.wait)  # rank 0 waits for every rank: published, or failed everywhere
 
     # --- checks before anything is loaded ----------------------------------------------------
     def accept(self, ckpt: Checkpoint, parent: bool = False, values: bool = True) -> dict[str, Any]:
@@ -133,7 +180,10 @@ class Checkpointer:
             allowed += tuple(k for k in saved["config_items"] if not k.startswith("model.")) + ("data", "global_batch_size")
             where = f"parent checkpoint {ckpt.path}"
         drifted = check_fingerprint(saved, self.fingerprint, self.cfg, where, allowed)
-        self.check_tensors(ckpt.tensors, values)
+        if ckpt.reader is not None:
+            self.check_index(ckpt.reader)  # values were scanned while the folder was hashed
+        else:
+            self.check_tensors(ckpt.tensors, values)
         return drifted
 
     def check_state(self, state: Any) -> None:
@@ -152,13 +202,47 @@ class Checkpointer:
         train = state["train"]
         if state["step"] != train["step"] or state["skip_list"] != train["skip_list"]:
             raise StateError("state.step / state.skip_list: differ from state.train's copies")
-        if len(state["rng"]) != state["world_size"]:
-            raise StateError(f"state.rng: {len(state['rng'])} ranks' streams for world_size {state['world_size']}")
+        rng = state["rng"]
+        ranks = rng["per_rank"] if isinstance(rng, dict) else len(rng)
+        if ranks != state["world_size"]:
+            raise StateError(f"state.rng: {ranks} ranks' streams for world_size {state['world_size']}")
+
+    def check_index(self, reader: Any) -> None:
+        """Every tensor a checkpoint's index names against this model, before any is read: model
+        weights exactly this model's, fp32; per-parameter optimizer states (any name: AdamW's
+        moments, Muon's momentum) of their parameter's shape, fp32, for the parameters that have
+        a step count (shape (1,) float64, a whole number of steps)."""
+        shapes = self.engine.param_shapes
+        tensors = reader.index["tensors"]
+        model = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+        others = [k for k in tensors if not k.startswith(("model/", "optim/"))]
+        if others:
+            raise CheckpointError(f"tensor {others[0]!r} is neither model/ nor optim/")
+        entries = {"model": model, **{f"optim {kind}": {n: tensors[f"optim/{kind}/{n}"] for n in names}
+                                      for kind, names in optim_kinds(reader).items()}}
+        steps = optim_kinds(reader).get("step", set())
+        for group, table in entries.items():
+            unknown = sorted(set(table) - set(shapes))
+            missing = sorted(set(shapes) - set(table)) if group == "model" else []
+            if unknown or missing:
+                what = f"unknown parameter {unknown[0]!r}" if unknown else f"no tensor for {missing[0]!r}"
+                raise CheckpointError(f"{group}: {what}; check model.* against the checkpoint's config")
+            if group not in ("model", "optim step") and set(table) != steps:
+                raise CheckpointError(f"optim: {group.split()[1]} and step name different parameters")
+            for name, entry in table.items():
+                want = ([1], "F64") if group == "optim step" else (list(shapes[name]), "F32")
+                if (entry["shape"], entry["dtype"]) != want:
+                    raise CheckpointError(f"{group} {name}: shape {entry['shape']} {entry['dtype']}, expected "
+                                          f"{want[0]} {want[1]}")
+        for name in steps:
+            step = float(reader.read(f"optim/step/{name}")[0])
+            if not 0 <= step <= MAX_STEP or step != int(step):
+                raise CheckpointError(f"optim step/{name}: {step} is not a step count")
 
     def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], values: bool = True) -> None:
         """Every tensor's name, shape and dtype against this model, before any is loaded: a
         broadcastable wrong shape would otherwise load silently."""
-        if sorted(tensors) != sorted(TENSOR_GROUPS):
+        if sorted(tensors) != sorted(TENSOR_GROUPS):  # a Checkpoint loaded whole (load_checkpoint)
             raise CheckpointError(f"tensor files are {sorted(tensors)}, expected {list(TENSOR_GROUPS)}")
         shapes = self.engine.param_shapes
         check_table("model", tensors["model"], shapes, exact=True)
@@ -181,34 +265,84 @@ class Checkpointer:
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> None:
-        """Load weights, optimizer and every part from an accepted checkpoint, on every rank."""
-        self.engine.load_full_state(ckpt.tensors["model"], OptimState.from_tensors(ckpt.tensors["optim"]))
+        """Load weights, optimizer and every part from an accepted checkpoint, on every rank: each
+        rank reads only the spans it holds (engine.load_local_state), and its own random streams."""
+        if ckpt.reader is None:  # a Checkpoint loaded whole
+            self.engine.load_full_state(ckpt.tensors["model"], OptimState.from_tensors(ckpt.tensors["optim"]))
+        else:
+            self.engine.load_local_state(ckpt.reader)
         for name, part in self.parts.items():
-            part.load_state_dict(ckpt.state[name])
+            value = ckpt.state[name]
+            if isinstance(value, dict) and set(value) == {"per_rank"} and hasattr(part, "load_local_state_dict"):
+                saved = value["per_rank"]
+                own = (read_rank_file(ckpt.path, self.engine.rank, saved)[name]
+                       if saved == self.engine.world_size else None)
+                part.load_local_state_dict(own)
+            else:
+                part.load_state_dict(value)
 
     def latest(self, before_step: int = MAX_STEP) -> Checkpoint | None:
-        """Rank 0 picks the newest valid, accepted checkpoint at or before `before_step`; every
-        rank loads that same folder (hashed once, on rank 0)."""
-        picked: list[Checkpoint] = []
-
-        def pick() -> str | None:
-            ckpt = self.store.latest_before(before_step, self.accept)
-            picked.append(ckpt)
-            return None if ckpt is None else str(ckpt.path)
-
-        path = self.engine.decide(pick)
-        if path is None:
-            return None
-        return picked[0] if picked else self.open(Path(path), verified=True)
+        """The newest checkpoint at or before `before_step` that verifies and is accepted, the same
+        one on every rank: rank 0 names candidates newest first (MANIFEST and sizes checked), all
+        ranks hash it together, each its share; a refused one is passed over by one decision."""
+        tried: set[str] = set()
+        while True:
+            path = self.engine.decide(
+                lambda: next((p for p in self.store.candidates(before_step) if p not in tried), None))
+            if path is None:
+                return None
+            tried.add(path)
+            try:
+                return self._open(Path(path))
+            except (CheckpointError, StateError) as exc:  # malformed; a refused resume (ResumeRefused) propagates
+                reason = str(exc)
+                self.engine.decide(lambda: self.store.refuse(path, reason))
 
     def open(self, path: Path, verified: bool = False, parent: bool = False) -> Checkpoint:
-        """A folder named by the user or chosen by rank 0: verified (unless it just was), accepted."""
+        """A folder named by the user: verified, accepted (every rank calls: the hashing is split)."""
         try:
-            ckpt = load_verified(path) if verified else load_checkpoint(path)
-            self.accept(ckpt, parent)
+            return self._open(Path(path), parent)
         except (CheckpointError, StateError) as exc:
             raise CheckpointError(f"{path} cannot be used: {exc}") from None
+
+    def _open(self, path: Path, parent: bool = False) -> Checkpoint:
+        """Verify `path` with every rank hashing its share of the files (the values scanned on the
+        way), then accept it on rank 0; what fails, fails on every rank. Returns it, tensors
+        unread."""
+        engine = self.engine
+
+        def manifest() -> dict:
+            reason = invalid_reason(path, hash_files=False)
+            if reason is not None:
+                raise CheckpointError(reason)
+            return read_manifest(path)["files"]
+
+        files = engine.decide(manifest)
+        mine = split_files(files, engine.world_size)[engine.rank]
+        results = engine.gather_long(
+            lambda progress: verify_share(path, files, mine, progress, self._check_rank_file),
+            f"verifying checkpoint {path.name}", total_units=sum(f["size"] for f in files.values()))
+        bad = next((r["bad"] for r in results if r["bad"]), None)
+        if bad is not None:
+            raise CheckpointError(bad)
+        headers = {name: header for r in results for name, header in r["headers"].items()}
+
+        def accept() -> None:
+            ckpt = open_folder(path, files)
+            check_headers(ckpt.reader.index, headers)
+            self.accept(ckpt, parent)
+
+        engine.decide(accept)
+        ckpt = open_folder(path, files)
+        ckpt.state = upgrade_state(ckpt.state)
         return ckpt
+
+    def _check_rank_file(self, value: Any, name: str) -> None:
+        """One rank's own state file: the per-rank parts' entries, each checked by its part."""
+        locals_ = {n: p for n, p in self.parts.items() if hasattr(p, "check_local")}
+        validate(value, Fields(**{n: Json() for n in locals_}), name)
+        for n, part in locals_.items():
+            part.check_local(value[n], f"{name}.{n}")
 
     def saved_train_states(self) -> list[dict]:
         """The train part of every valid checkpoint's state.json that passes its checks (rank 0)."""
@@ -269,19 +403,17 @@ class Checkpointer:
 
         Schedule, length and data may differ on purpose; the tokenizer and model shape may not.
         """
-        opened: list[Checkpoint] = []
-
-        def open_parent() -> None:
+        def check_path() -> None:
             if not path.is_dir():
                 raise ConfigError(f"run.init_from={path}: no such folder; name a checkpoint folder "
                                   f"(RUN_DIR/checkpoints/step-XXXXXXXX)")
-            try:
-                opened.append(self.open(path, parent=True))
-            except CheckpointError as exc:
-                raise ConfigError(f"run.init_from={path}: {exc}; name a checkpoint folder that verifies") from None
 
-        self.engine.decide(open_parent)  # hashed on rank 0; refused there means refused on every rank
-        parent_ckpt = opened[0] if opened else self.open(path, verified=True, parent=True)
+        self.engine.decide(check_path)
+        try:  # hashed by every rank, its share; refused on rank 0 means refused on every rank
+            parent_ckpt = self._open(path, parent=True)
+        except (CheckpointError, StateError) as exc:
+            raise ConfigError(f"run.init_from={path}: {path} cannot be used: {exc}; name a checkpoint folder "
+                              f"that verifies") from None
         drifted = self.accept(parent_ckpt, parent=True, values=False)
         self.restore(parent_ckpt)
         train = self.train

@@ -43,8 +43,9 @@ from typing import Callable, Iterable
 from dsslm.durable import fsync_dir
 from dsslm.ckpt.format import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
                                CheckpointError, load_checkpoint, load_verified, remove_checkpoint,
-                               candidates, safetensors_chunks, stat_key, step_name, invalid_reason)
+                               candidates, parse_name, safetensors_chunks, stat_key, step_name, invalid_reason)
 from dsslm.fields import StateError
+from dsslm.ckpt.shards import INDEX_FILE, build_index, check_index, dtype_name, rank_file, shard_file
 from dsslm.ckpt.snapshot import HostBuffers
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "load_checkpoint", "invalid_reason"]
@@ -75,6 +76,15 @@ def _write_file(path: Path, chunks: Iterable) -> tuple[str, int]:
         f.flush()
         os.fsync(f.fileno())
     return digest.hexdigest(), size
+
+
+def _checkpoint_file(path: Path) -> bool:
+    """A regular file with a name only a checkpoint folder's files have."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    name = path.name
+    return (name in ("model" + TENSOR_SUFFIX, "optim" + TENSOR_SUFFIX, STATE_FILE, INDEX_FILE)
+            or (name.startswith(("shard-", "rank-")) and "-of-" in name))
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -135,12 +145,43 @@ class CheckpointStore:
         snapshot = self._buffers.snapshot(tensors)
         if self._thread is not None:
             self._thread.join()  # idle, so it has returned or is returning
+        self._start(step, lambda: self._write(step, snapshot, state))
+
+    def _start(self, step: int, write: Callable[[], Path | None]) -> None:
         self._idle.clear()
         # One thread per save, not a daemon: whatever path the process leaves by, the interpreter
         # waits for a save in flight instead of killing it half written.
-        self._thread = threading.Thread(target=self._work, args=((step, snapshot, state),),
-                                        name="dsslm-ckpt-writer")
+        self._thread = threading.Thread(target=self._work, args=(step, write), name="dsslm-ckpt-writer")
         self._thread.start()
+
+    def make_tmp(self, step: int) -> str:
+        """Rank 0, before a sharded save: the temp folder every rank writes its files into."""
+        step_name(step)
+        if not self.ckpt_dir.is_dir():
+            self.ckpt_dir.mkdir(parents=True)
+            fsync_dir(self.run_dir)
+        tmp = self.ckpt_dir / f".tmp-{step_name(step)}-{os.getpid()}-{secrets.token_hex(8)}"
+        tmp.mkdir()
+        fsync_dir(self.ckpt_dir)
+        return tmp.name
+
+    def save_shard_async(self, step: int, tmp_name: str, rank: int, world_size: int, shards: list,
+                         own: dict, exchange, state: dict | None) -> None:
+        """A sharded save, on every rank: copy this rank's shards (engine.base.Shard) to host memory
+        now; the writer thread writes them and `own` (this rank's JSON state) into `tmp_name`,
+        fsyncs them and posts their hashes to rank 0 through `exchange` (a failure too: rank 0
+        raises it, for every rank). Rank 0 (`state` given) then waits for every rank, writes
+        index.json, state.json and MANIFEST last, and publishes with one rename."""
+        self.wait()
+        own = json.loads(json.dumps(own))
+        state = None if state is None else json.loads(json.dumps(state))
+        snapshot = self._buffers.snapshot({"shard": {f"{s.key}@{s.start}": s.tensor for s in shards}})["shard"]
+        file = shard_file(rank, world_size)
+        pieces = [[s.key, list(s.shape), dtype_name(s.tensor.dtype), s.start, s.end, file] for s in shards]
+        if self._thread is not None:
+            self._thread.join()
+        job = (step, tmp_name, rank, world_size, snapshot, pieces, own, exchange, state)
+        self._start(step, lambda: self._write_shard(*job))
 
     def save(self, step: int, tensors: dict, state: dict) -> Path:
         """Synchronous save: the same path as save_async, then wait. Returns the published folder."""
@@ -191,7 +232,61 @@ class CheckpointStore:
             removed.append(path.name)
         if removed:
             fsync_dir(self.ckpt_dir)
+        self.finish_deletes()  # its own event: what it removed were checkpoint folders, not temp ones
         return removed
+
+    def finish_deletes(self) -> list[str]:
+        """Delete `step-XXXXXXXX` folders (and `.replaced` asides) without a MANIFEST that are
+        provably dsslm's own: retention removes MANIFEST first, so a kill during a delete leaves
+        one, which every reader already passes over and nothing else would ever remove. Only
+        folders holding nothing but regular files with a checkpoint's file names are touched (a
+        folder with anything else in it is left for a person). For the run.dir lock's holder."""
+        finished = []
+        if not self.ckpt_dir.is_dir():
+            return finished
+        with self._lock:
+            for name in sorted(os.listdir(self.ckpt_dir)):
+                path = self.ckpt_dir / name
+                if parse_name(name) is None or path.is_symlink() or not path.is_dir() or (path / MANIFEST).exists():
+                    continue
+                entries = list(path.iterdir())
+                if not all(_checkpoint_file(p) for p in entries):
+                    continue
+                for p in entries:
+                    p.unlink()
+                path.rmdir()
+                self._verified.pop(name, None)
+                finished.append(name)
+            if finished:
+                fsync_dir(self.ckpt_dir)
+                self._emit("deletes_finished", folders=finished,
+                           reason="checkpoint folders without MANIFEST (a delete or replace a kill cut short)")
+        return finished
+
+    def candidates(self, step: int = 10**8) -> list[str]:
+        """Folders at or before `step` whose MANIFEST, file list and sizes check (no hashing),
+        newest first, `step-XXXXXXXX` before its aside, leaving out the refused ones: what a
+        loader verifies in full (split among ranks) before it reads any."""
+        self._flush_events()
+        out = []
+        with self._lock:
+            found = self._scan()
+            for s in sorted((s for s in found if s <= step), reverse=True):
+                for path in found[s]:
+                    if path.name in self._refused:
+                        continue
+                    reason = self._reason(path, hashed=False)
+                    if reason is None:
+                        out.append(str(path))
+                    else:
+                        self._pass_over(path.name, reason)
+        return out
+
+    def refuse(self, path: str, reason: str) -> None:
+        """A loader found `path`'s hashes or contents wrong: pass it over, never count or delete it."""
+        with self._lock:
+            self._refused.add(Path(path).name)
+            self._pass_over(Path(path).name, reason)
 
     def valid_steps(self) -> list[int]:
         """Steps with a valid folder, ascending: sizes checked, not hashes (cached per folder file stats)."""
@@ -255,13 +350,64 @@ class CheckpointStore:
 
     # Writer thread.
 
-    def _work(self, job: tuple) -> None:
+    def _work(self, step: int, write: Callable[[], Path | None]) -> None:
         try:
-            self._last_path = self._write(*job)
+            self._last_path = write()
         except BaseException as exc:  # OSError(ENOSPC) included: kept for the training thread
-            self._error = (job[0], exc)
+            self._error = (step, exc)
         finally:
             self._idle.set()
+
+    def _write_shard(self, step: int, tmp_name: str, rank: int, world_size: int, tensors: dict, pieces: list,
+                     own: dict, exchange, state: dict | None) -> Path | None:
+        start = time.perf_counter()
+        tmp = self.ckpt_dir / tmp_name
+        try:
+            if not tmp.is_dir() or tmp.is_symlink():
+                raise CheckpointError(f"{tmp_name} is gone; another process cleared the run's temp folders")
+            self._maybe_crash(step, tmp)
+            meta = {"save": tmp_name, "rank": rank, "world_size": world_size}
+            files = {}
+            name = shard_file(rank, world_size)
+            files[name] = self._write_one(tmp / name, safetensors_chunks(tensors, meta), step)
+            exchange.progress(files[name][1])
+            name = rank_file(rank, world_size)
+            files[name] = self._write_one(tmp / name, [memoryview(json.dumps(own, sort_keys=True).encode())], step)
+            report = {"files": files, "pieces": pieces}
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it for every rank
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        exchange.post(rank, json.dumps(report))
+        if state is None:
+            return None  # not rank 0: the publish, and any failure, are rank 0's to report
+        try:
+            reports = [json.loads(v) for v in exchange.wait_all()]
+            failed = [(r, rep["error"]) for r, rep in enumerate(reports) if "error" in rep]
+            if failed:
+                raise CheckpointError(f"rank {failed[0][0]} could not write its shard: {failed[0][1]}")
+            files = {n: tuple(v) for rep in reports for n, v in rep["files"].items()}
+            index = build_index(world_size, tmp_name, [rep["pieces"] for rep in reports])
+            check_index(index, {**files, INDEX_FILE: None, STATE_FILE: None}, world_size)  # an engine's bug, caught now
+            files[INDEX_FILE] = self._write_one(tmp / INDEX_FILE, [memoryview(json.dumps(index).encode())], step)
+            state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
+            files[STATE_FILE] = self._write_one(tmp / STATE_FILE, [memoryview(state_bytes)], step)
+            manifest = {"format": FORMAT, "step": step,
+                        "files": {n: {"sha256": h, "size": size} for n, (h, size) in sorted(files.items())}}
+            self._write_one(tmp / MANIFEST, [memoryview(json.dumps(manifest, indent=1).encode())], step)
+            fsync_dir(tmp)
+            self._fence()
+            with self._lock:
+                path = self._publish(tmp, step)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank has posted: nobody writes there any more
+            raise
+        self._emit("save", checkpoint=path.name, step=step, seconds=round(time.perf_counter() - start, 3),
+                   bytes=sum(size for _, size in files.values()), format="sharded", world_size=world_size)
+        try:
+            self._fence()
+            self.apply_retention()
+        except OSError as exc:
+            raise CheckpointError(f"{path.name} was saved, but retention could not delete: {exc}") from exc
+        return path
 
     def _write(self, step: int, tensors: dict, state: dict) -> Path:
         start = time.perf_counter()

@@ -15,16 +15,14 @@ and exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from dsslm.ckpt.format import (STATE_FILE, TENSOR_SUFFIX, Checkpoint, CheckpointError, candidates, invalid_reason,
-                               parse_name)
+from dsslm.ckpt.format import Checkpoint, CheckpointError, candidates, invalid_reason, parse_name, read_manifest
+from dsslm.ckpt.shards import open_folder
 from dsslm.ckpt.resume import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC
@@ -98,17 +96,14 @@ def _newest(ckpt_dir: Path, device: torch.device) -> Trained:
 
 
 def load_weights(folder: Path) -> Checkpoint:
-    """Verify every file against the MANIFEST, then load state.json and the weights only (a tool
-    has no use for the AdamW moments, twice the weights' size)."""
+    """Verify every file against the MANIFEST, then open state.json and the index of the tensors
+    (sharded or gathered); the weights are read one tensor at a time when the model is filled,
+    the AdamW moments (twice the weights' size) never."""
     reason = invalid_reason(folder)
     if reason is not None:
         raise CheckpointError(f"not a valid checkpoint: {reason}")
-    try:
-        state = json.loads((folder / STATE_FILE).read_text())
-        tensors = {"model": load_file(folder / f"model{TENSOR_SUFFIX}")}
-    except Exception as exc:  # hashes right but does not parse: written wrong, or by someone else
-        raise CheckpointError(f"verified but did not load: {exc}") from None
-    return Checkpoint(step=parse_name(folder.name)[0], path=folder, tensors=tensors, state=state)
+    files = read_manifest(folder)["files"]
+    return open_folder(folder, files)
 
 
 def _accept(ckpt: Checkpoint, device: torch.device) -> Trained:
@@ -128,10 +123,16 @@ def _accept(ckpt: Checkpoint, device: torch.device) -> Trained:
     torch.manual_seed(0)  # the initial values are overwritten; seeded only so nothing here is random
     model = build_model(cfg.model)
     params = dict(model.named_parameters())  # a tied head is one parameter, stored once
-    check_table("model", ckpt.tensors["model"], {n: tuple(p.shape) for n, p in params.items()}, exact=True)
+    tensors = ckpt.reader.index["tensors"]
+    model_keys = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    # meta tensors: the shapes and dtypes the index claims, checked before any byte is read
+    check_table("model", {n: torch.empty(v["shape"], device="meta",
+                                         dtype=torch.float32 if v["dtype"] == "F32" else torch.float64)
+                          for n, v in model_keys.items()},
+                {n: tuple(p.shape) for n, p in params.items()}, exact=True)
     with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(ckpt.tensors["model"][name])
+        for name, param in params.items():  # one tensor in memory at a time
+            param.copy_(ckpt.reader.read(f"model/{name}").reshape(param.shape))
     return Trained(ckpt.path, state["step"], cfg, model.to(device).eval(), state["fingerprint"], device)
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,70 @@ class OptimState:
             else:
                 raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/ or exp_avg_sq/")
         return out
+
+@dataclass
+class Shard:
+    """One rank's part of one checkpoint tensor: elements [start, end) of the row-major flattening
+    of a tensor of `shape` (a span of whole rows under DDP and FSDP; ZeRO's flat partitions cut
+    through rows). `tensor` holds those end - start elements, contiguous, on any device.
+
+    Keys name what the tensor is: `model/NAME` (fp32 weights), `optim/STATE/NAME` (an optimizer
+    state tensor of the parameter's shape: AdamW's exp_avg and exp_avg_sq, Muon's
+    momentum_buffer, whatever the optimizer keeps per parameter) and `optim/step/NAME` (the
+    optimizer's step count for the parameter, shape (1,) float64: written by rank 0 alone)."""
+    key: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+
+class StateReader(Protocol):
+    """What a restore reads from: `keys()` the checkpoint's tensor keys (see Shard), `shape(key)`,
+    `read(key, start, end)` elements [start, end) of that tensor's flattening, on the CPU."""
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> torch.Tensor: ...
+
+
+def rows_of(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:
+    """The element span of the rows rank `rank` owns when `world_size` ranks split a replicated
+    tensor by rows (torch.chunk's split: ceil(rows / W) each, the last ranks fewer or none)."""
+    rows = shape[0] if shape else 1
+    row_len = math.prod(shape[1:]) if shape else 1
+    per = -(-rows // world_size)
+    first, last = min(rows, rank * per), min(rows, (rank + 1) * per)
+    return first * row_len, last * row_len
+
+
+def optim_kinds(reader: StateReader) -> dict[str, set[str]]:
+    """{state name: parameter names} of the optimizer tensors in a checkpoint (`step` included)."""
+    out: dict[str, set[str]] = {}
+    for key in reader.keys():
+        group, _, rest = key.partition("/")
+        if group == "optim":
+            kind, _, name = rest.partition("/")
+            out.setdefault(kind, set()).add(name)
+    return out
+
+
+def adam_step_tensor(step: float, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """Adam's `step` as torch's AdamW makes it itself (torch/optim/adam.py `_init_group`): float32,
+    on the parameter's device when the group runs fused or capturable (the CUDA kernels read it
+    as a device pointer), a CPU scalar otherwise. A restore must put it back the same way."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(step), dtype=torch.float32)
+
+
+def state_tensor_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor for `param` from checkpoint values: the parameter's device, dtype
+    and shape, a fresh tensor (no reference into the reader's buffers)."""
+    return value.reshape(param.shape).to(device=param.device, dtype=param.dtype).clone()
+
 
 def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
@@ -167,9 +231,30 @@ class Engine(abc.ABC):
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
         """Every rank passes the full tensors; each keeps what it holds."""
 
+    def local_state(self) -> list[Shard]:
+        """This rank's part of the weights and optimizer state for a sharded checkpoint, without a
+        collective and without materialising anything it does not hold: its FSDP or ZeRO
+        shard; under DDP (a replica on every rank) the rows `rows_of` gives it. Every element of
+        every tensor is in exactly one rank's list."""
+        raise NotImplementedError(f"{self.name} cannot write sharded checkpoints; set ckpt.format=gathered")
+
+    def load_local_state(self, reader: StateReader) -> None:
+        """Take this rank's part of the weights and optimizer state from `reader`, reading only
+        the spans it holds (a replica reads everything, tensor by tensor). No optimizer tensors
+        in the checkpoint: the optimizer starts fresh."""
+        raise NotImplementedError(f"{self.name} cannot read checkpoints through a reader")
+
     @abc.abstractmethod
     def memory_report(self) -> dict[str, int]:
         ...
+
+    def exchange(self, name: str) -> "Exchange":
+        """A channel for the ranks' checkpoint writers (threads, not the training thread) under
+        `name`: each posts one value, rank 0 waits for all with a progress deadline."""
+        if not self.distributed or self.world_size == 1:
+            return Exchange(None, 1)
+        store = dist.PrefixStore(f"dsslm/ckpt/{name}/", dist.distributed_c10d._get_default_store())
+        return Exchange(store, self.world_size)
 
     # --- collectives -------------------------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -365,6 +450,46 @@ def whole(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+class Exchange:
+    """Ranks' writer threads meet here, in the process group's key-value store, never inside a
+    collective: a save may take longer than any collective timeout, and the training threads
+    go on meanwhile. A rank posts progress (bytes written) as it goes and one value when done;
+    `wait_all` fails only when no rank has made progress for `stall_s`."""
+
+    def __init__(self, store: Any, world_size: int):
+        self.store, self.world_size = store, world_size
+        self.local: dict[int, str] = {}
+
+    def progress(self, units: int) -> None:
+        if self.store is not None and units:
+            self.store.add("units", units)
+
+    def post(self, rank: int, value: str) -> None:
+        if self.store is None:
+            self.local[rank] = value
+        else:
+            self.store.set(f"rank{rank}", value)
+
+    def wait_all(self, stall_s: float = STALL_TIMEOUT_S, poll_s: float = 0.01) -> list[str]:
+        if self.store is None:
+            return [self.local[r] for r in range(self.world_size)]
+        keys = [f"rank{r}" for r in range(self.world_size)]
+        last_seen, last_change = None, time.monotonic()
+        while True:
+            done = sum(self.store.check([k]) for k in keys)
+            seen = (done, self.store.add("units", 0))
+            now = time.monotonic()
+            if seen != last_seen:
+                last_seen, last_change = seen, now
+            if done == self.world_size:
+                return [self.store.get(k).decode() for k in keys]
+            if now - last_change > stall_s:
+                raise RuntimeError(f"checkpoint save: no rank made progress for {stall_s:.0f} s ({done} of "
+                                   f"{self.world_size} ranks done); a rank may be stuck writing its files")
+            time.sleep(poll_s)
+            poll_s = min(0.5, poll_s * 2)
+
+
 class _Worker:
     """`fn(progress)` in a daemon thread (a rank stuck in I/O must not keep the process alive),
     counting the units it reports and keeping its result or exception."""
@@ -421,14 +546,60 @@ def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
     return out
 
 
+def group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """id(param) -> its param group."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
 def load_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], optim: OptimState) -> None:
-    """Write the named moments back into torch AdamW state (fresh tensors: no stale references)."""
+    """Write the named moments back into torch AdamW state (fresh tensors: no stale references),
+    each on its parameter's device, Adam's step as torch's own kernels expect it."""
     optimizer.state.clear()
+    groups = group_of(optimizer)
     for name, step in optim.step.items():
         param = params[name]
-        optimizer.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                  **{kind: getattr(optim, kind)[name].to(param.device, param.dtype).clone()
-                                     for kind in MOMENTS}}
+        optimizer.state[param] = {"step": adam_step_tensor(step, param, groups[id(param)]),
+                                  **{kind: state_tensor_like(getattr(optim, kind)[name], param) for kind in MOMENTS}}
+
+
+def replica_local_state(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, rank: int,
+                        world_size: int) -> list[Shard]:
+    """Shards of a replicated model (DDP, one process): each rank the rows `rows_of` gives it of
+    every weight and every per-parameter optimizer tensor; rank 0 the step counts."""
+    out = []
+    for name, param in params.items():
+        shape = tuple(param.shape)
+        start, end = rows_of(shape, rank, world_size)
+        tensors = {f"model/{name}": param.detach()}
+        state = optimizer.state.get(param) or {}
+        for kind, value in state.items():
+            if kind == "step":
+                if rank == 0:
+                    out.append(Shard(f"optim/step/{name}", (1,), 0, 1,
+                                     torch.tensor([float(value)], dtype=torch.float64)))
+            elif torch.is_tensor(value) and tuple(value.shape) == shape:
+                tensors[f"optim/{kind}/{name}"] = value.detach()
+        if end > start:
+            out += [Shard(key, shape, start, end, t.float().reshape(-1)[start:end]) for key, t in tensors.items()]
+    return out
+
+
+def load_replica_state(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
+                       reader: StateReader) -> None:
+    """A replica reads every tensor whole, one at a time (peak host memory: one tensor)."""
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(reader.read(f"model/{name}").reshape(param.shape).to(param.dtype))
+    optimizer.state.clear()
+    kinds = optim_kinds(reader)
+    groups = group_of(optimizer)
+    for name in sorted(kinds.get("step", ())):
+        param = params[name]
+        state = {"step": adam_step_tensor(float(reader.read(f"optim/step/{name}")[0]), param, groups[id(param)])}
+        for kind, names in kinds.items():
+            if kind != "step" and name in names:
+                state[kind] = state_tensor_like(reader.read(f"optim/{kind}/{name}"), param)
+        optimizer.state[param] = state
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

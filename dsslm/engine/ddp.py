@@ -10,8 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import (OptimState, TorchAdamWEngine, adam_state_by_name, check_names,
-                               load_adam_state)
+from dsslm.engine.base import (OptimState, Shard, StateReader, TorchAdamWEngine, adam_state_by_name, check_names,
+                               load_adam_state, load_replica_state, replica_local_state)
 from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_adamw
 
@@ -65,6 +65,12 @@ class DDPEngine(TorchAdamWEngine):
             for name, param in self.params.items():
                 param.copy_(model_sd[name].to(param.dtype))
         load_adam_state(self.optimizer, self.params, optim)
+
+    def local_state(self) -> list[Shard]:
+        return replica_local_state(self.params, self.optimizer, self.rank, self.world_size)
+
+    def load_local_state(self, reader: StateReader) -> None:
+        load_replica_state(self.params, self.optimizer, reader)
 
     def memory_report(self) -> dict[str, int]:
         param_bytes = sum(p.numel() * p.element_size() for p in self.params.values())

@@ -31,10 +31,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import MOMENTS, OptimState, TorchAdamWEngine, check_names, storage_bytes, whole
+from dsslm.engine.base import (MOMENTS, OptimState, Shard, StateReader, TorchAdamWEngine, adam_step_tensor,
+                               check_names, group_of, optim_kinds, storage_bytes, whole)
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_adamw
@@ -155,6 +157,56 @@ class FSDPEngine(TorchAdamWEngine):
                  for name, step in optim.step.items()}
         set_optimizer_state_dict(self.module, self.optimizer, {"state": state, "param_groups": groups},
                                  options=options)
+
+    def _rows(self, param: DTensor) -> tuple[int, int]:
+        """The element span of this rank's dim-0 shard of `param`."""
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        row_len = param[0].numel() if param.dim() > 1 else 1
+        first = offset[0] if shape[0] else 0
+        return first * row_len, (first + shape[0]) * row_len
+
+    def local_state(self) -> list[Shard]:
+        """Each rank's own dim-0 shard of every weight and optimizer tensor: no gather."""
+        out = []
+        for name, param in self.params.items():
+            shape = tuple(param.shape)
+            start, end = self._rows(param)
+            tensors = {f"model/{name}": param.to_local()}
+            for kind, value in (self.optimizer.state.get(param) or {}).items():
+                if kind == "step":
+                    if self.is_main:
+                        out.append(Shard(f"optim/step/{name}", (1,), 0, 1,
+                                         torch.tensor([float(value)], dtype=torch.float64)))
+                elif isinstance(value, DTensor) and tuple(value.shape) == shape:
+                    tensors[f"optim/{kind}/{name}"] = value.to_local()
+            if end > start:
+                out += [Shard(key, shape, start, end, t.detach().float().reshape(-1)) for key, t in tensors.items()]
+        return out
+
+    def load_local_state(self, reader: StateReader) -> None:
+        """Each rank reads the rows of its own shard, whatever wrote the checkpoint."""
+        kinds = optim_kinds(reader)
+        groups = group_of(self.optimizer)
+        self.optimizer.state.clear()
+        with torch.no_grad():
+            for name, param in self.params.items():
+                start, end = self._rows(param)
+                local = param.to_local()
+                if end > start:
+                    local.copy_(reader.read(f"model/{name}", start, end).reshape(local.shape).to(local.dtype))
+                if name not in kinds.get("step", ()):
+                    continue
+                state = {"step": adam_step_tensor(float(reader.read(f"optim/step/{name}")[0]), local,
+                                                  groups[id(param)])}
+                for kind, names in kinds.items():
+                    if kind == "step" or name not in names:
+                        continue
+                    mine = torch.zeros_like(local)
+                    if end > start:
+                        mine.copy_(reader.read(f"optim/{kind}/{name}", start, end).reshape(local.shape))
+                    state[kind] = DTensor.from_local(mine, param.device_mesh, param.placements, run_check=False,
+                                                     shape=param.shape, stride=param.stride())
+                self.optimizer.state[param] = state
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of this rank's shards, measured from the local tensors."""

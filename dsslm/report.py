@@ -2,7 +2,7 @@
 
 Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (formats in docs/design.md) and writes
 loss.png, lr.png, gnorm.png, throughput.png, update_ratio.png (only when records carry
-`update_ratio`; the figures are drawn by `observe.plots`) and summary.md into RUN_DIR/report/
+`update_ratio`), evals.png (only with eval.tasks; the figures are drawn by `observe.plots`) and summary.md into RUN_DIR/report/
 or --out. When RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every
 spike with its triage verdict and the few worst sequences of its batch, decoded
 (`dsslm.recovery.forensics`).
@@ -88,7 +88,7 @@ def summary_lines(run: Run) -> list[str]:
         lines.append(f"- MFU: median {np.nanmedian(mfu):.3g}")
     if np.isfinite(mem).any():
         lines.append(f"- peak memory: {np.nanmax(mem) / 2**30:.2f} GiB")
-    lines += final_val_lines(run)
+    lines += final_val_lines(run) + final_eval_lines(run)
     lines += counts_table(run) + event_table(run)
     if run.bad_lines:
         lines += ["", "Unreadable lines skipped (a write cut short by a kill): "
@@ -117,6 +117,17 @@ def final_val_lines(run: Run) -> list[str]:
     if not last:
         return ["- final val loss: none recorded"]
     return ["- final val loss:"] + [f"  - {d}: {fmt_value(v)} (step {s})" for d, (v, s) in sorted(last.items())]
+
+
+def final_eval_lines(run: Run) -> list[str]:
+    kept = [r for r, k in zip(run.evals, run.evals_kept) if k]
+    if not kept:
+        return []
+    last = kept[-1]
+    return [f"- downstream tasks at step {last['step']}:"] + [
+        f"  - {task}: acc {fmt_value(acc)}, acc_norm {fmt_value(last.get('eval_acc_norm', {}).get(task))}, "
+        f"chance {fmt_value(last.get('eval_chance', {}).get(task))}, bpb {fmt_value(last.get('eval_bpb', {}).get(task))}"
+        for task, acc in last["eval_acc"].items()]
 
 
 def event_table(run: Run) -> list[str]:

@@ -138,6 +138,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             first_step = None   # once: a rewind to the start does not report again
         if cfg.run.val_every and state.step % cfg.run.val_every == 0:
             validate(job, diagnostics)
+        job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, sync=True)

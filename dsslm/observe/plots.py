@@ -1,4 +1,5 @@
-"""The report's figures: loss (with validation), learning rate, grad norm, throughput, update ratio.
+"""The report's figures: loss (with validation), learning rate, grad norm, throughput, update ratio,
+downstream tasks (eval.tasks).
 
 A rewind or a resume after a crash repeats step numbers: the run went back to an older
 checkpoint and ran those steps again. Every plot is against the optimizer step; records whose
@@ -8,7 +9,7 @@ trajectory the final weights actually took.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,8 @@ class Run:
     train_kept: np.ndarray           # False where a later record went back to this step or before
     val_kept: np.ndarray
     bad_lines: dict[str, int]        # file name -> unreadable lines
+    evals: list[dict] = field(default_factory=list)  # records carrying eval_acc (downstream tasks)
+    evals_kept: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
 
 def kept_flags(metrics: list[dict], is_train: list[bool]) -> list[bool]:
@@ -61,6 +64,7 @@ def load_run(run_dir: Path) -> Run:
     metrics = [r for r in metrics if is_number(r.get("step"))]
     is_train = ["loss" in r for r in metrics]
     is_val = [isinstance(r.get("val_loss"), dict) for r in metrics]
+    is_eval = [isinstance(r.get("eval_acc"), dict) for r in metrics]
     kept = kept_flags(metrics, is_train)
     return Run(
         name=run_dir.resolve().name,
@@ -70,6 +74,8 @@ def load_run(run_dir: Path) -> Run:
         train_kept=np.array([k for k, t in zip(kept, is_train) if t], dtype=bool),
         val_kept=np.array([k for k, v in zip(kept, is_val) if v], dtype=bool),
         bad_lines={k: v for k, v in (("metrics.jsonl", bad_metrics), ("events.jsonl", bad_events)) if v},
+        evals=[r for r, e in zip(metrics, is_eval) if e],
+        evals_kept=np.array([k for k, e in zip(kept, is_eval) if e], dtype=bool),
     )
 
 
@@ -293,8 +299,35 @@ def plot_update_ratio(run: Run, out: Path) -> Path | None:
     return finish(fig, out / "update_ratio.png", ax)
 
 
+def plot_evals(run: Run, out: Path) -> Path | None:
+    """Downstream tasks: accuracy (raw solid, per character dashed) against its chance level, and
+    the gold continuation's bits per byte, which moves long before a small model's accuracy does."""
+    if not run.evals:
+        return None
+    fig, (acc_ax, bpb_ax) = new_figure(f"Downstream tasks: {run.name}", "accuracy", nrows=2)
+    bpb_ax.set_ylabel("bits per byte of the gold answer")
+    steps = column(run.evals, "step")
+    tasks = list(dict.fromkeys(t for r in run.evals for t in r["eval_acc"]))
+    for i, task in enumerate(tasks):
+        color = f"C{i % 10}"
+        for ax, key, style, label in ((acc_ax, "eval_acc", "-", f"{task}: acc"),
+                                      (acc_ax, "eval_acc_norm", "--", f"{task}: acc_norm (per char)"),
+                                      (bpb_ax, "eval_bpb", "-", f"{task}: bpb")):
+            y = column([r.get(key) if isinstance(r.get(key), dict) else {} for r in run.evals], task)
+            has = np.isfinite(y)
+            plot_kept_and_abandoned(ax, steps[has], y[has], run.evals_kept[has], color, label, ls=style,
+                                    marker="o", ms=3)
+        chance = column([r.get("eval_chance") if isinstance(r.get("eval_chance"), dict) else {}
+                         for r in run.evals], task)
+        if np.isfinite(chance).any():
+            acc_ax.axhline(np.nanmean(chance), color=color, ls=":", lw=1.0, label=f"{task}: chance")
+    acc_ax.set_xlabel("")
+    draw_markers(acc_ax, run, ("rewind", "resume"))
+    return finish(fig, out / "evals.png", acc_ax, bpb_ax)
+
+
 def write_figures(run: Run, out: Path) -> list[Path]:
     """Every figure that has data, into `out`."""
     written = [plot_loss(run, out), plot_lr(run, out), plot_gnorm(run, out), plot_throughput(run, out),
-               plot_update_ratio(run, out)]
+               plot_update_ratio(run, out), plot_evals(run, out)]
     return [p for p in written if p is not None]

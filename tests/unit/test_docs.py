@@ -204,10 +204,14 @@ def split_words(command: str) -> list[list[str]]:
     return [c for c in commands if c]
 
 
+LIST_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=\[[^\[\]]*\]$")
+
+
 def optional_marks_removed(words: list[str]) -> list[str]:
     out = []
     for word in words:
-        word = word.strip("[]")
+        if not LIST_OVERRIDE.match(word):  # key=[a,b] is an override's list, not an optional part
+            word = word.strip("[]")
         if not word or word in ("...", "…") or word.endswith("..."):
             continue
         out.append(word)

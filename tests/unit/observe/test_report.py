@@ -173,3 +173,21 @@ def test_missing_events_and_optional_fields(tmp_path):
     assert "- steps: 29 (29 executed" in summary and "- final val loss: none recorded" in summary
     assert "| 1 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 1 |" in summary
     assert "- engine: ? (no start event)" in summary and "- wall time: ?" in summary
+
+
+def test_downstream_records_get_their_figure_and_summary_lines(tmp_path):
+    """eval.tasks records: evals.png (accuracy against chance, bits per byte) and the last
+    surviving evaluation in summary.md; a rolled-back evaluation is not the last one."""
+    run_dir = clean_run(tmp_path / "evals")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for step in (0, 50, 100):
+        metrics.append({"step": step, "eval_acc": {"hellaswag": 0.25 + step / 1000}, "eval_acc_norm": {"hellaswag": 0.26},
+                        "eval_acc_per_token": {"hellaswag": 0.25}, "eval_bpb": {"hellaswag": 8.0 - step / 50},
+                        "eval_chance": {"hellaswag": 0.25}, "eval_examples": {"hellaswag": 500}, "eval_time_s": 1.0})
+    write_run(run_dir, metrics, [event("start", 0), event("end", 100)])
+    assert report.main([str(run_dir)]) == 0
+    assert_png(run_dir / "report" / "evals.png")
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "- downstream tasks at step 100:" in summary and "hellaswag: acc 0.35, acc_norm 0.26, chance 0.25, bpb 6" in summary
+    assert not (plots.plot_evals(plots.load_run(clean_run(tmp_path / "none")), tmp_path)) and \
+        not (tmp_path / "evals.png").exists()

@@ -4,7 +4,6 @@ half-deleted folders; Adam's step placed where torch's kernels expect it after a
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest

@@ -16,8 +16,10 @@ The spikes, by cause:
   Measured on 64-wide byte-level models: a repeated 4-gram gives a grad norm 5-20x a normal
   batch's (the tokens' gradients all point one way instead of averaging out); a repeated
   document only 2-3x, which the default monitor does not call a spike.
-  `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: a
-  replay of the same batch spikes again, a replay without it does not.
+  `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: the
+  windows name the chunks the first epoch feeds there, and those chunks are corrupted wherever
+  and whenever they are fed (a replay of the same batch, a later epoch, a slot a skip entry
+  moved them to); a replay without them does not spike.
 - state: `lr_burst=[[start, end, multiplier]]` multiplies the learning rate of steps
   [start, end); it follows the step, whatever the data, on every replay.
 - transient: `grad_fault_steps=[s, ...]` corrupts one rank's gradients at step s once (scaled by
@@ -53,6 +55,7 @@ class Drills:
         self.cfg, self.run_dir, self.rank, self.is_main = cfg, run_dir, rank, is_main
         self.seed, self.vocab_size, self.batch_size, self.loader = seed, vocab_size, batch_size, loader
         self._repeated: dict[int, torch.Tensor] = {}  # window start -> the tokens its sequences repeat
+        self._drilled: dict[tuple, dict[int, int]] = {}  # windows -> {chunk id: its first-epoch position}
 
     def _once(self, name: str) -> bool:
         """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
@@ -92,10 +95,8 @@ class Drills:
         """
         if not self.cfg.poison_batches or self.cfg.poison_rank not in (-1, self.rank):
             return micro_batches
-        batch_of = np.asarray(indices) // self.batch_size
-        hit = np.zeros(len(batch_of), dtype=bool)
-        for start, end in self.cfg.poison_batches:
-            hit |= (batch_of >= start) & (batch_of < end)
+        where = self._where(self.cfg.poison_batches, indices)
+        hit = where >= 0
         if not hit.any():
             return micro_batches
         out, row = [], 0
@@ -103,7 +104,7 @@ class Drills:
             inputs, targets = inputs.clone(), targets.clone()
             for i in range(inputs.shape[0]):
                 if hit[row + i]:
-                    gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(indices[row + i]))
+                    gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(where[row + i]))
                     noise = torch.randint(0, self.vocab_size, (inputs.shape[1] + 1,), generator=gen)
                     inputs[i], targets[i] = noise[:-1], noise[1:]
             row += inputs.shape[0]
@@ -116,10 +117,10 @@ class Drills:
         global sequence), so the batch is a pure function of the stream as real data is."""
         if not self.cfg.repeat_batches:
             return micro_batches
-        batch_of = np.asarray(indices) // self.batch_size
-        starts = np.full(len(batch_of), -1)
+        where = self._where(self.cfg.repeat_batches, indices)
+        starts = np.full(len(where), -1)
         for start, end in self.cfg.repeat_batches:
-            starts[(batch_of >= start) & (batch_of < end)] = start
+            starts[(where >= start * self.batch_size) & (where < end * self.batch_size)] = start
         if (starts < 0).all():
             return micro_batches
         out, row = [], 0
@@ -132,6 +133,24 @@ class Drills:
             row += inputs.shape[0]
             out.append((inputs, targets))
         return out
+
+    def _where(self, windows: list, indices: np.ndarray) -> np.ndarray:
+        """For each sequence, the first-epoch position in `windows` (data batches) of the chunk it
+        reads, or -1: the drill follows the chunks, not the positions (by position without a loader)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.loader is None:
+            inside = np.zeros(len(indices), dtype=bool)
+            for start, end in windows:
+                inside |= (indices >= start * self.batch_size) & (indices < end * self.batch_size)
+            return np.where(inside, indices, -1)
+        key = tuple(tuple(w) for w in windows)
+        if key not in self._drilled:
+            positions = np.concatenate([np.arange(a * self.batch_size, b * self.batch_size, dtype=np.int64)
+                                        for a, b in windows] or [np.empty(0, dtype=np.int64)])
+            chunks = self.loader.chunk_ids(positions)
+            self._drilled[key] = {int(c): int(p) for c, p in zip(chunks[::-1], positions[::-1])}
+        table = self._drilled[key]
+        return np.array([table.get(int(c), -1) for c in self.loader.chunk_ids(indices)], dtype=np.int64)
 
     def _repeated_tokens(self, window_start: int, length: int) -> torch.Tensor:
         if window_start not in self._repeated:

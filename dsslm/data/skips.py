@@ -36,7 +36,11 @@ OUTLIER_Z = 6.0
 # A document longer than this many chunks on either side of an offending sequence is named only
 # this far: a corpus without EOS (one long document per file) must not lose a whole shard.
 DOCUMENT_CHUNKS = 64
-MAX_ENTRIES = 100_000
+# Narrowing needs a batch to stand for "normal": fewer sequences than this are never narrowed,
+# and the robust scale is at least SCALE_FLOOR x the median (a batch that is all noise has a tiny
+# MAD, and one of its sequences must not look like the lone outlier).
+MIN_SEQUENCES = 8
+SCALE_FLOOR = 0.05
 
 
 def is_window(entry: Any) -> bool:
@@ -95,19 +99,19 @@ def chunk_range(a: int, b: int, seq_len: int, n_chunks: int) -> tuple[int, int]:
 def offending(losses: np.ndarray, z: float = OUTLIER_Z) -> np.ndarray:
     """Which sequences of a spiking batch to blame, from their mean losses per token (a bool mask).
 
-    A non-finite loss is always offending. A finite one is when |loss - median| > z x 1.4826 x
-    MAD of the batch's finite losses (a MAD of 0, a batch of identical losses, blames only losses
-    that differ from the median). When that blames nothing, or more than a quarter of the batch
+    A non-finite loss is always offending. A finite one is when |loss - median| > z x scale, the
+    scale being 1.4826 x MAD of the batch's finite losses but at least SCALE_FLOOR x |median|. A
+    batch of fewer than MIN_SEQUENCES is not narrowed. When that blames nothing, or more than a quarter of the batch
     (outliers are few; a median cannot stand for a batch that is largely bad, and would blame its
     good sequences), nothing singles a sequence out and the mask is all False: the caller then
     names the whole batch's chunks, without their documents."""
     x = np.asarray(losses, dtype=np.float64)
     bad = ~np.isfinite(x)
-    if bad.all() or len(x) == 0:
+    if bad.all() or len(x) < MIN_SEQUENCES:
         return np.zeros(len(x), dtype=bool)
     finite = x[~bad]
     median = float(np.median(finite))
-    scale = 1.4826 * float(np.median(np.abs(finite - median)))
+    scale = max(1.4826 * float(np.median(np.abs(finite - median))), SCALE_FLOOR * abs(median))
     deviation = np.abs(np.where(bad, median, x) - median)
     hit = bad | (deviation > z * scale if scale > 0 else deviation > 0)
     if not hit.any() or hit.sum() > max(1, len(x) // 4):

@@ -16,10 +16,9 @@ The spikes, by cause:
   Measured on 64-wide byte-level models: a repeated 4-gram gives a grad norm 5-20x a normal
   batch's (the tokens' gradients all point one way instead of averaging out); a repeated
   document only 2-3x, which the default monitor does not call a spike.
-  `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: the
-  windows name the chunks the first epoch feeds there, and those chunks are corrupted wherever
-  and whenever they are fed (a replay of the same batch, a later epoch, a slot a skip entry
-  moved them to); a replay without them does not spike.
+  `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: a
+  chunk fed in a window is corrupted there and whenever it is fed again (a replay of the same
+  batch, a later epoch), as bad text in the corpus would be; a replay without it does not spike.
 - state: `lr_burst=[[start, end, multiplier]]` multiplies the learning rate of steps
   [start, end); it follows the step, whatever the data, on every replay.
 - transient: `grad_fault_steps=[s, ...]` corrupts one rank's gradients at step s once (scaled by
@@ -55,7 +54,7 @@ class Drills:
         self.cfg, self.run_dir, self.rank, self.is_main = cfg, run_dir, rank, is_main
         self.seed, self.vocab_size, self.batch_size, self.loader = seed, vocab_size, batch_size, loader
         self._repeated: dict[int, torch.Tensor] = {}  # window start -> the tokens its sequences repeat
-        self._drilled: dict[tuple, dict[int, int]] = {}  # windows -> {chunk id: its first-epoch position}
+        self._drilled: dict[tuple, tuple] = {}  # windows -> (chunk ids, sorted; each one's first position there)
 
     def _once(self, name: str) -> bool:
         """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
@@ -135,8 +134,10 @@ class Drills:
         return out
 
     def _where(self, windows: list, indices: np.ndarray) -> np.ndarray:
-        """For each sequence, the first-epoch position in `windows` (data batches) of the chunk it
-        reads, or -1: the drill follows the chunks, not the positions (by position without a loader)."""
+        """For each sequence, the position in `windows` (data batches) where the chunk it reads was
+        first fed, or -1. A chunk is poisoned from that position on: at it (what a position drill
+        always did) and whenever it is fed again later (another epoch; a replay), so the drill
+        follows the data. By position alone without a loader."""
         indices = np.asarray(indices, dtype=np.int64)
         if self.loader is None:
             inside = np.zeros(len(indices), dtype=bool)
@@ -145,12 +146,17 @@ class Drills:
             return np.where(inside, indices, -1)
         key = tuple(tuple(w) for w in windows)
         if key not in self._drilled:
-            positions = np.concatenate([np.arange(a * self.batch_size, b * self.batch_size, dtype=np.int64)
-                                        for a, b in windows] or [np.empty(0, dtype=np.int64)])
-            chunks = self.loader.chunk_ids(positions)
-            self._drilled[key] = {int(c): int(p) for c, p in zip(chunks[::-1], positions[::-1])}
-        table = self._drilled[key]
-        return np.array([table.get(int(c), -1) for c in self.loader.chunk_ids(indices)], dtype=np.int64)
+            positions = np.unique(np.concatenate([np.arange(a * self.batch_size, b * self.batch_size, dtype=np.int64)
+                                                  for a, b in windows] or [np.empty(0, dtype=np.int64)]))
+            chunks, first = np.unique(self.loader.chunk_ids(positions), return_index=True)  # earliest position
+            self._drilled[key] = (chunks, positions[first])
+        chunks, first = self._drilled[key]
+        if len(chunks) == 0:
+            return np.full(len(indices), -1, dtype=np.int64)
+        mine = self.loader.chunk_ids(indices)
+        at = np.minimum(np.searchsorted(chunks, mine), len(chunks) - 1)
+        where = first[at]
+        return np.where((chunks[at] == mine) & (where <= indices), where, -1)
 
     def _repeated_tokens(self, window_start: int, length: int) -> torch.Tensor:
         if window_start not in self._repeated:

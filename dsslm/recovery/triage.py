@@ -118,6 +118,10 @@ class Triage:
         self.enabled = cfg.monitor.enabled and cfg.monitor.triage
         # The original pass's last few steps, for the evidence of a spike that rewinds.
         self._recent: collections.deque = collections.deque(maxlen=max(8, 2 * (cfg.monitor.max_skips + 2)))
+        # (first step of the open streak, the skip list before its re-runs committed data): a
+        # streak that goes on to rewind replays the same data first. In memory only: a resume
+        # in the middle of a streak replays without the data its re-runs committed.
+        self._streak: tuple[int, list] | None = None
 
     @property
     def replay(self) -> Replay | None:
@@ -171,7 +175,11 @@ class Triage:
         name = "transient" if verdict is Verdict.OK else "data"
         skip = []
         if name == "data":
-            skip = self.engine.decide(lambda: self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list))
+            start, skip = self.engine.decide(lambda: (
+                self.monitor.spike_start or step,
+                self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list)))
+            if self._streak is None or self._streak[0] != start:
+                self._streak = (start, list(state.skip_list))
             state.skip_list = merge_skip_list(state.skip_list + skip)
             self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
@@ -213,8 +221,11 @@ class Triage:
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
         ckpt = self.rewinder.checkpoint_before(target, plan.to_step, spike_start)
+        # The same data as the original pass: without what this streak's re-runs committed.
+        before = self._streak[1] if self._streak and self._streak[0] == spike_start else state.skip_list
+        self._streak = None
         replay = Replay(phase=Phase.SAME_DATA.value, spike_start=spike_start, target=target,
-                        base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(state.skip_list),
+                        base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(before),
                         lr_scale=state.lr_scale, reason=reason, entries=entries)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
                                 "reason": reason})

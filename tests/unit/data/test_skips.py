@@ -75,6 +75,10 @@ def test_offending_names_nothing_in_a_clean_or_a_mostly_bad_batch():
     assert not offending(np.r_[np.full(5, 5.5), 2.0 + 0.05 * rng.standard_normal(11)]).any()  # > a quarter
     assert not offending(np.full(4, np.nan)).any()  # all non-finite: nothing singles one out
     assert offending(np.r_[np.full(15, 2.0), 9.0]).tolist() == [False] * 15 + [True]  # MAD 0
+    noise = 5.55 + 0.01 * rng.standard_normal(16)
+    noise[4] = 5.7  # all poisoned: one a little further out is no lone outlier (the scale's floor)
+    assert not offending(noise).any()
+    assert not offending(np.r_[2.0, 2.01, 9.0, 2.02]).any()  # too few sequences to narrow
 
 
 def test_chunk_range_takes_the_chunks_with_a_prediction_inside():

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from dsslm.config import load
+from dsslm.data.skips import chunk_range, entries_of, windows_of
 from dsslm.recovery.rewind import Escalation
 from dsslm.train import train
 
@@ -111,8 +112,15 @@ def measure(run_dir: Path, escalated: bool, wall_s: float) -> dict:
             "skips": sum(e["event"] == "skip" for e in events),
             "recomputed": len(records) - len(final) + sum(e["event"] == "triage" and e.get("scope") == "step"
                                                           for e in events),
-            "batches_skipped": sum(end - start for start, end in skip_list) / batch + kept_skips,
+            "batches_skipped": sequences_skipped(skip_list, events) / batch + kept_skips,
             "decisions": [e for e in events if e["event"] == "triage"]}
+
+
+def sequences_skipped(skip_list: list, events: list[dict]) -> int:
+    """Sequences the skip list takes out of one epoch: a window's positions, a data entry's chunks."""
+    seq_len = next((e["config"]["model"]["seq_len"] for e in events if e["event"] == "start"), 1)
+    return (sum(end - start for start, end in windows_of(skip_list))
+            + sum(hi - lo for lo, hi in (chunk_range(*e["tokens"], seq_len, 2**62) for e in entries_of(skip_list))))
 
 
 def read_json(path: Path) -> dict | None:

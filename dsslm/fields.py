@@ -156,3 +156,30 @@ class Json(Spec):
 
     def validate(self, value: Any, path: str) -> None:
         return
+
+
+class ShardPath(Spec):
+    """A shard's path as manifest.json names it: relative, "/"-separated, no "..", no control
+    characters (the loader then requires it to be one of its train shards)."""
+
+    def validate(self, value: Any, path: str) -> None:
+        Str(1000).validate(value, path)
+        parts = value.split("/")
+        if (not value or value.startswith("/") or "\\" in value or any(p in ("", ".", "..") for p in parts)
+                or any(ord(c) < 32 or c == "\x7f" for c in value)):
+            _fail(path, value, "a relative shard path such as web/train-00000.bin")
+
+
+class SkipEntry(Spec):
+    """One skip list entry (dsslm.data.skips): a window [start, end) of global sequence indices
+    (what earlier versions wrote), or data {"shard": PATH, "tokens": [a, b)}."""
+
+    data = Fields(shard=ShardPath(), tokens=Window())
+
+    def validate(self, value: Any, path: str) -> None:
+        if isinstance(value, list):
+            Window().validate(value, path)
+        elif isinstance(value, dict):
+            SkipEntry.data.validate(value, path)
+        else:
+            _fail(path, value, 'a window [start, end] or {"shard": PATH, "tokens": [a, b]}')

@@ -106,7 +106,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
                     global_batch, loader)
     drills.arm(store)
     monitor, clipper = SpikeMonitor(cfg.monitor), build_clipper(cfg.optim)
-    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit)
+    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit, loader)
     progress = ReplayProgress()
     parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "triage": progress,
                                   "rng": RngStreams(engine, cfg.run.seed, state)}

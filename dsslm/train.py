@@ -232,7 +232,7 @@ def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: St
     set_step_streams(streams)
     result = compute(job, step, batches, first.batch_tokens, stop.requested or first.stop_requested)
     verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
-    job.triage.note_rerun(step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
+    job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
     return verdict, rerun_reason, result
 
 

@@ -10,17 +10,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, Str,
-                               Window)
+from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipEntry,
+                               Str, Window)
 from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
 # sequences it skipped, the checkpoint step it went back to and the lr_scale factor it applied;
 # a triage decision adds its verdict, and a temporary backoff (monitor.lr_recover_steps) the
-# step its ramp back to the full learning rate starts from (`target`).
-REWIND_RECORD = Fields(optional=("verdict", "target"), open=True, step=Int(0, MAX_STEP), window=Window(),
+# step its ramp back to the full learning rate starts from (`target`), and a data verdict the
+# data it committed to the skip list (`skip`, data.skips entries).
+REWIND_RECORD = Fields(optional=("verdict", "target", "skip"), open=True, step=Int(0, MAX_STEP), window=Window(),
                        to_step=Int(0, MAX_STEP), lr_scale_factor=Float(0.0, 1.0), verdict=Str(32),
-                       target=Int(0, MAX_STEP))
+                       target=Int(0, MAX_STEP), skip=ListOf(SkipEntry(), max_len=100_000))
 
 
 @dataclass
@@ -29,7 +30,8 @@ class TrainState:
     step: int = 0                    # optimizer steps completed
     tokens_seen: int = 0             # real target tokens trained on so far, all ranks
     next_sequence: int = 0           # the data stream's position: the next global sequence to consider
-    skip_list: list = field(default_factory=list)  # half-open [start, end) global-sequence windows never fed
+    # What is never fed: [start, end) global-sequence windows and {"shard", "tokens"} data (data.skips)
+    skip_list: list = field(default_factory=list)
     lr_scale: float = 1.0            # multiplies the planned learning rate; lowered by the spike policy
     rewinds: list = field(default_factory=list)    # rewinds carried out (recovery.rewind.rewind_record)
     skipped_steps: int = 0
@@ -42,7 +44,7 @@ class TrainState:
     state_spec = Fields(
         optional=("domain_tokens",),
         step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
-        skip_list=ListOf(Window(), max_len=100_000),
+        skip_list=ListOf(SkipEntry(), max_len=100_000),
         lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
         skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
         lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000),

@@ -11,6 +11,11 @@ g is drawn by weight instead and each domain shuffles and repeats its own chunks
 (`data.mixture`). There is no iterator state: position 10**9 costs what position 0 costs, and a
 resume needs only (position, skip_list). Each rank reads only the chunks of its own sequences.
 
+A skip list's windows take positions out of the stream; its data entries (`data.skips`) take
+chunks out: a global sequence whose chunk a data entry names is not fed, and the step takes the
+next one instead, so the batch stays a pure function of (seed, position, skip list) and a skipped
+chunk never comes back in a later epoch.
+
 One background thread (`data.prefetch`) may read while the training thread reads or counts:
 the caches below are replaced whole, never mutated in place.
 """
@@ -26,6 +31,7 @@ import torch
 
 from dsslm.data.manifest import load_manifest
 from dsslm.data.mixture import Mixture, domain_key, weight_units
+from dsslm.data.skips import DOCUMENT_CHUNKS, chunk_range, document_bounds, entries_of, skip_key, windows_of
 from dsslm.data.sources import DataError
 from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice, take
 
@@ -64,6 +70,8 @@ class Loader:
         self._maps: dict[str, np.memmap] = {}
         self._perm = (-1, np.empty(0, dtype=np.int64))          # (epoch, permutation of all chunks)
         self._domain_perm: dict[int, tuple[int, np.ndarray]] = {}  # domain -> (epoch, its permutation)
+        self._shard_index = {path: i for i, (path, _) in enumerate(self._train)}
+        self._skipped: tuple[str, np.ndarray] = ("[]", np.empty(0, dtype=np.int64))  # (entries key, chunk ids)
         self._count_lock = threading.Lock()
         self.chunks_read = 0  # for the benchmarks and the rank-local reads test
 
@@ -75,12 +83,91 @@ class Loader:
              grad_accum: int) -> tuple[StepSlice, list[Batch]]:
         """The step starting at `position`: its bounds and tokens per domain (of the whole step),
         and this rank's share in `grad_accum` micro-batches (reading only this rank's chunks)."""
-        part = step_slice(position, skip_list, batch_size, rank, world_size)
+        part = step_slice(position, windows_of(skip_list), batch_size, rank, world_size)
+        if entries_of(skip_list):
+            # Which positions a data entry takes out needs each one's chunk: every rank maps the
+            # whole step (arithmetic and a permutation lookup, no reads) and takes its share.
+            whole = self.stream(position, batch_size, skip_list)
+            per_rank = batch_size // world_size
+            part = dataclasses.replace(part, first=int(whole[0]), end=int(whole[-1]) + 1,
+                                       indices=whole[rank * per_rank:(rank + 1) * per_rank])
+        else:
+            whole = take(part.first, batch_size, windows_of(skip_list))  # arithmetic: no reads
         inputs, targets = self.read(part.indices)
         pieces = split_micro_batches(len(part.indices), grad_accum)
-        whole = take(part.first, batch_size, merge_windows(skip_list))  # arithmetic: no reads
         part = dataclasses.replace(part, domain_tokens=self.domain_tokens(whole))
         return part, [(inputs[p], targets[p]) for p in pieces]
+
+    def stream(self, position: int, count: int, skip_list: list) -> np.ndarray:
+        """The first `count` global sequences at or after `position` that the skip list lets
+        through (outside every window, on no skipped chunk), ascending (int64)."""
+        windows, skipped = windows_of(skip_list), self.skipped_chunks(skip_list)
+        out, pos, need = [], position, count
+        while need > 0:
+            candidates = take(pos, 2 * need + 64, windows)
+            kept = candidates[self._fed(candidates, skipped)][:need]
+            out.append(kept)
+            need -= len(kept)
+            pos = int(candidates[-1]) + 1
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def fed_between(self, first: int, end: int, skip_list: list) -> np.ndarray:
+        """The global sequences in [first, end) that the skip list lets through."""
+        g = np.arange(first, end, dtype=np.int64)
+        for lo, hi in windows_of(skip_list):
+            g = g[(g < lo) | (g >= hi)]
+        return g[self._fed(g, self.skipped_chunks(skip_list))]
+
+    def skipped_chunks(self, skip_list: list) -> np.ndarray:
+        """The chunk ids the skip list's data entries name (sorted, unique int64); DataError when
+        an entry names a shard this data does not have, tokens past its end, or every chunk."""
+        entries = entries_of(skip_list)
+        key = skip_key(entries)
+        cached_key, chunks = self._skipped
+        if key == cached_key:
+            return chunks
+        ranges = []
+        for e in entries:
+            shard = self._shard_index.get(e["shard"])
+            if shard is None:
+                raise DataError(f"skip_list names shard {e['shard']!r}, which is not a train shard of "
+                                f"{self.data_dir}; remove the entry from skip_list.json and the checkpoint")
+            a, b = e["tokens"]
+            if b > self._train[shard][1]:
+                raise DataError(f"skip_list names tokens [{a}, {b}) of {e['shard']}, which holds "
+                                f"{self._train[shard][1]}; remove the entry")
+            lo, hi = chunk_range(a, b, self.seq_len, self._n_chunks(self._train[shard][1]))
+            ranges.append(np.arange(lo, hi, dtype=np.int64) + self._first_chunk[shard])
+        chunks = np.unique(np.concatenate(ranges)) if ranges else np.empty(0, dtype=np.int64)
+        per_domain = np.bincount(np.searchsorted(self._domain_first, chunks, side="right") - 1,
+                                 minlength=len(self.domains))
+        drawn = [d for d in range(len(self.domains))
+                 if self.domain_chunks[d] > 0 and (self.mixture is None or self.mixture.units[d] > 0)]
+        if drawn and all(per_domain[d] >= self.domain_chunks[d] for d in drawn):
+            raise DataError(f"the skip list names every chunk of {self.data_dir} that training draws from; "
+                            "nothing is left to train on")
+        self._skipped = (key, chunks)  # one assignment: the prefetch thread sees the old pair or the new
+        return chunks
+
+    def data_entries(self, indices: np.ndarray, documents: np.ndarray | None = None) -> list[dict]:
+        """Skip entries naming the data of these global sequences: each one's chunk and, where
+        `documents` (a bool mask) says so, the documents its targets belong to (delimited by the
+        tokenizer's EOS, at most DOCUMENT_CHUNKS chunks beyond the chunk on either side)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        documents = np.zeros(len(indices), dtype=bool) if documents is None else np.asarray(documents, dtype=bool)
+        eos = self.manifest.get("tokenizer", {}).get("eos_id")
+        entries = []
+        for chunk_id, whole_document in zip(self._chunk_ids(indices), documents):
+            shard = int(np.searchsorted(self._first_chunk, int(chunk_id), side="right")) - 1
+            path = self._train[shard][0]
+            start = (int(chunk_id) - int(self._first_chunk[shard])) * self.seq_len
+            end = start + self.seq_len + 1
+            entries.append({"shard": path, "tokens": [start, end]})
+            if whole_document:
+                a, b = document_bounds(self._shard(path), start + 1, end, eos, DOCUMENT_CHUNKS * self.seq_len)
+                # From the EOS before the document: the prediction of its first token is its too.
+                entries.append({"shard": path, "tokens": [max(0, a - 1), b]})
+        return entries_of(entries)
 
     def read(self, indices: np.ndarray) -> Batch:
         """The sequences with these global indices, in that order."""
@@ -98,7 +185,8 @@ class Loader:
         """Tokens per domain in every sequence before `position` outside the skip windows: what a
         run trained up to there (for a checkpoint that did not record it)."""
         counts = self._count_before(position)
-        for lo, hi in merge_windows(skip_list):
+        # Windows only: a data entry's chunks were trained before its verdict, at least once.
+        for lo, hi in windows_of(skip_list):
             if lo < position:
                 counts -= self._count_before(min(hi, position)) - self._count_before(lo)
         return {name: int(n) * self.seq_len for name, n in zip(self.domains, counts)}
@@ -156,6 +244,16 @@ class Loader:
                 picked[sub] = self._domain_permutation(int(d), int(epoch))[positions[sub]]
             chunk_ids[mask] = self._domain_first[d] + picked
         return chunk_ids
+
+    def chunk_ids(self, indices: np.ndarray) -> np.ndarray:
+        """The chunk each global sequence index reads (int64): a chunk's id names its text."""
+        return self._chunk_ids(np.asarray(indices, dtype=np.int64))
+
+    def _fed(self, g: np.ndarray, skipped: np.ndarray) -> np.ndarray:
+        """A mask of the global sequences in `g` whose chunk is not in `skipped`."""
+        if len(skipped) == 0:
+            return np.ones(len(g), dtype=bool)
+        return ~np.isin(self._chunk_ids(g), skipped)
 
     def _domain_index(self, g: np.ndarray) -> np.ndarray:
         if self.mixture is not None:

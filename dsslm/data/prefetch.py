@@ -7,7 +7,7 @@
 A step's batch is a pure function of (position, skip list, batch size) (`data.stream`), and the
 next step's position is this step's `fed.end` whatever its verdict: a skipped step still consumes
 its data. So right after handing over a step, the prefetcher reads the step that would start at
-`fed.end` in one background thread, under the key (position, skip windows, batch size). The next
+`fed.end` in one background thread, under the key (position, skip list, batch size). The next
 call takes it when its own key is the same; on any other key (a rewind restored an older position
 and grew the skip list; a ramp or a resume changed the batch size) the read in flight is dropped
 and the step is read synchronously. A hit and a miss return the same tensors, bit for bit: both
@@ -18,14 +18,16 @@ asynchronous copy; PyTorch's pinned-memory allocator keeps a block alive until i
 """
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from dsslm.data.loader import Batch, Loader
-from dsslm.data.stream import StepSlice, merge_windows
+from dsslm.data.skips import merge_skip_list, skip_key
+from dsslm.data.stream import StepSlice
 
-Key = tuple[int, tuple[tuple[int, int], ...], int]
+Key = tuple[int, str, int]  # (position, the skip list's canonical JSON, batch size)
 
 
 class Prefetcher:
@@ -64,13 +66,12 @@ class Prefetcher:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _key(self, position: int, skip_list: list) -> Key:
-        # A tuple copy: the loop may grow its skip list in place after this step was scheduled.
-        windows = tuple((lo, hi) for lo, hi in merge_windows(skip_list))
-        return position, windows, self.batch_size_at(position)
+        # A string copy: the loop may grow its skip list in place after this step was scheduled.
+        return position, skip_key(skip_list), self.batch_size_at(position)
 
     def _read(self, key: Key) -> tuple[StepSlice, list[Batch]]:
-        position, windows, batch_size = key
-        fed, batches = self.loader.step(position, [list(w) for w in windows], batch_size, self.rank,
+        position, skips, batch_size = key
+        fed, batches = self.loader.step(position, merge_skip_list(json.loads(skips)), batch_size, self.rank,
                                         self.world_size, self.grad_accum)
         if self.pin_memory:
             batches = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in batches]

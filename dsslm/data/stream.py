@@ -8,6 +8,9 @@ last of them. Nothing here depends on the step count or on how big earlier batch
 global batch may change (another world size, a branch, a batch ramp) and the stream still
 continues at exactly the next unread sequence, and a skip window keeps naming the same sequences.
 
+The windows here are the skip list's position windows; its data entries (`data.skips`) take
+chunks out of the stream, which needs the loader's map from index to chunk (`Loader.stream`).
+
 Rank r of W takes the contiguous share [r*B/W, (r+1)*B/W) of the step's B sequences and computes
 only its own indices: `nth` walks the windows once, whatever the world size.
 """

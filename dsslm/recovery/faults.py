@@ -17,7 +17,8 @@ The spikes, by cause:
   batch's (the tokens' gradients all point one way instead of averaging out); a repeated
   document only 2-3x, which the default monitor does not call a spike.
   `poison_batches` (uniformly random tokens) is the blunt version. Both follow the data: a
-  replay of the same batch spikes again, a replay without it does not.
+  chunk fed in a window is corrupted there and whenever it is fed again (a replay of the same
+  batch, a later epoch), as bad text in the corpus would be; a replay without it does not spike.
 - state: `lr_burst=[[start, end, multiplier]]` multiplies the learning rate of steps
   [start, end); it follows the step, whatever the data, on every replay.
 - transient: `grad_fault_steps=[s, ...]` corrupts one rank's gradients at step s once (scaled by
@@ -54,6 +55,7 @@ class Drills:
         self.seed, self.vocab_size, self.batch_size, self.loader = seed, vocab_size, batch_size, loader
         self._repeated: dict[int, torch.Tensor] = {}  # window start -> the tokens its sequences repeat
         self._computations = 0  # faults.replay_noise: computations so far (the noise's sign)
+        self._drilled: dict[tuple, tuple] = {}  # windows -> (chunk ids, sorted; each one's first position there)
 
     def _once(self, name: str) -> bool:
         """True the first time `name` fires in this run.dir: a drill fires once, not on every resume."""
@@ -93,10 +95,8 @@ class Drills:
         """
         if not self.cfg.poison_batches or self.cfg.poison_rank not in (-1, self.rank):
             return micro_batches
-        batch_of = np.asarray(indices) // self.batch_size
-        hit = np.zeros(len(batch_of), dtype=bool)
-        for start, end in self.cfg.poison_batches:
-            hit |= (batch_of >= start) & (batch_of < end)
+        where = self._where(self.cfg.poison_batches, indices)
+        hit = where >= 0
         if not hit.any():
             return micro_batches
         out, row = [], 0
@@ -104,7 +104,7 @@ class Drills:
             inputs, targets = inputs.clone(), targets.clone()
             for i in range(inputs.shape[0]):
                 if hit[row + i]:
-                    gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(indices[row + i]))
+                    gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(where[row + i]))
                     noise = torch.randint(0, self.vocab_size, (inputs.shape[1] + 1,), generator=gen)
                     inputs[i], targets[i] = noise[:-1], noise[1:]
             row += inputs.shape[0]
@@ -117,10 +117,10 @@ class Drills:
         global sequence), so the batch is a pure function of the stream as real data is."""
         if not self.cfg.repeat_batches:
             return micro_batches
-        batch_of = np.asarray(indices) // self.batch_size
-        starts = np.full(len(batch_of), -1)
+        where = self._where(self.cfg.repeat_batches, indices)
+        starts = np.full(len(where), -1)
         for start, end in self.cfg.repeat_batches:
-            starts[(batch_of >= start) & (batch_of < end)] = start
+            starts[(where >= start * self.batch_size) & (where < end * self.batch_size)] = start
         if (starts < 0).all():
             return micro_batches
         out, row = [], 0
@@ -133,6 +133,31 @@ class Drills:
             row += inputs.shape[0]
             out.append((inputs, targets))
         return out
+
+    def _where(self, windows: list, indices: np.ndarray) -> np.ndarray:
+        """For each sequence, the position in `windows` (data batches) where the chunk it reads was
+        first fed, or -1. A chunk is poisoned from that position on: at it (what a position drill
+        always did) and whenever it is fed again later (another epoch; a replay), so the drill
+        follows the data. By position alone without a loader."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.loader is None:
+            inside = np.zeros(len(indices), dtype=bool)
+            for start, end in windows:
+                inside |= (indices >= start * self.batch_size) & (indices < end * self.batch_size)
+            return np.where(inside, indices, -1)
+        key = tuple(tuple(w) for w in windows)
+        if key not in self._drilled:
+            positions = np.unique(np.concatenate([np.arange(a * self.batch_size, b * self.batch_size, dtype=np.int64)
+                                                  for a, b in windows] or [np.empty(0, dtype=np.int64)]))
+            chunks, first = np.unique(self.loader.chunk_ids(positions), return_index=True)  # earliest position
+            self._drilled[key] = (chunks, positions[first])
+        chunks, first = self._drilled[key]
+        if len(chunks) == 0:
+            return np.full(len(indices), -1, dtype=np.int64)
+        mine = self.loader.chunk_ids(indices)
+        at = np.minimum(np.searchsorted(chunks, mine), len(chunks) - 1)
+        where = first[at]
+        return np.where((chunks[at] == mine) & (where <= indices), where, -1)
 
     def _repeated_tokens(self, window_start: int, length: int) -> torch.Tensor:
         if window_start not in self._repeated:

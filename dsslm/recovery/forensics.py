@@ -13,6 +13,10 @@ triage it, whose evidence goes into the triage decision):
                        and the tokenizer that decodes the batch (`python -m dsslm.report`)
     triage.json        {"decisions": [...]}: each triage decision that covered this step
 
+Every rank also keeps the last few spike steps' global sequence indices and per-sequence losses
+in memory (with or without `monitor.forensics`): `data_entries` turns them into the skip entries
+a data verdict commits, narrowed to the offending sequences (`data.skips.offending`).
+
 A folder is written into `spikes/.tmp-*` and renamed into place (files and folders fsynced), so
 a reader sees a whole folder or none; a step that spikes again (a replay, a resume) gets
 `step-XXXXXXXX.1`, `.2`, ... and nothing is replaced. At most MAX_FOLDERS per process: a run
@@ -27,6 +31,7 @@ tokenizer, or DATA_DIR's tokenizer.json when its SHA-256 is the one recorded.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import secrets
@@ -39,6 +44,8 @@ from safetensors.torch import load_file, save_file
 
 from dsslm.ckpt.format import step_name
 from dsslm.config import Config
+from dsslm.data.loader import Loader
+from dsslm.data.skips import merge_skip_list, offending
 from dsslm.data.stream import StepSlice
 from dsslm.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 from dsslm.durable import publish_folder, write_json_atomic
@@ -51,34 +58,46 @@ BATCH_FILE, SPIKE_FILE, TRIAGE_FILE = "batch.safetensors", "spike.json", "triage
 FORMAT = 1
 MAX_FOLDERS = 200
 WORST = 8  # sequences listed in spike.json, by loss
+REMEMBERED = 64  # spike steps whose sequence losses stay in memory (a streak is a few steps)
 
 
 class Forensics:
-    def __init__(self, cfg: Config, engine: Engine, run_dir: Path, tokenizer: dict, emit: Callable[..., Any]):
+    def __init__(self, cfg: Config, engine: Engine, run_dir: Path, tokenizer: dict, emit: Callable[..., Any],
+                 loader: Loader | None = None):
         self.enabled = cfg.monitor.enabled and cfg.monitor.forensics
         self.engine, self.dir, self.tokenizer, self.emit = engine, Path(run_dir) / SPIKES_DIR, tokenizer, emit
+        self.loader = loader
         self.written = 0  # the same count on every rank: every rank captures the same steps
+        # step -> (global sequence indices, mean loss per token of each), the whole step's, every rank.
+        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
 
     def capture(self, step: int, fed: StepSlice, micro_batches: list, result: Any, verdict: str, reason: str,
                 window: dict) -> None:
         """Every rank: gather the step's sequences, their losses and the gradient norms (before
         the gradients are dropped); rank 0 writes the folder. `window` is rank 0's monitor window."""
-        if not self.enabled or self.written >= MAX_FOLDERS:
-            return
-        self.written += 1
+        # The same condition on every rank: the collectives below match.
+        write = self.enabled and self.written < MAX_FOLDERS
         inputs = torch.cat([x for x, _ in micro_batches])
         targets = torch.cat([y for _, y in micro_batches])
         sequence_ce = torch.cat(result.sequence_ce).double().cpu()
         real = (targets != -100).sum(-1).clamp(min=1)
-        share = (np.asarray(fed.indices), inputs.cpu(), targets.cpu(), (sequence_ce / real).numpy())
+        share = (np.asarray(fed.indices), (sequence_ce / real).numpy()) + ((inputs.cpu(), targets.cpu()) if write else ())
         shares = self.engine.all_gather(share)
+        indices = np.concatenate([s[0] for s in shares]).astype(np.int64)
+        self.sequences[step] = (indices, np.concatenate([s[1] for s in shares]).astype(np.float64))
+        self.sequences.move_to_end(step)
+        while len(self.sequences) > REMEMBERED:
+            self.sequences.popitem(last=False)
+        if not write:
+            return
+        self.written += 1
         norms = self.engine.grad_norms()
         if not self.engine.is_main:
             return
-        batch = {"indices": torch.from_numpy(np.concatenate([s[0] for s in shares]).astype(np.int64)),
-                 "inputs": torch.cat([s[1] for s in shares]).long(),
-                 "targets": torch.cat([s[2] for s in shares]).long(),
-                 "sequence_loss": torch.from_numpy(np.concatenate([s[3] for s in shares]))}
+        batch = {"indices": torch.from_numpy(indices),
+                 "inputs": torch.cat([s[2] for s in shares]).long(),
+                 "targets": torch.cat([s[3] for s in shares]).long(),
+                 "sequence_loss": torch.from_numpy(self.sequences[step][1])}
         losses = batch["sequence_loss"]
         worst = torch.argsort(torch.nan_to_num(losses, nan=float("inf")), descending=True)[:WORST]
         spike = {"format": FORMAT, "step": step, "verdict": verdict, "reason": reason, "loss": result.loss,
@@ -91,6 +110,23 @@ class Forensics:
             self._write(step, batch, spike)
         except OSError as exc:
             self.emit("forensics_failed", step=step, reason=repr(exc))
+
+    def data_entries(self, steps: Any, fed_of: Callable[[int], tuple[int, int]], skip_list: list) -> list[dict]:
+        """The skip entries naming the data of the spike steps `steps`: in each step whose sequence
+        losses were captured, the offending sequences' chunks and documents (`offending`), or,
+        where the test singles none out, every sequence's chunk; a step not captured (before a
+        resume) names the chunks of every sequence it was fed, `fed_of(step)` = [first, end)."""
+        entries: list = []
+        for step in steps:
+            if step in self.sequences:
+                indices, losses = self.sequences[step]
+                hit = offending(losses)
+                entries += (self.loader.data_entries(indices[hit], np.ones(int(hit.sum()), dtype=bool)) if hit.any()
+                            else self.loader.data_entries(indices))
+            else:
+                first, end = fed_of(step)
+                entries += self.loader.data_entries(self.loader.fed_between(first, end, skip_list))
+        return merge_skip_list(entries)
 
     def record_decision(self, steps: list[int], decision: dict) -> None:
         """Add a triage decision to the folder of every step it covers that has one (rank 0)."""

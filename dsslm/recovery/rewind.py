@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 from dsslm.ckpt.format import Checkpoint
 from dsslm.ckpt.resume import Checkpointer
-from dsslm.fields import Fields, Float, Int, ListOf, Optional, StateError, Window, validate
+from dsslm.fields import Fields, Float, Int, ListOf, Optional, SkipEntry, StateError, validate
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
-from dsslm.data.stream import merge_windows
+from dsslm.data.skips import is_window, merge_skip_list
 from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
 from dsslm.optim import decay_start_step
@@ -32,7 +32,7 @@ from dsslm.recovery.rewind_points import RewindPoint, RewindRing
 RECOVERY_FILE = "skip_list.json"
 RECOVERY_SCHEMA_VERSION = 2
 RECOVERY_SPEC = Fields(optional=("schema",), schema=Int(1, RECOVERY_SCHEMA_VERSION),
-                         skip_list=ListOf(Window(), max_len=100_000), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
+                         skip_list=ListOf(SkipEntry(), max_len=100_000), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
                          lr_scale=Optional(Float(1e-12, 1.0)))
 
 
@@ -115,6 +115,8 @@ def read_recovery(run_dir: Path, batch_size: int) -> dict:
     validate(recovery, RECOVERY_SPEC, RECOVERY_FILE)
     recovery.setdefault("schema", 1)  # the file's own schema; the contents are returned in today's units
     if recovery["schema"] == 1:
+        if not all(is_window(w) for w in recovery["skip_list"]):
+            raise StateError(f"{RECOVERY_FILE}.skip_list: schema 1 holds windows only")
         recovery["skip_list"] = [[a * batch_size, b * batch_size] for a, b in recovery["skip_list"]]
         recovery["rewinds"] = [{**r, "step": r["step"] + 1, "window": [r["window"][0] * batch_size,
                                                                        r["window"][1] * batch_size]}
@@ -130,7 +132,7 @@ def write_recovery(run_dir: Path, state: TrainState) -> None:
 
 def merge_recovery(state: TrainState, recovery: dict) -> None:
     """Fold the run-level record into a state just restored from a checkpoint (or fresh)."""
-    state.skip_list = merge_windows(state.skip_list + recovery["skip_list"])
+    state.skip_list = merge_skip_list(state.skip_list + recovery["skip_list"])
     state.rewinds = merge_history(state.rewinds, recovery["rewinds"])
     if recovery["lr_scale"] is not None:
         state.lr_scale = min(state.lr_scale, recovery["lr_scale"])
@@ -210,6 +212,11 @@ class Rewinder:
                       rewinds=len(rebuilt.rewinds), lr_scale=rebuilt.lr_scale)
             return {"skip_list": rebuilt.skip_list, "rewinds": rebuilt.rewinds, "lr_scale": rebuilt.lr_scale}
 
+    def fed_of(self, step: int) -> tuple[int, int]:
+        """The [first, end) global sequences step `step` was fed (the oldest step noted when
+        `step` is older: a spike that began before the checkpoint a streak was restored from)."""
+        return self._sequences_of(step)
+
     def _sequences_of(self, step: int) -> tuple[int, int]:
         # A spike that began before the checkpoint the monitor's streak was restored from is not
         # in the history: its window then starts at the oldest step seen.
@@ -241,7 +248,7 @@ class Rewinder:
         if fallback is not None:
             base_skips, old_scale = fallback["skip_list"], fallback["lr_scale"]
             record["verdict"] = fallback["verdict"]
-        skip_list = merge_windows(base_skips + [rewind_plan.window])
+        skip_list = merge_skip_list(base_skips + [rewind_plan.window])
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
         self.engine.decide(lambda: write_recovery(self.run_dir, state))
@@ -292,7 +299,7 @@ class Rewinder:
             ckpt = self.ring.checkpoint(ckpt)  # a collective: the ranks' shares gathered back
         self.checkpointer.restore(ckpt)
         self.ring.drop_after(state.step)  # the points after it belong to the trajectory left
-        state.skip_list = merge_windows(state.skip_list + skip_list)
+        state.skip_list = merge_skip_list(state.skip_list + skip_list)
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
         state.skipped_steps, state.clipped_steps = counters
         self.monitor.reset_streak()

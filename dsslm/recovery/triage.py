@@ -12,9 +12,13 @@ it (the *base*) and replays to `target`:
     same_data    the same data, the same lr_scale. Every step through `target` within the
                  monitor's thresholds: **transient**; the run simply continues from the replay,
                  nothing is skipped and the learning rate is untouched.
-    skip_window  it came back: from the base again, the spike's data window (at least
-                 `skip_batches` batches, as the plain rewind does) replaced by the next unseen data.
-                 Gone: **data**; the window is committed to the skip list and skip_list.json.
+    skip_window  it came back: from the base again without the spike's data: the offending
+                 sequences of its steps, named by their chunks and documents (`entries`, from
+                 the per-sequence losses: `Forensics.data_entries`), the rest of each batch
+                 trained; the slots go to the next chunks of the stream. Gone: **data**; the
+                 entries are committed to the skip list and skip_list.json, and the loader never
+                 feeds that data again, in any epoch. (A replay from before this version resumes
+                 with its position `window` instead, at least `skip_batches` batches.)
     backoff      still there: from the base again with the original data and the learning rate
                  x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
                  `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
@@ -36,7 +40,7 @@ a restart leaves a later phase over budget and the skip-window replay had come b
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A
 normal result was a transient fault and its update is applied; a reproduced one is skipped as
-before. `note_rerun` records that decision.
+before, and the offending sequences' data joins the skip list (`note_rerun`).
 
 Every decision is a `triage` event (verdict data | state | transient, the replayed losses and
 grad norms, the replayed steps) and a record in the train state's rewind history (counted per
@@ -53,10 +57,10 @@ from enum import Enum
 from typing import Any, Callable
 
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, Spec, StateError, Str, Window
+from dsslm.fields import MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, SkipEntry, Spec, StateError, Str, Window
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
-from dsslm.data.stream import merge_windows
+from dsslm.data.skips import merge_skip_list
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
@@ -92,6 +96,9 @@ class Replay:
     replay_steps: int = 0      # steps replayed for this spike so far (against the budget)
     # One entry per pass: {"phase", "from_step", "steps": [[step, loss, gnorm, verdict], ...]}.
     evidence: list = field(default_factory=list)
+    # The spike's data (data.skips entries) the skip_window replay leaves out and a data verdict
+    # commits; empty in a replay saved before this version, which skips `window` instead.
+    entries: list = field(default_factory=list)
 
 
 class ReplayProgress:
@@ -144,6 +151,10 @@ class Triage:
         # The original pass's last few steps, for the evidence of a spike that rewinds.
         self._recent: collections.deque = collections.deque(maxlen=max(8, 2 * (cfg.monitor.max_skips + 2)))
         progress.bind(rewinder._fed, self._recent)  # both travel in the checkpoint part "triage"
+        # (first step of the open streak, the skip list before its re-runs committed data): a
+        # streak that goes on to rewind replays the same data first. In memory only: a resume
+        # in the middle of a streak replays without the data its re-runs committed.
+        self._streak: tuple[int, list] | None = None
 
     @property
     def replay(self) -> Replay | None:
@@ -196,14 +207,26 @@ class Triage:
         else:
             self.rewinder.rewind(state, record.step)
 
-    def note_rerun(self, step: int, first: tuple[float, float, str], rerun: tuple[float, float], verdict: Verdict) -> None:
-        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient."""
+    def note_rerun(self, state: TrainState, step: int, first: tuple[float, float, str], rerun: tuple[float, float],
+                   verdict: Verdict) -> None:
+        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient; a
+        reproduced one is data, and its offending sequences' data joins the skip list (the step's
+        update is still dropped: its batch was fed)."""
         name = "transient" if verdict is Verdict.OK else "data"
+        skip = []
+        if name == "data":
+            start, skip = self.engine.decide(lambda: (
+                self.monitor.spike_start or step,
+                self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list)))
+            if self._streak is None or self._streak[0] != start:
+                self._streak = (start, list(state.skip_list))
+            state.skip_list = merge_skip_list(state.skip_list + skip)
+            self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
                      "reason": first[2]},
                     {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
         decision = {"verdict": name, "scope": "step", "spike_start": step, "target": step, "replay_steps": 1,
-                    "evidence": evidence}
+                    "skip": skip, "evidence": evidence}
         self.emit("triage", step=step, **decision)
         self.forensics.record_decision([step], decision)
 
@@ -251,12 +274,17 @@ class Triage:
     def _start(self, state: TrainState, target: int) -> None:
         spike_start, reason = self.engine.decide(lambda: (self.monitor.spike_start or target, self.monitor.last_reason))
         plan = self.rewinder.plan(state, spike_start, target)
+        entries = self.engine.decide(lambda: self.forensics.data_entries(range(spike_start, target + 1),
+                                                                         self.rewinder.fed_of, state.skip_list))
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
         ckpt = self.rewinder.checkpoint_before(target, plan.to_step, spike_start)
+        # The same data as the original pass: without what this streak's re-runs committed.
+        before = self._streak[1] if self._streak and self._streak[0] == spike_start else state.skip_list
+        self._streak = None
         replay = Replay(phase=Phase.SAME_DATA.value, spike_start=spike_start, target=target,
-                        base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(state.skip_list),
-                        lr_scale=state.lr_scale, reason=reason)
+                        base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(before),
+                        lr_scale=state.lr_scale, reason=reason, entries=entries)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
                                 "reason": reason})
         # The whole plan before the first replay: same_data, skip_window and every backoff. A
@@ -294,11 +322,13 @@ class Triage:
         r.replay_steps += r.target - loaded
         trial = self.cfg.monitor.lr_backoff ** r.backoffs if r.phase == Phase.BACKOFF.value else 1.0
         r.evidence.append({"phase": r.phase, "from_step": loaded, "lr_scale": lr_scale * trial, "steps": []})
-        skip_list = merge_windows(r.skip_list + ([window] if window else []))
-        self.rewinder.restore(state, ckpt, skip_list, lr_scale, None)
+        # The skip_window phase leaves out the spike's data where it was named, else its window.
+        skip = (r.entries or [window]) if window else []
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list + skip), lr_scale, None)
         self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
-        self.emit("rewind", step=r.target, to_step=state.step, window=window or [], checkpoint=str(ckpt.path),
-                  reason=r.reason, triage_phase=r.phase, lr_scale=state.lr_scale * trial)
+        self.emit("rewind", step=r.target, to_step=state.step, window=window if window and not r.entries else [],
+                  skip=r.entries if window else [], checkpoint=str(ckpt.path), reason=r.reason,
+                  triage_phase=r.phase, lr_scale=state.lr_scale * trial)
 
     def _conclude(self, state: TrainState) -> None:
         r, self.replay = self.replay, None
@@ -309,18 +339,19 @@ class Triage:
         window = r.window if verdict == "data" else [r.window[0], r.window[0]]
         # An escalation concluded nothing: the backoff its last replay tried is not the run's.
         factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" and not escalated else 1.0
+        skip = r.entries if verdict == "data" else []  # what the data verdict committed (data.skips)
         record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
-                  "lr_scale_factor": min(1.0, factor), "verdict": verdict}
+                  "lr_scale_factor": min(1.0, factor), "verdict": verdict, "skip": skip}
         if verdict == "state" and self.cfg.monitor.lr_recover_steps and not escalated:
             record["target"] = r.target  # temporary: lr_factor ramps it back from here
         if escalated:  # what a person restarting after exit 3 resumes with: the run before the triage
-            state.lr_scale, state.skip_list = r.lr_scale, merge_windows(r.skip_list)
+            state.lr_scale, state.skip_list = r.lr_scale, merge_skip_list(r.skip_list)
         elif verdict == "state" and not self.cfg.monitor.lr_recover_steps:
             state.lr_scale = r.lr_scale * factor  # lasting: the backoff the replay tried, from now on
         state.rewinds = state.rewinds + [record]
         self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
         decision = {"verdict": verdict, "scope": "window", "spike_start": r.spike_start, "target": r.target,
-                    "from_step": r.base_step, "replay_steps": r.replay_steps, "window": window,
+                    "from_step": r.base_step, "replay_steps": r.replay_steps, "window": window, "skip": skip,
                     "lr_scale": state.lr_scale, "lr_factor": factor, "escalated": escalated, "evidence": r.evidence}
         self.emit("triage", step=r.target, **decision)
         if verdict == "state" and not escalated:
@@ -359,9 +390,10 @@ class _TriageState(Spec):
     """The triage part of state.json: {"format": 1, "replay": null or a Replay}."""
 
     replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
-                    window=Window(), skip_list=ListOf(Window(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
+                    window=Window(), skip_list=ListOf(SkipEntry(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
-                    evidence=ListOf(Json(), max_len=10_000))
+                    evidence=ListOf(Json(), max_len=10_000), entries=ListOf(SkipEntry(), max_len=100_000),
+                    optional=("entries",))
 
     fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
     recent = ListOf(ListOf(Json(), length=4), max_len=1000)

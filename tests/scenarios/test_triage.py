@@ -10,10 +10,13 @@ import json
 import shutil
 import signal
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsslm.data.corpus import default_data_dir
+from dsslm.data.loader import Loader
 from dsslm.recovery import triage as triage_module
 from dsslm.train import main, train
 from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
@@ -89,7 +92,7 @@ def test_transient_fault_after_a_checkpoint_ends_bitwise_equal_to_a_run_without_
         assert all(torch.equal(mine[name][k], theirs[name][k]) for k in mine[name]), name
 
 
-def test_data_spike_skips_its_window_for_good(data_run, tmp_path):
+def test_data_spike_skips_its_data_for_good(data_run, tmp_path):
     decision = triages(data_run, "window")[-1]
     assert decision["verdict"] == "data" and (decision["spike_start"], decision["target"]) == (51, 53)
     phases = [e["triage_phase"] for e in events(data_run, "rewind")]
@@ -100,8 +103,15 @@ def test_data_spike_skips_its_window_for_good(data_run, tmp_path):
     same, skipped = decision["evidence"][1], decision["evidence"][2]
     assert same["phase"] == "same_data" and same["steps"][-1][3] != "ok"
     assert skipped["phase"] == "skip_window" and [row[3] for row in skipped["steps"]] == ["ok"] * 3
-    assert final_state(data_run)["skip_list"] == [[start, end]]
-    assert json.loads((data_run / "skip_list.json").read_text())["skip_list"] == [[start, end]]
+    # What is skipped is the data: the chunks of the 48 poisoned sequences (the drill poisons whole
+    # batches, so no sequence stands out: every sequence's chunk, no document), nothing else.
+    skip = decision["skip"]
+    assert final_state(data_run)["skip_list"] == skip and skip and all("shard" in e for e in skip)
+    assert json.loads((data_run / "skip_list.json").read_text())["skip_list"] == skip
+    run_cfg = cfg(data_run, DATA)
+    lo = Loader(run_cfg.data.dir or default_data_dir(), run_cfg.model.seq_len, run_cfg.run.seed)
+    poisoned = set(lo.chunk_ids(np.arange(50 * B, 53 * B)).tolist())
+    assert set(lo.skipped_chunks(skip).tolist()) == poisoned
     assert final_state(data_run)["train"]["lr_scale"] == 1.0 and not events(data_run, "lr_scale")
     # A resume from a checkpoint older than the spike never reads the window either.
     resumed = tmp_path / "resumed"
@@ -113,7 +123,8 @@ def test_data_spike_skips_its_window_for_good(data_run, tmp_path):
     assert events(resumed, "resume")[-1]["step"] <= 45
     fed = [r["data_position"] for r in read_jsonl(resumed / "metrics.jsonl")[len(read_jsonl(data_run / "metrics.jsonl")):]
            if "data_position" in r]
-    assert fed and not any(start <= p < end for p in fed)
+    assert fed and not any(poisoned & set(lo.chunk_ids(lo.step(p, skip, B, 0, 1, 1)[0].indices).tolist()) for p in fed)
+    assert len(triages(resumed)) == len(triages(data_run))  # nothing spiked again
 
 
 def test_state_spike_lowers_lr_scale_and_skips_no_data(tmp_path):
@@ -297,7 +308,8 @@ def test_two_ranks_triage_each_drill_right_and_together(tmp_path, engine):
     assert [d[0] for d in decisions] == ["transient", "data", "state"]
     assert decisions[0][1:] == (30, 30) and decisions[1][1:] == (41, 43) and 52 <= decisions[2][1] <= 57
     window = triages(tmp_path, "window")[1]["window"]
-    assert window[0] == 40 * B and final_state(tmp_path)["skip_list"] == [window]  # the transient doubled nothing
+    skip = triages(tmp_path, "window")[1]["skip"]  # the data verdict's entries: the poisoned chunks alone
+    assert window[0] == 40 * B and skip and final_state(tmp_path)["skip_list"] == skip  # the transient added nothing
     assert final_state(tmp_path)["train"]["lr_scale"] == pytest.approx(0.01)
     assert events(tmp_path, "end")[0]["step"] == 64 and len(events(tmp_path, "start")) == 1
     batch = load_file(tmp_path / "spikes" / "step-00000041" / "batch.safetensors")

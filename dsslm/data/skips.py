@@ -1,0 +1,136 @@
+"""Skip lists that name data: what the loader never feeds again, and how a bad batch is narrowed.
+
+A skip list (state.json `skip_list`, run.dir/skip_list.json) holds two kinds of entry:
+
+    [start, end]                          a window of the data stream: the half-open range of
+                                          global sequence indices [start, end) is never fed
+                                          (what every version before this one wrote; it keeps
+                                          exactly that meaning)
+    {"shard": PATH, "tokens": [a, b]}     data: the tokens [a, b) of the train shard PATH (as
+                                          manifest.json names it). Every chunk of the shard with
+                                          a prediction inside the range (a token and the next
+                                          both in [a, b)) is never fed again, in any epoch, at
+                                          any world size and global batch: its slot in the stream
+                                          goes to the next sequence the stream would feed.
+
+A window names positions, so the chunks it covered come back in the next epoch's shuffle; a data
+entry names the text itself. The loader maps entries to chunk ids (`Loader.skipped_chunks`), so
+the batch stays a pure function of (seed, position, skip list) on every rank.
+
+`offending` narrows a spiking batch to the sequences whose loss stood out (`OUTLIER_Z`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+import numpy as np
+
+from dsslm.data.stream import merge_windows
+
+# A sequence is offending when its mean loss per token is this many robust standard deviations
+# (1.4826 x MAD: the std of a normal sample) from the batch's median, either side: a poisoned
+# sequence (random tokens) stands far above, a repeated n-gram can sit far below. A threshold
+# this high keeps a clean batch's spread (different documents, domains) from naming anything.
+OUTLIER_Z = 6.0
+# A document longer than this many chunks on either side of an offending sequence is named only
+# this far: a corpus without EOS (one long document per file) must not lose a whole shard.
+DOCUMENT_CHUNKS = 64
+# Narrowing needs a batch to stand for "normal": fewer sequences than this are never narrowed,
+# and the robust scale is at least SCALE_FLOOR x the median (a batch that is all noise has a tiny
+# MAD, and one of its sequences must not look like the lone outlier).
+MIN_SEQUENCES = 8
+SCALE_FLOOR = 0.05
+
+
+def is_window(entry: Any) -> bool:
+    return isinstance(entry, (list, tuple))
+
+
+def windows_of(skip_list: Iterable) -> list[list[int]]:
+    """The position windows of a skip list, merged (`merge_windows`)."""
+    return merge_windows([e for e in skip_list if is_window(e)])
+
+
+def entries_of(skip_list: Iterable) -> list[dict]:
+    """The data entries of a skip list, merged: sorted by (shard, start); ranges of one shard that
+    overlap by at least one token are joined (touching ones are not: that would name the chunk
+    whose one prediction crosses from one range into the other)."""
+    ranges: dict[str, list[list[int]]] = {}
+    for e in skip_list:
+        if is_window(e):
+            continue
+        a, b = int(e["tokens"][0]), int(e["tokens"][1])
+        if not 0 <= a <= b:
+            raise ValueError(f"skip entry {e!r}: tokens must be [a, b) with 0 <= a <= b; fix skip_list.json")
+        if b - a >= 2:  # fewer than two tokens hold no prediction: the entry names nothing
+            ranges.setdefault(str(e["shard"]), []).append([a, b])
+    out: list[dict] = []
+    for shard in sorted(ranges):
+        merged: list[list[int]] = []
+        for a, b in sorted(ranges[shard]):
+            if merged and a < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        out += [{"shard": shard, "tokens": r} for r in merged]
+    return out
+
+
+def merge_skip_list(skip_list: Iterable) -> list:
+    """The skip list's canonical form: merged windows first, then merged data entries."""
+    skip_list = list(skip_list)
+    return windows_of(skip_list) + entries_of(skip_list)
+
+
+def skip_key(skip_list: Iterable) -> str:
+    """A hashable, order-free key of what a skip list skips (for caches and the prefetcher)."""
+    return json.dumps(merge_skip_list(skip_list), separators=(",", ":"))
+
+
+def chunk_range(a: int, b: int, seq_len: int, n_chunks: int) -> tuple[int, int]:
+    """The chunks [lo, hi) of a shard (chunk j = tokens [j*L, j*L + L + 1)) with a prediction
+    inside tokens [a, b): both tokens of some pair (t, t+1) in the range."""
+    lo = -(-(a + 1) // seq_len) - 1  # the smallest j with j*L + L + 1 >= a + 2
+    hi = (b - 2) // seq_len + 1       # one past the largest j with j*L + 2 <= b
+    return max(0, lo), max(0, min(n_chunks, hi))
+
+
+def offending(losses: np.ndarray, z: float = OUTLIER_Z) -> np.ndarray:
+    """Which sequences of a spiking batch to blame, from their mean losses per token (a bool mask).
+
+    A non-finite loss is always offending. A finite one is when |loss - median| > z x scale, the
+    scale being 1.4826 x MAD of the batch's finite losses but at least SCALE_FLOOR x |median|. A
+    batch of fewer than MIN_SEQUENCES is not narrowed. When that blames nothing, or more than a quarter of the batch
+    (outliers are few; a median cannot stand for a batch that is largely bad, and would blame its
+    good sequences), nothing singles a sequence out and the mask is all False: the caller then
+    names the whole batch's chunks, without their documents."""
+    x = np.asarray(losses, dtype=np.float64)
+    bad = ~np.isfinite(x)
+    if bad.all() or len(x) < MIN_SEQUENCES:
+        return np.zeros(len(x), dtype=bool)
+    finite = x[~bad]
+    median = float(np.median(finite))
+    scale = max(1.4826 * float(np.median(np.abs(finite - median))), SCALE_FLOOR * abs(median))
+    deviation = np.abs(np.where(bad, median, x) - median)
+    hit = bad | (deviation > z * scale if scale > 0 else deviation > 0)
+    if not hit.any() or hit.sum() > max(1, len(x) // 4):
+        return np.zeros(len(x), dtype=bool)
+    return hit
+
+
+def document_bounds(tokens: np.ndarray, start: int, end: int, eos_id: int | None, reach: int) -> tuple[int, int]:
+    """The token range [a, b) of the documents holding tokens [start, end) of a shard (`tokens`,
+    the shard's memmap): from just after the last EOS before `start` to just after the first EOS
+    at or after `end - 1` (a document ends with its EOS, as `prepare` writes it), at most `reach`
+    tokens beyond [start, end) on either side."""
+    n = len(tokens)
+    if eos_id is None:
+        return start, end
+    lo = max(0, start - reach)
+    before = np.flatnonzero(np.asarray(tokens[lo:start]) == eos_id)
+    a = lo + int(before[-1]) + 1 if len(before) else lo
+    hi = min(n, end + reach)
+    after = np.flatnonzero(np.asarray(tokens[end - 1:hi]) == eos_id)
+    b = end - 1 + int(after[0]) + 1 if len(after) else hi
+    return a, max(b, end)

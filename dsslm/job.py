@@ -119,11 +119,16 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
                clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified)
 
 
-def start(job: Job) -> None:
-    """Resume, branch or start fresh; fold in the run-level skip list; say so."""
+def start(job: Job) -> str:
+    """Resume, branch or start fresh; fold in the run-level skip list; say so. Returns how it
+    started ("resume", "import", "branch", "fresh"), or "finished": a resumed run with nothing
+    left to train, which says so and is not started again."""
     cfg, engine = job.cfg, job.engine
     hf_dir = hf_dir_of(cfg.run.init_from)
     how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
+    if how == "resume" and job.state.step >= cfg.train.total_steps:
+        job.sinks.emit("finished", step=job.state.step, total_steps=cfg.train.total_steps)
+        return "finished"
     job.rewinder.merge_run_file(job.state)
     env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
                   cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
@@ -142,6 +147,7 @@ def start(job: Job) -> None:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
               f"(sequence {job.state.next_sequence})", flush=True)
+    return how
 
 
 def save(job: Job, sync: bool = False) -> None:

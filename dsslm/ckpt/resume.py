@@ -25,6 +25,7 @@ import torch
 
 from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, load_checkpoint, load_verified
 from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
+from dsslm.ckpt.drift import describe
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
@@ -186,13 +187,27 @@ class Checkpointer:
         for name, part in self.parts.items():
             part.load_state_dict(ckpt.state[name])
 
-    def latest(self, before_step: int = MAX_STEP) -> Checkpoint | None:
+    def latest(self, before_step: int = MAX_STEP, resuming: bool = False) -> Checkpoint | None:
         """Rank 0 picks the newest valid, accepted checkpoint at or before `before_step`; every
-        rank loads that same folder (hashed once, on rank 0)."""
+        rank loads that same folder (hashed once, on rank 0). `resuming`: a run.dir whose
+        checkpoints were all refused is refused too (ConfigError on every rank), never started
+        afresh beside them: a new model would be saved next to the old one's newer checkpoints."""
         picked: list[Checkpoint] = []
 
         def pick() -> str | None:
-            ckpt = self.store.latest_before(before_step, self.accept)
+            refusals: list[str] = []
+
+            def accept(ckpt: Checkpoint) -> None:
+                try:
+                    self.accept(ckpt)
+                except (CheckpointError, StateError) as exc:
+                    refusals.append(f"{ckpt.path.name}: {exc}")
+                    raise
+
+            ckpt = self.store.latest_before(before_step, accept)
+            if ckpt is None and resuming and refusals:
+                raise ConfigError(f"{self.store.ckpt_dir} holds checkpoints but none can be resumed ("
+                                  f"{refusals[0]}); fix the config to match them, or use a new run.dir")
             picked.append(ckpt)
             return None if ckpt is None else str(ckpt.path)
 
@@ -226,11 +241,13 @@ class Checkpointer:
         """Continue from this run's newest checkpoint, else start from `weights` (an import) or
         branch from `run.init_from`, else start at step 0. Returns which: "resume", "import",
         "branch" or "fresh"."""
-        ckpt = self.latest()
+        ckpt = self.latest(resuming=True)
         if ckpt is not None:
             allowed = self.accept(ckpt, values=False)  # pure and cheap: again on every rank, for the event
             self.restore(ckpt)
-            self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed)
+            changes = describe(allowed, ckpt.state["config"], self.cfg, self.train.step, self.train.next_sequence)
+            self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed, changes=changes,
+                      total_steps=self.cfg.train.total_steps)
             return "resume"
         if weights is not None:
             self.start_from(weights)

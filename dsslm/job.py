@@ -35,6 +35,7 @@ from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
 from dsslm.observe.audit import ResumeAudit, run_env
+from dsslm.observe.console import warn_at_start
 from dsslm.observe.sinks import Sinks
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.forensics import Forensics
@@ -147,6 +148,7 @@ def start(job: Job) -> str:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
               f"(sequence {job.state.next_sequence})", flush=True)
+        warn_at_start(cfg, engine.device.type, engine.n_params, tokens_per_step, torch.get_num_threads())
     return how
 
 

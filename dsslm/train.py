@@ -141,7 +141,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
             first_step = None   # once: a rewind to the start does not report again
-        if cfg.run.val_every and state.step % cfg.run.val_every == 0:
+        if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.

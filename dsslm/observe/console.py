@@ -229,3 +229,33 @@ class Console:
         if self.bar_shown:
             sys.stderr.write("\n")
             self.bar_shown = False
+
+
+# A CPU core's sustained training throughput, roughly (fp32 matmuls of a small transformer, forward
+# and backward): enough to tell a minute per step from a second, not to plan a run by.
+CPU_FLOPS_PER_THREAD = 5e10
+SLOW_CPU_STEP_S = 30.0
+
+
+def warn_at_start(cfg: Any, device_type: str, n_params: int, tokens_per_step: int, threads: int) -> list[str]:
+    """Warnings a person should read before a run starts (rank 0; logged and returned): a config
+    sized for a GPU started on the CPU, and a run too short for its validation or checkpoint interval."""
+    lines = []
+    if device_type == "cpu":
+        seconds = 6 * n_params * tokens_per_step / (CPU_FLOPS_PER_THREAD * max(1, threads))
+        if seconds > SLOW_CPU_STEP_S:
+            total = seconds * max(0, cfg.train.total_steps)
+            lines.append(f"this config ({n_params / 1e6:.0f}M parameters, {tokens_per_step:,} tokens/step) runs on "
+                         f"the CPU: about {_duration(seconds)} per step, {_duration(total)} for "
+                         f"train.total_steps={cfg.train.total_steps}; use a GPU, or a smaller config such as "
+                         f"configs/tiny.yaml")
+    total_steps = cfg.train.total_steps
+    if cfg.ckpt.every > total_steps:
+        lines.append(f"ckpt.every={cfg.ckpt.every} is more than train.total_steps={total_steps}: the run saves only "
+                     f"at its end, so a crash loses all of it; set e.g. ckpt.every={max(1, total_steps // 4)}")
+    if cfg.run.val_every > total_steps:
+        lines.append(f"run.val_every={cfg.run.val_every} is more than train.total_steps={total_steps}: validation "
+                     f"runs only at the last step; set e.g. run.val_every={max(1, total_steps // 4)}")
+    for line in lines:
+        LOG.warning(line)
+    return lines

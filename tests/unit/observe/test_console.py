@@ -122,3 +122,16 @@ def test_a_run_logged_to_a_file_reads_like_a_log(tmp_path):
     assert any("saved step-00000006" in line for line in lines)
     assert any("validation loss" in line for line in lines)
     assert "finished: step 12 of 12" in lines[-1] and "Traceback" not in proc.stderr
+
+
+def test_a_gpu_sized_config_on_the_cpu_and_a_too_short_run_are_warned_about(capsys):
+    from dsslm.config import load
+    cfg = load("configs/125m.yaml", [])
+    lines = console_module.warn_at_start(cfg, "cpu", 124_000_000, 8 * 4 * 2048, threads=2)
+    assert len(lines) == 1 and "runs on the CPU: about" in lines[0] and "configs/tiny.yaml" in lines[0]
+    assert console_module.warn_at_start(cfg, "cuda", 124_000_000, 8 * 4 * 2048, threads=2) == []
+    short = load(None, ["train.total_steps=200", "optim.warmup_steps=10"])  # tiny.yaml: both every 250
+    lines = console_module.warn_at_start(short, "cpu", 800_000, 768, threads=2)
+    assert [line.split("=")[0] for line in lines] == ["ckpt.every", "run.val_every"]
+    assert "ckpt.every=50" in lines[0] and "run.val_every=50" in lines[1]
+    assert console_module.warn_at_start(load(None, []), "cpu", 800_000, 768, threads=2) == []

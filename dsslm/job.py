@@ -190,7 +190,8 @@ def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> 
     plan = engine.decide(lambda: plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full"))
     mine = share_of(plan["hash"], engine.rank, engine.world_size)
     hashed_bytes = sum(size for _, size in plan["hash"])
-    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress), "hashing the data shards",
+    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress, manifest["dtype"]),
+                               "hashing the data shards",
                                total_units=hashed_bytes)
     found = {path: digest for part in parts for path, digest in part.items()}
     if engine.is_main and found:

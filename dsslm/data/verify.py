@@ -161,3 +161,20 @@ def update_cache(cache: Path, manifest: dict, found: dict[str, dict]) -> None:
     shards.update(found)
     cache.parent.mkdir(parents=True, exist_ok=True)  # the run's folder, for a read-only DATA_DIR
     write_json_atomic(cache, {"format": CACHE_FORMAT, "shards": dict(sorted(shards.items()))})
+
+
+def node_of(ranks_hosts: list[str], rank: int) -> list[int]:
+    """The ranks that share `rank`'s machine (by host name), ascending: one node's copy of DATA_DIR.
+    Every node verifies the copy its own ranks read; its first rank plans and keeps the cache."""
+    return [r for r, host in enumerate(ranks_hosts) if host == ranks_hosts[rank]]
+
+
+def digest_problem(data_dir: Path, manifest: dict, found: dict[str, dict], host: str) -> str | None:
+    """check_digests' verdict as a line naming the machine (None: every digest agrees), for the
+    ranks to exchange: a node's bad copy must stop every rank, not only that node's."""
+    try:
+        check_digests(data_dir, manifest, found)
+    except DataError as exc:
+        return f"on {host}: {exc}"
+    return None
+

@@ -40,6 +40,9 @@ def configure() -> None:
         LOG.setLevel(getattr(logging, name, logging.INFO) if isinstance(getattr(logging, name, None), int)
                      else logging.INFO)
     if not LOG.handlers:
+        # Unconfigured by the user; a library's logging.config call (disable_existing_loggers)
+        # must not silence the run.
+        LOG.disabled = False
         handler = _Stderr()
         handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
         LOG.addHandler(handler)

@@ -16,13 +16,14 @@ from helpers import run_train
 def fresh_logger():
     """Each test starts from an unconfigured "dsslm" logger, as a new process does."""
     log = logging.getLogger("dsslm")
-    saved = (log.level, list(log.handlers), log.propagate)
+    saved = (log.level, list(log.handlers), log.propagate, log.disabled)
     log.setLevel(logging.NOTSET)
     log.handlers.clear()
+    log.disabled = False
     yield log
     log.setLevel(saved[0])
     log.handlers[:] = saved[1]
-    log.propagate = saved[2]
+    log.propagate, log.disabled = saved[2], saved[3]
 
 
 def sinks(tmp_path, is_main=True, log_every=5, total=20):

@@ -172,8 +172,8 @@ class Console:
             sys.stderr.flush()
             self.bar_shown = True
         elif step % self.log_every == 0 or step == self.total_steps or step == self.first_step:
-            LOG.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  gnorm {record['gnorm']:.3g}  "
-                     f"lr {record['lr']:.3g}  {record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}")
+            LOG.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  gnorm {record.get('gnorm', 0):.3g}  "
+                     f"lr {record.get('lr', 0):.3g}  {record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}")
 
     def val_loss(self, record: dict) -> None:
         if not self.enabled or not record.get("val_loss"):

@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 class RunCfg:
     dir: str = "runs/default"
     seed: int = 1337
-    log_every: int = 1          # steps between progress-bar refreshes (metrics.jsonl gets every step)
+    log_every: int = 10         # steps between log lines when stderr is not a terminal (metrics.jsonl: every step)
     val_every: int = 50         # steps between validation passes (0 = never)
     val_batches: int = 4        # batches per domain per validation pass
     init_from: str = ""         # a checkpoint folder of another run to branch from, or hf:HF_DIR

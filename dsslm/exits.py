@@ -6,7 +6,9 @@ counts as a failure:
 |-----------------------------------|-------------------------------------------------------------------|
 | imports (`python -m dsslm.train`) | noted; `main()` then exits 0 before reading anything              |
 | setup and start (resume, branch)  | raises `Preempted` at once: nothing is trained, nothing to save   |
-| the loop                          | noted; the loop saves at the next step boundary and exits 0       |
+| the loop                          | noted; the step in flight finishes, the loop saves there and      |
+|                                   | exits 0 (Ctrl-C, SIGINT: the same save, then exit 130; a second   |
+|                                   | Ctrl-C stops at once, the save in flight finished)                |
 | after the end event, interpreter  | ignored (SIG_IGN): the run is finished, and Python resets its     |
 |   shutdown                        | own handlers to the default (death by -15) while it shuts down    |
 
@@ -15,6 +17,7 @@ Only this module installs signal handlers; no rank-specific logic lives here.
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -56,6 +59,7 @@ class StopFlag:
         self.requested = False
         self.in_loop = False
         self.signum: int | None = None
+        self._sigint = None  # the SIGINT handler before the loop's, restored by close()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         if _early:  # arrived during the imports
@@ -63,8 +67,33 @@ class StopFlag:
             raise Preempted(self.signum)
 
     def save_on_signal(self) -> None:
-        """From here on a signal is answered at the next step boundary (a save, exit 0)."""
+        """From here on a signal is answered at the end of the step in flight (a save, exit 0), and
+        Ctrl-C too, unless SIGINT is ignored (a shell's background job: nohup, `cmd &`)."""
         self.in_loop = True
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN and self._sigint is None:
+            self._sigint = signal.signal(signal.SIGINT, self._interrupt)
+
+    def close(self) -> None:
+        """Ctrl-C means KeyboardInterrupt again (train() called from a script or a notebook)."""
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
+            self._sigint = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "a stop signal"
+
+    @property
+    def exit_code(self) -> int:
+        """0 for a stop signal (Slurm's preemption, time limit); 130 for Ctrl-C, as a shell expects."""
+        return 130 if self.signum == signal.SIGINT else 0
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        if self.requested and self.signum == signal.SIGINT:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested, self.signum = True, signum
+        print("dsslm: Ctrl-C: saving at the end of this step (Ctrl-C again to stop at once)", file=sys.stderr,
+              flush=True)
 
     @property
     def stopped_in_setup(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -30,13 +31,15 @@ from dsslm.data.corpus import default_data_dir
 from dsslm.data.prefetch import Prefetcher
 from dsslm.data.stream import batch_size_at
 from dsslm.data.tokenizer import load_tokenizer
-from dsslm.data.verify import cache_path, check_digests, hash_shards, plan_hashing, share_of, update_cache
+from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of, plan_hashing, share_of,
+                               update_cache)
 from dsslm.downstream import TaskEvals
 from dsslm.engine import Engine, build_engine
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
 from dsslm.observe.audit import ResumeAudit, run_env
+from dsslm.observe.console import warn_at_start
 from dsslm.observe.sinks import Sinks
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.forensics import Forensics
@@ -123,11 +126,18 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
                evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)))
 
 
-def start(job: Job) -> None:
-    """Resume, branch or start fresh; fold in the run-level skip list; say so."""
+def start(job: Job) -> str:
+    """Resume, branch or start fresh; fold in the run-level skip list; say so. Returns how it
+    started ("resume", "import", "branch", "fresh"), or "finished": a resumed run with nothing
+    left to train, which says so and is not started again."""
     cfg, engine = job.cfg, job.engine
     hf_dir = hf_dir_of(cfg.run.init_from)
     how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
+    if how == "resume" and job.state.step >= cfg.train.total_steps:
+        if job.verified is not None:  # what was checked is still worth recording
+            job.sinks.emit("data_verified", **job.verified)
+        job.sinks.emit("finished", step=job.state.step, total_steps=cfg.train.total_steps)
+        return "finished"
     job.rewinder.merge_run_file(job.state)
     env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
                   cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
@@ -147,7 +157,9 @@ def start(job: Job) -> None:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
               f"(sequence {job.state.next_sequence})", flush=True)
+        warn_at_start(cfg, engine.device.type, engine.n_params, tokens_per_step, torch.get_num_threads())
     job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
+    return how
 
 
 def save(job: Job, sync: bool = False) -> None:
@@ -181,26 +193,41 @@ def finish_saves(store: CheckpointStore):
 
 def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:
     """Hash the shards their cached verification cannot vouch for (all of them for
-    data.verify=full), split over the ranks and each rank's threads. Every rank reaches the same
-    verdict (a DataError on every rank); rank 0 updates the cache."""
+    data.verify=full), split over each node's ranks and their threads. Each node checks its own
+    copy of DATA_DIR (a node-local copy can differ from rank 0's): the node's first rank plans from
+    its own cache, and writes it. Every rank reaches the same verdict (a DataError on every rank)."""
     started = time.perf_counter()
     cache = cache_path(data_dir, Path(cfg.run.dir))
-    plan = engine.decide(lambda: plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full"))
-    mine = share_of(plan["hash"], engine.rank, engine.world_size)
+    hosts = engine.all_gather(socket.gethostname())
+    node = node_of(hosts, engine.rank)
+    plan = None
+    if engine.rank == node[0]:
+        try:
+            plan = plan_hashing(data_dir, manifest, cache, full=cfg.data.verify == "full")
+        except DataError as exc:
+            plan = f"on {hosts[engine.rank]}: {exc}"
+    plans = engine.all_gather(plan)
+    if any(isinstance(p, str) for p in plans):
+        raise DataError(next(p for p in plans if isinstance(p, str)))
+    plan = plans[node[0]]
+    mine = share_of(plan["hash"], node.index(engine.rank), len(node))
     hashed_bytes = sum(size for _, size in plan["hash"])
-    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress), "hashing the data shards",
-                               total_units=hashed_bytes)
-    found = {path: digest for part in parts for path, digest in part.items()}
-    if engine.is_main and found:
+    every_node = sum(size for p in plans if p is not None for _, size in p["hash"])  # the node leaders' plans
+    parts = engine.gather_long(lambda progress: hash_shards(data_dir, mine, progress, manifest["dtype"]),
+                               "hashing the data shards", total_units=every_node)
+    found = {path: digest for r in node for path, digest in parts[r].items()}
+    if engine.rank == node[0] and found:
         try:
             update_cache(cache, manifest, found)
         except OSError as exc:
             print(f"dsslm: cannot write {cache} ({exc}); the next start hashes these shards again", file=sys.stderr)
-    check_digests(data_dir, manifest, found)
+    problems = [p for p in engine.all_gather(digest_problem(data_dir, manifest, found, hosts[engine.rank])) if p]
+    if problems:
+        raise DataError(problems[0])
     summary = {"hashed_shards": len(found), "hashed_per_rank": [len(part) for part in parts],
                "hashed_bytes": hashed_bytes, "cached_shards": plan["cached"],
                "cached_bytes": plan["cached_bytes"], "full": cfg.data.verify == "full", "cache": str(cache),
-               "seconds": round(time.perf_counter() - started, 3)}
+               "nodes": len(set(hosts)), "seconds": round(time.perf_counter() - started, 3)}
     if engine.is_main:
         print(f"dsslm: data verified: hashed {len(found)} shards ({hashed_bytes / 1e9:.2f} GB) in "
               f"{summary['seconds']:.1f} s; {plan['cached']} unchanged since their cached verification", flush=True)

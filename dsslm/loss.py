@@ -71,7 +71,7 @@ class StepResult:
 
 def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
                z_loss: float, clip: float | Callable[[float], float], tokens_global: int,
-               stop_requested: bool = False, loss_multiplier: float = 1.0, grad_multiplier: float = 1.0,
+               stop_requested: bool | Callable[[], bool] = False, loss_multiplier: float = 1.0, grad_multiplier: float = 1.0,
                failed: bool = False) -> StepResult:
     """Forward and backward every micro-batch, then clip: the gradient is that of the step's
     summed token loss over its total real-token count `tokens_global` (every rank's), whatever the
@@ -113,7 +113,9 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
         real_total += (targets != IGNORE_INDEX).sum()
     gnorm = engine.clip_grad_norm(clip)
     # One collective carries the loss sum, every rank's stop and failure flags and its real-token count.
-    flags = torch.tensor([float(stop_requested), float(failed)], dtype=torch.float64, device=engine.device)
+    # The stop flag as of now, after the backward: a signal during this step stops at its end.
+    stop_now = stop_requested() if callable(stop_requested) else stop_requested
+    flags = torch.tensor([float(stop_now), float(failed)], dtype=torch.float64, device=engine.device)
     reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.reshape(1))))
     # The one host sync of the step: everything the loop needs, read together.
     ce, stops, failures, real, norm = torch.cat((reduced, gnorm.detach().double().reshape(1).to(reduced.device))).tolist()

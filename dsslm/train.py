@@ -24,7 +24,9 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+from dsslm.ckpt.drift import check_allow_drift
 from dsslm.ckpt.lock import LockLost
 from dsslm.ckpt.store import CheckpointError
 from dsslm.ckpt.train_state import TrainState
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
         cfg = load(args.config, overrides)
-        return train(cfg, tuple(args.allow_drift))
+        return train(cfg, check_allow_drift(args.allow_drift))
     except (ConfigError, DataError) as err:
         print(f"dsslm: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save", file=sys.stderr)
         return EXIT_OK
     except KeyboardInterrupt:
-        print("dsslm: interrupted; the save in flight, if any, was finished", file=sys.stderr)
+        print(f"dsslm: interrupted; the save in flight, if any, was finished; the next run resumes from the "
+              f"newest checkpoint in {cfg.run.dir}/checkpoints", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -106,6 +109,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
     stop = StopFlag()  # first: from here a SIGTERM/SIGUSR1 before the first step is a clean exit 0
     with contextlib.ExitStack() as cleanup:  # saves finished, events recorded, lock released, group left
+        cleanup.callback(stop.close)
         try:
             job = setup(cfg, allow_drift, cleanup)
             return run_loop(job, stop)
@@ -117,8 +121,9 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 
 def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, sinks, state = job.cfg, job.sinks, job.state
-    start(job)
-    stop.save_on_signal()  # from the first step on, a stop signal saves at the next step boundary
+    if start(job) == "finished":
+        return EXIT_OK  # said so; nothing to train
+    stop.save_on_signal()  # from the first step on, a stop signal (or Ctrl-C) saves at the end of its step
     diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
     first_step = state.step
     while state.step < cfg.train.total_steps:
@@ -136,15 +141,15 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
             first_step = None   # once: a rewind to the start does not report again
-        if cfg.run.val_every and state.step % cfg.run.val_every == 0:
+        if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
         job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
         if stop_requested:
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, sync=True)
-            sinks.emit("preempt_save", step=state.step)
+            sinks.emit("preempt_save", step=state.step, signal=stop.name)
             check_health(job)
-            return EXIT_OK
+            return stop.exit_code
         if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
             save(job)
         job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
@@ -168,7 +173,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
-    result = compute(job, step, batches, tokens, stop.requested)
+    result = compute(job, step, batches, tokens, lambda: stop.requested)  # read after the backward
     if job.triage.spread_pending:  # once per job, where kernels are not bitwise deterministic
         result = measure_spread(job, step, batches, streams, result, stop)
     verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
@@ -211,7 +216,7 @@ def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -
     return verdict, reason if verdict is not Verdict.OK else ""
 
 
-def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: bool) -> StepResult:
+def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Callable[[], bool]) -> StepResult:
     """Forward and backward of one step's micro-batches (`tokens` real targets over every rank),
     clipped, the drills' faults applied."""
     t = job.cfg.train
@@ -230,7 +235,7 @@ def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: St
     and the re-run's update is applied; a reproduced outlier is skipped as before."""
     job.engine.drop_gradients()
     set_step_streams(streams)
-    result = compute(job, step, batches, first.batch_tokens, stop.requested or first.stop_requested)
+    result = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
     verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
     job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
     return verdict, rerun_reason, result
@@ -242,7 +247,7 @@ def measure_spread(job: Job, step: int, batches: list, streams: tuple, first: St
     of one step land is what a triage replay must exceed to show a spike again."""
     job.engine.drop_gradients()
     set_step_streams(streams)
-    again = compute(job, step, batches, first.batch_tokens, stop.requested or first.stop_requested)
+    again = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
     job.triage.note_spread(step, (first.loss, first.gnorm), (again.loss, again.gnorm))
     return again
 

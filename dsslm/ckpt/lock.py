@@ -40,6 +40,7 @@ from dsslm.durable import fsync_dir
 
 LOCK_FILE = "LOCK"
 HEARTBEAT_S = 10.0
+READ_RETRY_S = 30.0  # the longest a read error of LOCK is retried before the lock counts as lost
 MAX_LOCK_BYTES = 64 << 10  # a lock is a few hundred bytes; anything bigger was not written by us
 LOCK_SPEC = Fields(open=True, host=Str(255), boot_id=Str(64), pid_ns=Str(64), pid=Int(1, 2**31),
                      pid_start=Optional(Int(0)), started=Str(64), slurm_job_id=Str(64), slurm_restart=Int(0),
@@ -280,15 +281,30 @@ class RunLock:
             except OSError:
                 pass  # a transient error on a network filesystem; the next beat retries
 
+    @property
+    def read_retry_s(self) -> float:
+        """How long a LOCK that cannot be read is taken for a transient fault of a shared filesystem
+        (an NFS timeout, a stale handle) and read again: well inside the time after which another
+        node could call our heartbeat stale, so we stop before anyone could take run.dir over."""
+        return min(READ_RETRY_S, self.stale_after_s / 4)
+
     def holds(self) -> str | None:
-        """None while LOCK names this trainer; else what happened to it."""
-        try:
-            with open(self.path, "rb") as f:  # bounded: LOCK could have been replaced by anything
-                holder = json.loads(f.read(MAX_LOCK_BYTES))
-        except FileNotFoundError:
-            return f"{self.path} was deleted while this trainer held it"
-        except (OSError, ValueError) as exc:
-            return f"{self.path} became unreadable ({exc})"
+        """None while LOCK names this trainer; else what happened to it. A read error is retried
+        until `read_retry_s` has passed, and only then taken as losing the lock."""
+        deadline, wait = time.monotonic() + self.read_retry_s, 0.05
+        while True:
+            try:
+                with open(self.path, "rb") as f:  # bounded: LOCK could have been replaced by anything
+                    holder = json.loads(f.read(MAX_LOCK_BYTES))
+                break
+            except FileNotFoundError:
+                return f"{self.path} was deleted while this trainer held it"
+            except (OSError, ValueError) as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"{self.path} stayed unreadable for {self.read_retry_s:.0f} s ({exc})"
+                time.sleep(min(wait, left))
+                wait = min(wait * 2, 2.0)
         if not isinstance(holder, dict) or holder.get("token") != self.me["token"]:
             who = describe(holder) if isinstance(holder, dict) and "pid" in holder else "something else"
             return f"{self.path} now names {who}"

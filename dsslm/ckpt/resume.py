@@ -26,6 +26,7 @@ import torch
 from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, invalid_reason, read_manifest
 from dsslm.ckpt.shards import check_headers, open_folder, read_rank_file, split_files, verify_share
 from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
+from dsslm.ckpt.drift import describe
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
@@ -93,6 +94,10 @@ class _RngList(Spec):
             raise StateError(f"{path}: no rank's random state")
         for i, one in enumerate(value):
             check_rng_state(one, f"{path}[{i}]")
+
+
+class NotAccepted(CheckpointError):
+    """A checkpoint that verified but was refused by its contents (config, shapes, fields)."""
 
 
 class Checkpointer:
@@ -281,21 +286,31 @@ class Checkpointer:
             else:
                 part.load_state_dict(value)
 
-    def latest(self, before_step: int = MAX_STEP) -> Checkpoint | None:
+    def latest(self, before_step: int = MAX_STEP, resuming: bool = False) -> Checkpoint | None:
         """The newest checkpoint at or before `before_step` that verifies and is accepted, the same
         one on every rank: rank 0 names candidates newest first (MANIFEST and sizes checked), all
-        ranks hash it together, each its share; a refused one is passed over by one decision."""
+        ranks hash it together, each its share; a refused one is passed over by one decision.
+
+        `resuming`: a run.dir whose checkpoints all verify but are all refused is refused too
+        (ConfigError on every rank), never started afresh beside them: a new model would be saved
+        next to the old one's newer checkpoints."""
         tried: set[str] = set()
+        refusals: list[str] = []
         while True:
             path = self.engine.decide(
                 lambda: next((p for p in self.store.candidates(before_step) if p not in tried), None))
             if path is None:
+                if resuming and refusals:
+                    raise ConfigError(f"{self.store.ckpt_dir} holds checkpoints but none can be resumed ("
+                                      f"{refusals[0]}); fix the config to match them, or use a new run.dir")
                 return None
             tried.add(path)
             try:
                 return self._open(Path(path))
             except (CheckpointError, StateError) as exc:  # malformed; a refused resume (ResumeRefused) propagates
                 reason = str(exc)
+                if isinstance(exc, NotAccepted):
+                    refusals.append(f"{Path(path).name}: {reason}")
                 self.engine.decide(lambda: self.store.refuse(path, reason))
 
     def open(self, path: Path, verified: bool = False, parent: bool = False) -> Checkpoint:
@@ -330,7 +345,10 @@ class Checkpointer:
         def accept() -> None:
             ckpt = open_folder(path, files)
             check_headers(ckpt.reader.index, headers)
-            self.accept(ckpt, parent)
+            try:
+                self.accept(ckpt, parent)
+            except (CheckpointError, StateError) as exc:  # whole and hashed right, but not this run's
+                raise NotAccepted(str(exc)) from None
 
         engine.decide(accept)
         ckpt = open_folder(path, files)
@@ -360,11 +378,13 @@ class Checkpointer:
         """Continue from this run's newest checkpoint, else start from `weights` (an import) or
         branch from `run.init_from`, else start at step 0. Returns which: "resume", "import",
         "branch" or "fresh"."""
-        ckpt = self.latest()
+        ckpt = self.latest(resuming=True)
         if ckpt is not None:
             allowed = self.accept(ckpt, values=False)  # pure and cheap: again on every rank, for the event
             self.restore(ckpt)
-            self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed)
+            changes = describe(allowed, ckpt.state["config"], self.cfg, self.train.step, self.train.next_sequence)
+            self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed, changes=changes,
+                      total_steps=self.cfg.train.total_steps)
             return "resume"
         if weights is not None:
             self.start_from(weights)

@@ -13,6 +13,7 @@ from typing import Any
 from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipEntry,
                                Str, Window)
 from dsslm.config import Config, ConfigError, config_hash, drift, hashed_items
+from dsslm.ckpt.drift import SHAPE_KEYS, shape_refusal
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
 # sequences it skipped, the checkpoint step it went back to and the lr_scale factor it applied;
@@ -88,10 +89,17 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
                       ("global_batch_size", "global_batch_size")):
         if saved[key] != now[key]:
             differences[name] = [saved[key], now[key]]
-    refused = {k: v for k, v in differences.items() if not _allowed(k, allow_drift)}
+    # A shape key is never honoured, whatever was allowed (see ckpt.drift).
+    refused = {k: v for k, v in differences.items() if k in SHAPE_KEYS or not _allowed(k, allow_drift)}
     if refused:
         key, (old, new) = next(iter(refused.items()))
         more = f" (and {len(refused) - 1} more: {', '.join(list(refused)[1:4])})" if len(refused) > 1 else ""
+        if key in SHAPE_KEYS:
+            raise ResumeRefused(shape_refusal(key, old, new, where, more))
+        # Starting a new run.dir from the weights is meaningful where a branch accepts the difference.
+        branch = ("" if where.startswith("parent") or key.startswith("model.") or key == "tokenizer" else
+                  f", or start a new run.dir from its weights with run.init_from={cfg.run.dir}/checkpoints/"
+                  f"{where.split()[-1]}")
         raise ResumeRefused(f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}; "
-                            f"restore it, use another run.dir, or pass --allow-drift {key}")
+                            f"restore it, pass --allow-drift {key} to continue this run under the new value{branch}")
     return differences

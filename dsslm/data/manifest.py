@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,10 @@ def load_manifest(data_dir: str | Path, verify: bool = True) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"{path} is unreadable ({e}); rebuild {data_dir} with prepare") from e
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{path} has format {manifest.get('format')!r}, not {FORMAT}; rebuild it with prepare")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DataError(f"{path} has format {got!r}, not {FORMAT}; rebuild it with prepare")
+    check_manifest(data_dir, manifest)
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for domain in manifest["domains"].values():
         for entry in domain["train"] + domain["val"]:
@@ -38,6 +41,62 @@ def load_manifest(data_dir: str | Path, verify: bool = True) -> dict:
     if verify:
         verify_tokenizer(data_dir, manifest)
     return manifest
+
+
+DTYPES = ("uint16", "uint32")  # what prepare writes: the smallest that holds the vocabulary
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_MAX_TOKENS = 2**62
+
+
+def check_manifest(data_dir: Path, manifest: dict) -> None:
+    """Every field a reader relies on, before anything is read or allocated by it: a manifest may
+    come from another machine or tool. DataError naming the field. Shard paths must stay inside
+    DATA_DIR (relative, no `..`, no link leading out): a manifest cannot make a run read, or hash,
+    a file elsewhere."""
+    where = data_dir / MANIFEST_FILE
+
+    def bad(field: str, value, want: str) -> DataError:
+        return DataError(f"{where}: {field} is {str(value)[:80]!r}, expected {want}; rebuild {data_dir} with prepare")
+
+    tok = manifest.get("tokenizer")
+    if not isinstance(tok, dict) or tok.get("kind") not in ("byte", "bpe", "file"):
+        raise bad("tokenizer", tok, "an object with kind byte, bpe or file")
+    vocab = tok.get("vocab_size")
+    if not _is_int(vocab) or not 1 <= vocab <= 2**31:
+        raise bad("tokenizer.vocab_size", vocab, "an integer in [1, 2^31]")
+    if not _is_int(tok.get("eos_id")) or not 0 <= tok["eos_id"] < vocab:
+        raise bad("tokenizer.eos_id", tok.get("eos_id"), f"an integer in [0, {vocab})")
+    if not isinstance(tok.get("sha256"), str) or not _HEX64.fullmatch(tok["sha256"]):
+        raise bad("tokenizer.sha256", tok.get("sha256"), "64 hex digits")
+    dtype = manifest.get("dtype")
+    if dtype not in DTYPES:
+        raise bad("dtype", dtype, " or ".join(DTYPES))
+    if vocab > 1 << (8 * np.dtype(dtype).itemsize):
+        raise bad("dtype", dtype, f"one that holds token ids up to {vocab - 1} (tokenizer.vocab_size)")
+    domains = manifest.get("domains")
+    if not isinstance(domains, dict) or not domains:
+        raise bad("domains", domains, "an object with at least one domain")
+    root = data_dir.resolve()
+    for name, domain in domains.items():
+        if not isinstance(domain, dict) or not all(isinstance(domain.get(s), list) for s in ("train", "val")):
+            raise bad(f"domains.{name}", domain, "an object with train and val lists")
+        for split in ("train", "val"):
+            for i, entry in enumerate(domain[split]):
+                field = f"domains.{name}.{split}[{i}]"
+                if not isinstance(entry, dict):
+                    raise bad(field, entry, "an object")
+                rel = entry.get("path")
+                if (not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts
+                        or not (data_dir / rel).resolve().is_relative_to(root)):
+                    raise bad(f"{field}.path", rel, "a path inside DATA_DIR")
+                if not _is_int(entry.get("tokens")) or not 0 <= entry["tokens"] <= _MAX_TOKENS:
+                    raise bad(f"{field}.tokens", entry.get("tokens"), "a token count")
+                if not isinstance(entry.get("sha256"), str) or not _HEX64.fullmatch(entry["sha256"]):
+                    raise bad(f"{field}.sha256", entry.get("sha256"), "64 hex digits")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def verify_tokenizer(data_dir: Path, manifest: dict) -> None:

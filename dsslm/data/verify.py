@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import re
+
+import numpy as np
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -69,7 +71,9 @@ def read_cache(path: Path) -> dict[str, dict]:
 def _well_formed(entry) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) or not _HEX64.fullmatch(entry["sha256"]):
         return False
-    stat = entry.get("stat")
+    stat, top = entry.get("stat"), entry.get("max_token")
+    if not isinstance(top, int) or isinstance(top, bool) or top < -1:
+        return False  # a cache from before the token range was checked: hashed (and ranged) once more
     return (isinstance(stat, list) and len(stat) == 3
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in stat))
 
@@ -83,7 +87,8 @@ def plan_hashing(data_dir: Path, manifest: dict, cache: Path, full: bool) -> dic
     for entry in shard_entries(manifest):
         stat = _stat(data_dir / entry["path"])
         hit = known.get(entry["path"])
-        if hit is not None and hit["stat"] == stat and hit["sha256"] == entry["sha256"]:
+        if (hit is not None and hit["stat"] == stat and hit["sha256"] == entry["sha256"]
+                and hit["max_token"] < manifest["tokenizer"]["vocab_size"]):
             cached, cached_bytes = cached + 1, cached_bytes + stat[0]
         else:
             todo.append([entry["path"], stat[0]])
@@ -102,38 +107,50 @@ def share_of(todo: list, rank: int, world_size: int) -> list[str]:
     return mine
 
 
-def hash_shards(data_dir: Path, paths: list[str], progress: Callable[[int], None]) -> dict[str, dict]:
-    """{path: {"stat", "sha256"}} for these shards, hashed in threads; `progress(bytes)` is called
-    as they go (from the threads)."""
+def hash_shards(data_dir: Path, paths: list[str], progress: Callable[[int], None],
+                 dtype: str = "uint16") -> dict[str, dict]:
+    """{path: {"stat", "sha256", "max_token"}} for these shards (tokens of `dtype`), hashed in
+    threads; `progress(bytes)` is called as they go (from the threads)."""
     if not paths:
         return {}
     threads = min(len(paths), MAX_THREADS, len(os.sched_getaffinity(0)))
     with ThreadPoolExecutor(threads, thread_name_prefix="dsslm-hash") as pool:
-        digests = list(pool.map(lambda p: _hash_one(data_dir / p, progress), paths))
+        digests = list(pool.map(lambda p: _hash_one(data_dir / p, progress, np.dtype(dtype)), paths))
     return dict(zip(paths, digests))
 
 
-def _hash_one(path: Path, progress: Callable[[int], None]) -> dict:
+def _hash_one(path: Path, progress: Callable[[int], None], dtype: np.dtype) -> dict:
+    """The shard's sha256 and its largest token id, from one read (the max costs a few percent)."""
     before = _stat(path)
     digest, buffer = hashlib.sha256(), bytearray(READ_BYTES)
-    view = memoryview(buffer)
+    view, top, carry = memoryview(buffer), -1, b""
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
             digest.update(view[:n])
+            chunk = carry + bytes(view[:n]) if carry else view[:n]
+            whole = len(chunk) - len(chunk) % dtype.itemsize
+            if whole:
+                top = max(top, int(np.frombuffer(chunk[:whole], dtype=dtype).max()))
+            carry = bytes(chunk[whole:])
             progress(n)
     if _stat(path) != before:
         raise DataError(f"shard {path} changed while it was being hashed; is a prepare still writing "
                         f"{path.parent.parent}? Wait for it, then start again")
-    return {"stat": before, "sha256": digest.hexdigest()}
+    return {"stat": before, "sha256": digest.hexdigest(), "max_token": top}
 
 
 def check_digests(data_dir: Path, manifest: dict, found: dict[str, dict]) -> None:
-    """DataError naming the first shard whose digest is not the manifest's."""
+    """DataError naming the first shard whose digest is not the manifest's, or that holds a token
+    id beyond the tokenizer's vocabulary (the embedding would be indexed out of range)."""
+    vocab = manifest["tokenizer"]["vocab_size"]
     for entry in shard_entries(manifest):
         got = found.get(entry["path"])
         if got is not None and got["sha256"] != entry["sha256"]:
             raise DataError(f"shard {data_dir / entry['path']} does not match its sha256 in manifest.json; "
                             f"rebuild {data_dir} with prepare")
+        if got is not None and got.get("max_token", -1) >= vocab:
+            raise DataError(f"shard {data_dir / entry['path']} holds token id {got['max_token']}, beyond the "
+                            f"tokenizer's vocabulary (vocab_size {vocab}); rebuild {data_dir} with prepare")
 
 
 def update_cache(cache: Path, manifest: dict, found: dict[str, dict]) -> None:
@@ -144,3 +161,20 @@ def update_cache(cache: Path, manifest: dict, found: dict[str, dict]) -> None:
     shards.update(found)
     cache.parent.mkdir(parents=True, exist_ok=True)  # the run's folder, for a read-only DATA_DIR
     write_json_atomic(cache, {"format": CACHE_FORMAT, "shards": dict(sorted(shards.items()))})
+
+
+def node_of(ranks_hosts: list[str], rank: int) -> list[int]:
+    """The ranks that share `rank`'s machine (by host name), ascending: one node's copy of DATA_DIR.
+    Every node verifies the copy its own ranks read; its first rank plans and keeps the cache."""
+    return [r for r, host in enumerate(ranks_hosts) if host == ranks_hosts[rank]]
+
+
+def digest_problem(data_dir: Path, manifest: dict, found: dict[str, dict], host: str) -> str | None:
+    """check_digests' verdict as a line naming the machine (None: every digest agrees), for the
+    ranks to exchange: a node's bad copy must stop every rank, not only that node's."""
+    try:
+        check_digests(data_dir, manifest, found)
+    except DataError as exc:
+        return f"on {host}: {exc}"
+    return None
+

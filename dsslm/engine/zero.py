@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -65,6 +66,29 @@ from dsslm.precision import SCALER_SPEC  # noqa: E402
 # DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
 warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)",
                         category=FutureWarning)
+
+
+SHM_OP = "deepspeed_shm_comm"  # what DeepSpeed's TorchBackend JIT-builds on the CPU at its first start
+
+
+def say_if_building(device: torch.device) -> str | None:
+    """Say so before DeepSpeed spends a minute or two compiling its CPU extension in silence (the
+    first start on a machine; later starts load it from torch's extension cache). Returns the line."""
+    if device.type != "cpu":
+        return None
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        if not deepspeed.ops.__compatible_ops__.get(SHM_OP, False):
+            return None  # DeepSpeed will not build it here
+        folder = _get_build_directory(SHM_OP, verbose=False)
+        if any(name.endswith(".so") for name in os.listdir(folder)):
+            return None
+    except (ImportError, OSError, AttributeError):  # a private torch helper moved: say nothing, as before
+        return None
+    line = (f"dsslm: building DeepSpeed's CPU communication extension ({SHM_OP}) once for this machine; "
+            f"this takes a minute or two (cached in {folder})")
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 class DeepSpeedLossScale:
@@ -123,6 +147,8 @@ class ZeroEngine(Engine):
         model.to(self.device)
         prepare_model(model, cfg.train)
         optimizer = build_adamw(model, cfg.optim, self.device)
+        if self.is_main:
+            say_if_building(self.device)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
         self.layout = self._layout()

@@ -73,6 +73,12 @@ def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> No
                       f"{cfg.model.vocab_size} rows; prepare the data with --tokenizer {hf_dir}")
     check_tokenizer(hf_dir, data_tok)
     validate(cfg)
+    # Before the model is built: a config.json claiming a shape its weight files do not have must
+    # not make the run allocate that shape first (a typo'd hidden_size of 10^6 is terabytes).
+    try:
+        check_headers(hf_dir, cfg.model)
+    except HFError as exc:
+        raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
 
 
 def check_tokenizer(hf_dir: Path, data_tok) -> None:
@@ -124,6 +130,28 @@ def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], 
     record (the folder, its architecture and the weight files' SHA-256)."""
     from safetensors import safe_open
 
+    files, want, found = check_headers(hf_dir, cfg)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        keys = [k for k in sorted(want) if found[k][0] == name]
+        if cfg.tie_embeddings and found.get("lm_head.weight", ("",))[0] == name:
+            keys.append("lm_head.weight")
+        with safe_open(hf_dir / name, framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in keys})
+    head = tensors.pop("lm_head.weight", None) if cfg.tie_embeddings else None
+    if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
+    record = {"run_dir": "", "step": 0, "checkpoint": f"{HF_PREFIX}{hf_dir.resolve()}", "source": "huggingface",
+              "architecture": architecture_of(cfg), "files": {n: file_sha256(hf_dir / n) for n in files}}
+    return tensors, record
+
+
+def check_headers(hf_dir: Path, cfg: ModelCfg) -> tuple[list[str], dict, dict]:
+    """The weight files' safetensors headers (names, shapes, dtypes: nothing else is read) against
+    the shapes `cfg` (the folder's config.json) claims: HFError naming the first disagreement.
+    Returns the files, the wanted shapes by HF name, and what each header holds."""
+    from safetensors import safe_open
+
     files, weight_map = weight_files(hf_dir)
     want = hf_shapes(cfg)
     found: dict[str, tuple[str, tuple, str]] = {}
@@ -140,19 +168,7 @@ def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], 
         except Exception as exc:  # safetensors' header errors
             raise HFError(f"{hf_dir / name} is not a readable safetensors file ({exc})") from None
     _check_found(hf_dir, found, want, weight_map, cfg)
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        keys = [k for k in sorted(want) if found[k][0] == name]
-        if cfg.tie_embeddings and found.get("lm_head.weight", ("",))[0] == name:
-            keys.append("lm_head.weight")
-        with safe_open(hf_dir / name, framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in keys})
-    head = tensors.pop("lm_head.weight", None) if cfg.tie_embeddings else None
-    if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
-        raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from the embedding")
-    record = {"run_dir": "", "step": 0, "checkpoint": f"{HF_PREFIX}{hf_dir.resolve()}", "source": "huggingface",
-              "architecture": architecture_of(cfg), "files": {n: file_sha256(hf_dir / n) for n in files}}
-    return tensors, record
+    return files, want, found
 
 
 def _check_found(hf_dir: Path, found: dict, want: dict, weight_map: dict, cfg: ModelCfg) -> None:

@@ -1,4 +1,4 @@
-"""Rank-0 sinks: metrics.jsonl, events.jsonl, TensorBoard, Weights & Biases, progress bar.
+"""Rank-0 sinks: metrics.jsonl, events.jsonl, TensorBoard, Weights & Biases, the console.
 
 Every sink is a no-op on other ranks, so the loop calls them unconditionally. The user's alert
 command hears the events in ALERT_EVENTS; what counts as an alert beyond the spike policy's own
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dsslm.config import ConfigError, ObserveCfg
+from dsslm.observe.console import Console
 
 ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert")
 ALERT_TIMEOUT_S = 30
@@ -241,26 +242,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-class Progress:
-    """A one-line bar on a terminal; silent when stderr is a file (Slurm logs, CI)."""
-
-    def __init__(self, total_steps: int, enabled: bool):
-        self.total_steps = total_steps
-        self.enabled = enabled and sys.stderr.isatty()
-
-    def update(self, step: int, loss: float, tokens_per_s: float, step_time_s: float) -> None:
-        if not self.enabled:
-            return
-        eta_s = max(0, self.total_steps - step) * step_time_s
-        sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {loss:.4f}  "
-                         f"{tokens_per_s:,.0f} tok/s  eta {eta_s / 60:.1f} min   ")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-
-
 class Sinks:
     """Everything rank 0 writes about a run, behind one object the loop holds."""
 
@@ -275,25 +256,28 @@ class Sinks:
         self.events = EventLog(run_dir, is_main, alert_command)
         self.tensorboard = TensorBoard(run_dir, is_main and tensorboard)
         self.wandb = WandB(run_dir, is_main and observe.wandb, observe.wandb_project, observe.wandb_mode, config)
-        self.progress = Progress(total_steps, is_main)
         self.listeners: list[Callable[[dict], None]] = []  # shown every event after it is written (the resume audit)
+        log_every = int(((config or {}).get("run") or {}).get("log_every", 1))
+        self.console = Console(run_dir, is_main, total_steps, log_every)  # what a person reads
 
     def log_step(self, record: dict) -> None:
         self.metrics.write(record)
         self.tensorboard.write(record)
         self.wandb.write(record)
-        self.progress.update(record["step"], record["loss"], record["tokens_per_s"], record["step_time_s"])
+        self.console.step(record)
 
     def log_val(self, record: dict) -> None:
-        """A `{"step", "val_loss": {domain: float}}` record, to every sink but the progress bar."""
+        """A `{"step", "val_loss": {domain: float}}` record, to every sink (the console says one line)."""
         self.metrics.write(record)
         self.tensorboard.write(record)
         self.wandb.write(record)
+        self.console.val_loss(record)
 
     def emit(self, event: str, **fields: Any) -> dict:
         record = self.events.emit(event, **fields)
         for listener in self.listeners:
             listener(record)
+        self.console.event(event, fields)  # observe.console.LINES: which events a person hears of, and how
         return record
 
     def check(self) -> None:
@@ -302,7 +286,7 @@ class Sinks:
         self.events.check()
 
     def close(self) -> None:
-        self.progress.close()
+        self.console.close()
         self.wandb.close()
         self.tensorboard.close()
         self.events.close()

@@ -50,7 +50,7 @@ def test_escalation_with_a_save_in_flight_keeps_that_save(tmp_path):
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
-def test_ctrl_c_with_a_save_in_flight_finishes_it_and_exits_130(tmp_path):
+def test_ctrl_c_with_a_save_in_flight_finishes_it_saves_the_step_and_exits_130(tmp_path):
     marker = tmp_path / "m"
     # A shell's background job (CI's, or `cmd &`) starts with SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler: give the trainer the one a terminal's Ctrl-C meets.
@@ -63,7 +63,10 @@ def test_ctrl_c_with_a_save_in_flight_finishes_it_and_exits_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert invalid_reason(run_dir / "checkpoints" / "step-00000010") is None
-    assert len(events(run_dir, "interrupted")) == 1 and not (run_dir / "LOCK").exists()
+    # Like SIGTERM: the step in flight ends, is saved, and the line says where the next run resumes.
+    (saved,) = events(run_dir, "preempt_save")
+    assert saved["signal"] == "SIGINT" and invalid_reason(run_dir / "checkpoints" / f"step-{saved['step']:08d}") is None
+    assert f"resume from step {saved['step']}" in err and not (run_dir / "LOCK").exists()
 
 
 def _fail_on_rank0(rank: int, world_size: int, run_dir: str, what: str) -> tuple[int, float]:
@@ -172,3 +175,47 @@ def test_sigterm_while_the_finished_process_shuts_down_exits_0(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert events(run_dir, "end")[0]["step"] == 6
+
+
+def _signal_during_step(monkeypatch, step: int, *signals: int) -> None:
+    """Send `signals` to this process during the forward/backward of step `step` (its 1-based
+    call of accumulate), after the step has started: where a long step spends its time."""
+    from dsslm import train as train_module
+    real, calls = train_module.accumulate, []
+
+    def accumulate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+                time.sleep(0.05)  # the handler runs before the next signal
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "accumulate", accumulate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, EXIT_INTERRUPTED)])
+def test_a_stop_signal_or_ctrl_c_during_a_step_saves_at_the_end_of_that_step(tmp_path, monkeypatch, capsys,
+                                                                                 sig, code):
+    from dsslm.train import main
+    run_dir = tmp_path / "run"
+    _signal_during_step(monkeypatch, 5, sig)
+    assert main([f"run.dir={run_dir}", *TINY, "train.total_steps=40", "ckpt.every=20"]) == code
+    saved = events(run_dir, "preempt_save")
+    assert [(e["step"], e["signal"]) for e in saved] == [(5, signal.Signals(sig).name)]
+    assert max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r) == 5
+    assert invalid_reason(run_dir / "checkpoints" / "step-00000005") is None
+    assert "resume from step 5" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the caller's again
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_and_exits_130(tmp_path, monkeypatch, capsys):
+    from dsslm.train import main
+    run_dir = tmp_path / "run"
+    _signal_during_step(monkeypatch, 5, signal.SIGINT, signal.SIGINT)
+    assert main([f"run.dir={run_dir}", *TINY, "train.total_steps=40", "ckpt.every=20"]) == EXIT_INTERRUPTED
+    assert not events(run_dir, "preempt_save") and len(events(run_dir, "interrupted")) == 1
+    err = capsys.readouterr().err
+    assert "Ctrl-C again to stop at once" in err and f"resumes from the newest checkpoint in {run_dir}" in err

@@ -294,3 +294,23 @@ def test_import_of_a_folder_transformers_wrote_itself_matches_its_logits(runs, t
     x = probe(257)
     diff = (ours(x) - theirs(x).logits).abs().max()
     assert diff <= 1e-4, diff
+
+
+def test_a_config_json_claiming_another_shape_than_its_weights_is_refused_before_the_model_is_built(
+        runs, tmp_path, capsys, monkeypatch):
+    """config.json is someone else's file: its claimed shape must agree with the weight files'
+    safetensors headers before a model of that shape is allocated (a typo'd width is terabytes)."""
+    from dsslm import job as job_module
+    hf_dir = exported(runs, "byte", tmp_path, capsys)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(hidden_size=4096, intermediate_size=11008, head_dim=4096 // config["num_attention_heads"])
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    built, real = [], job_module.build_model
+    monkeypatch.setattr(job_module, "build_model", lambda *a, **k: built.append(1) or real(*a, **k))
+    not_shape = [o for o in TINY if not o.startswith("model.")]  # the shape is config.json's
+    rc = train_main([f"run.dir={tmp_path / 'run'}", *not_shape, "train.total_steps=2", "optim.warmup_steps=1",
+                     f"data.dir={runs['byte_data']}", f"run.init_from=hf:{hf_dir}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "model.embed_tokens.weight is [257, 32] F32, its config.json needs [257, 4096]" in err
+    assert built == [] and not (tmp_path / "run" / "checkpoints").exists()

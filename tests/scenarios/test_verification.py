@@ -51,10 +51,11 @@ def test_a_changed_shard_exits_2_in_one_line_and_full_rehashes_everything(tmp_pa
     data[100] ^= 0x01
     shard.write_bytes(bytes(data))
     capsys.readouterr()
+    before = events(tmp_path / "run")
     assert main([*base, "train.total_steps=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"shard {shard} does not match its sha256" in err[0]
-    assert len(events(tmp_path / "run", "start")) == 2  # the refused start wrote nothing
+    assert events(tmp_path / "run") == before  # the refused start wrote nothing
 
 
 def long_work(rank: int, world_size: int) -> list[str]:
@@ -98,3 +99,37 @@ def test_long_work_waits_outside_collectives_fails_on_a_stall_and_raises_everywh
         assert steady == "rank 0 done / rank 1 done"  # longer than the stall timeout, but progressing
         assert raised == "ValueError: rank 1's shard is bad"  # rank 1's error, on both ranks
         assert stuck.startswith("RuntimeError: test work: no rank made progress for 2 s (1 of 2 ranks done)"), stuck
+
+
+def _two_nodes(rank: int, world_size: int, run_dir: str, copies: str) -> int:
+    """Rank r on machine node{r}, reading its node's own copy of DATA_DIR (copies/node{r})."""
+    import socket
+    socket.gethostname = lambda: f"node{rank}"
+    return main([f"run.dir={run_dir}", *TINY, f"data.dir={copies}/node{rank}", "train.total_steps=2",
+                 "ckpt.every=2", "optim.warmup_steps=1", "train.micro_batch_size=2"])
+
+
+@pytest.mark.slow
+def test_each_node_verifies_its_own_copy_of_the_data(tmp_path, data_dir, capsys):
+    """Node 1's copy has a flipped byte (same size) while rank 0's copy is verified and cached: the
+    node that reads it must notice, and every rank exits 2 together."""
+    import shutil
+    copies = tmp_path / "copies"
+    for node in ("node0", "node1"):
+        shutil.copytree(data_dir, copies / node)
+    assert main([f"run.dir={tmp_path / 'warm'}", *TINY, f"data.dir={copies / 'node0'}", "train.total_steps=2",
+                 "optim.warmup_steps=1"]) == 0  # node 0's copy: verified, its cache warm
+    shard = copies / "node1" / "default" / "train-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    codes = run_distributed(_two_nodes, world_size=2, args=(str(tmp_path / "run"), str(copies)), timeout_s=240)
+    assert codes == [2, 2]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # A good copy on both nodes trains, each node hashing only its own uncached shards.
+    shutil.rmtree(copies / "node1")
+    shutil.copytree(data_dir, copies / "node1")
+    assert run_distributed(_two_nodes, world_size=2, args=(str(tmp_path / "run2"), str(copies)),
+                           timeout_s=240) == [0, 0]
+    (event,) = verified(tmp_path / "run2")
+    assert event["nodes"] == 2 and event["hashed_per_rank"][0] == 0 and event["hashed_per_rank"][1] > 0

@@ -183,3 +183,33 @@ def test_contenders_on_a_stale_lock_have_exactly_one_winner(tmp_path):
         (signals / "done").touch()
         outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
         assert outcomes == ["held", "held", "held", "won"], outcomes
+
+
+def test_a_transient_read_error_of_the_lock_is_retried_not_taken_as_lost(tmp_path, monkeypatch):
+    """A shared filesystem's hiccup (EIO, a stale handle) must not stop every rank with exit 4."""
+    import builtins
+    import errno
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    real_open, failures = builtins.open, []
+
+    def flaky(path, *args, **kwargs):
+        if str(path) == str(lock.path) and len(failures) < 3:
+            failures.append(1)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", flaky)
+    lock.check(fresh=True)  # read again until it succeeds
+    assert len(failures) == 3
+    # One that does not pass within the deadline is a lost lock, named as such.
+    monkeypatch.setattr(lock_module, "READ_RETRY_S", 0.3)
+    failures.clear()
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "EIO"))
+                        if str(path) == str(lock.path) else real_open(path, *a, **k))
+    started = time.monotonic()
+    with pytest.raises(LockLost, match="stayed unreadable for 0 s"):
+        lock.check(fresh=True)
+    assert 0.3 <= time.monotonic() - started < 5
+    monkeypatch.setattr(builtins, "open", real_open)
+    lock.release()

@@ -49,7 +49,7 @@ def flip_byte_keeping_size_and_mtime(path) -> None:
 def test_a_second_start_hashes_nothing_and_a_touched_shard_is_the_only_one_rehashed(data_dir, monkeypatch):
     hashed = []
     real = verify._hash_one
-    monkeypatch.setattr(verify, "_hash_one", lambda path, progress: hashed.append(path.name) or real(path, progress))
+    monkeypatch.setattr(verify, "_hash_one", lambda path, *rest: hashed.append(path.name) or real(path, *rest))
     names = shards(data_dir)
     assert len(names) >= 5
     assert sorted(start(data_dir)) == sorted(names) and len(hashed) == len(names)
@@ -83,7 +83,8 @@ def test_a_flipped_byte_that_kept_size_and_mtime_is_caught_and_full_ignores_a_fo
     st = shard.stat()
     name = shards(data_dir)[0]
     cache[name] = {"stat": [st.st_size, st.st_mtime_ns, st.st_ctime_ns],
-                   "sha256": load_manifest(data_dir, verify=False)["domains"]["default"]["train"][0]["sha256"]}
+                   "sha256": load_manifest(data_dir, verify=False)["domains"]["default"]["train"][0]["sha256"],
+                   "max_token": 0}
     (data_dir / CACHE_FILE).write_text(json.dumps({"format": 1, "shards": cache}))
     assert start(data_dir) == {}  # true trusts a cache entry whose times match: that is its contract
     with pytest.raises(DataError, match=f"shard {shard} does not match"):
@@ -135,3 +136,65 @@ def test_the_shares_partition_the_work_and_balance_the_bytes():
         loads = [sum(dict(todo)[p] for p in part) for part in parts]
         assert max(loads) - min(loads) <= 900  # never worse than the largest shard
     assert [sum(dict(todo)[p] for p in share_of(todo, r, 2)) for r in range(2)] == [1500, 1450]
+
+
+# --- a manifest from elsewhere is checked before it is trusted ---------------------------------------
+def _edit_manifest(data_dir, change) -> None:
+    path = data_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _first_shard(manifest) -> dict:
+    return next(iter(manifest["domains"].values()))["train"][0]
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda m: _first_shard(m).update(path="../../etc/passwd"), "path"),
+    (lambda m: _first_shard(m).update(path="/etc/passwd"), "path"),
+    (lambda m: _first_shard(m).update(tokens=-5), "tokens"),
+    (lambda m: _first_shard(m).update(sha256=7), "sha256"),
+    (lambda m: m.update(dtype="object"), "dtype"),
+    (lambda m: m.update(dtype="uint16") or m["tokenizer"].update(vocab_size=70_000), "dtype"),
+    (lambda m: m["tokenizer"].update(vocab_size="257"), "tokenizer.vocab_size"),
+    (lambda m: m["tokenizer"].update(eos_id=300), "tokenizer.eos_id"),
+    (lambda m: m.update(domains=[]), "domains"),
+    (lambda m: next(iter(m["domains"].values())).update(train={}), "domains."),
+    (lambda m: m.pop("tokenizer"), "tokenizer"),
+])
+def test_a_malformed_manifest_is_one_data_error_naming_the_field(data_dir, change, field):
+    _edit_manifest(data_dir, change)
+    with pytest.raises(DataError, match=rf"manifest.json: \S*{field}.*rebuild"):
+        load_manifest(data_dir, verify=False)
+
+
+def test_a_shard_link_leading_out_of_data_dir_is_refused(data_dir, tmp_path):
+    manifest = load_manifest(data_dir, verify=False)
+    shard = data_dir / _first_shard(manifest)["path"]
+    outside = tmp_path / "outside.bin"
+    os.replace(shard, outside)
+    shard.symlink_to(outside)
+    with pytest.raises(DataError, match="a path inside DATA_DIR"):
+        load_manifest(data_dir, verify=False)
+
+
+def test_a_token_beyond_the_vocabulary_is_caught_when_hashed_and_cached_as_a_miss(data_dir):
+    manifest = load_manifest(data_dir, verify=False)
+    entry = _first_shard(manifest)
+    shard = data_dir / entry["path"]
+    tokens = np.fromfile(shard, dtype=manifest["dtype"])
+    tokens[len(tokens) // 2] = 300  # the byte tokenizer has 257 ids
+    tokens.tofile(shard)
+    import hashlib
+    _edit_manifest(data_dir, lambda m: _first_shard(m).update(sha256=hashlib.sha256(shard.read_bytes()).hexdigest()))
+    with pytest.raises(DataError, match=r"holds token id 300, beyond the tokenizer's vocabulary \(vocab_size 257\)"):
+        start(data_dir)
+    with pytest.raises(DataError, match="holds token id 300"):  # the cache never vouches for it
+        start(data_dir)
+
+
+def test_the_cache_records_each_shards_largest_token(data_dir):
+    found = start(data_dir)
+    assert all(0 <= v["max_token"] < 257 for v in found.values())
+    assert start(data_dir) == {}  # the second start hashes nothing

@@ -1,0 +1,100 @@
+"""What a resume may change from its checkpoint (`--allow-drift KEY`), and what each change does.
+
+A drift dsslm cannot honour is refused before anything is read or written: a key that does not
+exist (a typo would otherwise be accepted silently) and a key that sets the model's shape (a
+checkpoint of another shape cannot be continued: its tensors do not fit, and passing it over
+would start a new model in the same run.dir). A drift that is honoured is described in the
+`resume` event, the learning-rate plan included: an extended cosine schedule re-plans the LR of
+every remaining step, and the user hears the old and new value at the resume step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dsslm.config import Config, ConfigError, from_dict
+from dsslm.optim import lr_at
+
+# Keys that set a tensor's shape or what a data position means (a sequence of seq_len tokens):
+# a checkpoint made under another value cannot continue as this run.
+SHAPE_KEYS = ("model.d_model", "model.n_layers", "model.n_heads", "model.seq_len", "model.vocab_size",
+              "model.vocab_pad_to", "model.ffn_hidden", "model.qk_norm", "model.tie_embeddings")
+# The fingerprint's parts that are not config keys.
+FINGERPRINT_NAMES = ("data", "tokenizer", "global_batch_size")
+
+
+def _keys(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.extend(_keys(value, name + "."))
+        else:
+            out.append(name)
+    return out
+
+
+def _config_keys() -> list[str]:
+    return _keys(dataclasses.asdict(Config()))
+
+
+def _covers(allowed: str, key: str) -> bool:
+    return key == allowed or key.startswith(allowed + ".")
+
+
+def check_allow_drift(keys: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The `--allow-drift` keys, each checked: ConfigError (exit 2) for one that names no config key
+    or section, and for one that covers a key setting the model's shape."""
+    known = _config_keys()
+    for key in keys:
+        exists = (key in FINGERPRINT_NAMES or any(_covers(key, k) for k in known)
+                  or key.startswith("data.mix."))  # the mixture's domains are the user's names
+        if not exists:
+            raise ConfigError(f"--allow-drift {key}: no such config key; name a key (e.g. optim.peak_lr), a "
+                              f"section (e.g. optim), or one of {', '.join(FINGERPRINT_NAMES)}")
+        shape = [k for k in SHAPE_KEYS if _covers(key, k)]
+        if shape:
+            raise ConfigError(f"--allow-drift {key}: {shape[0]} sets the model's shape, and a checkpoint of "
+                              f"another shape cannot continue this run; train the new shape in a new run.dir "
+                              f"(or restore {shape[0]})")
+    return tuple(keys)
+
+
+def shape_refusal(key: str, old: Any, new: Any, where: str, more: str = "") -> str:
+    """The refusal of a resume whose model shape changed, with advice that works."""
+    return (f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}: a model of another shape "
+            f"cannot continue this run, and --allow-drift cannot change that; restore {key}={old!r}, or "
+            f"train the new shape in a new run.dir")
+
+
+def describe(drifted: dict[str, Any], saved_config: Any, cfg: Config, step: int, next_sequence: int) -> list[str]:
+    """One sentence per honoured change a resume makes, and the LR plan's change at the resume step."""
+    changes = []
+    for key, (old, new) in drifted.items():
+        if key == "data":
+            changes.append(f"data: another corpus; the stream continues at its sequence {next_sequence}")
+        elif key == "tokenizer":
+            changes.append("tokenizer: another tokenizer; token ids mean what the new one says from here on")
+        elif key == "global_batch_size":
+            changes.append(f"global_batch_size: {old} -> {new} sequences per step from step {step + 1}; the "
+                           f"stream continues at sequence {next_sequence}")
+        elif key.startswith("data.mix"):
+            changes.append(f"{key}: {old!r} -> {new!r}: each domain's share of the sequences from step {step + 1}")
+        else:
+            changes.append(f"{key}: {old!r} -> {new!r} from step {step + 1}")
+    plan = lr_change(saved_config, cfg, step)
+    if plan is not None:
+        old_lr, new_lr = plan
+        changes.append(f"learning-rate plan: step {step + 1} trains at {new_lr:.4g} where the checkpoint's plan "
+                       f"had {old_lr:.4g} (optim.* or train.total_steps changed)")
+    return changes
+
+
+def lr_change(saved_config: Any, cfg: Config, step: int) -> tuple[float, float] | None:
+    """(the checkpoint's planned LR, today's) for the step after `step`, when they differ."""
+    try:
+        old_cfg = from_dict(saved_config, "the checkpoint's config")
+    except ConfigError:
+        return None  # nothing to compare with; the fingerprint already vouched for what matters
+    old, new = lr_at(step, old_cfg), lr_at(step, cfg)
+    return None if abs(old - new) <= 1e-12 * max(abs(old), abs(new), 1e-30) else (old, new)

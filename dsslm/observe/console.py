@@ -1,0 +1,264 @@
+"""What a person reads while a run goes: rank 0's console, through Python's `logging` (logger "dsslm").
+
+On a terminal, a one-line progress bar; anywhere else (a file, a pipe, a Slurm log) one line
+every `run.log_every` steps: step, loss, grad norm, LR, tokens/s, ETA. In both, one line for
+every event in LINES (a save, the resume and its audit, a skip, a rewind, a triage verdict and
+what it changed, an lr_scale change, an alert, a preemption save, an escalation), and a summary
+at the end. Every event passes through `Sinks.emit`, so this table is the one place that decides
+what a person hears; events.jsonl keeps everything.
+
+The level is the logger's: DSSLM_LOG_LEVEL (debug, info, warning, error; default info), or set
+it, and handlers and format, on `logging.getLogger("dsslm")` before the run starts: dsslm adds
+its own stderr handler only when that logger has none.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+LOG = logging.getLogger("dsslm")
+FORMAT = "%(asctime)s dsslm: %(message)s"
+
+
+class _Stderr(logging.StreamHandler):
+    """sys.stderr as it is at each line (a test's capture, a redirect made after the start)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def configure() -> None:
+    """The "dsslm" logger as the user left it, else: DSSLM_LOG_LEVEL, one stderr handler."""
+    if LOG.level == logging.NOTSET:
+        name = os.environ.get("DSSLM_LOG_LEVEL", "info").upper()
+        LOG.setLevel(getattr(logging, name, logging.INFO) if isinstance(getattr(logging, name, None), int)
+                     else logging.INFO)
+    if not LOG.handlers:
+        # Unconfigured by the user; a library's logging.config call (disable_existing_loggers)
+        # must not silence the run.
+        LOG.disabled = False
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
+        LOG.addHandler(handler)
+        LOG.propagate = False  # our handler prints it; a root handler would print it twice
+
+
+def _g(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _resume(f: dict) -> str:
+    changes = "; ".join(f.get("changes") or [])
+    return (f"resumed from {f.get('checkpoint')} at step {f.get('step')}" + (f"; changed: {changes}" if changes else ""))
+
+
+def _audit(f: dict) -> str:
+    verdict = f.get("verdict")
+    if verdict == "nothing_to_compare":
+        return f"resume audit: nothing to compare ({f.get('reason', '')})"
+    return (f"resume audit: {verdict}: {f.get('compared', 0)} recomputed step(s) compared with the interrupted "
+            f"job's records (largest loss difference {_g(f.get('max_loss_diff'))}, expected {f.get('expected')})")
+
+
+def _triage(f: dict) -> str:
+    verdict, scope = f.get("verdict"), f.get("scope")
+    what = {"data": "the data: its window is skipped", "state": "the model's state: the learning rate is lowered",
+            "transient": "a transient fault: training continues unchanged"}.get(verdict, str(verdict))
+    line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: caused by {what}"
+    if scope == "window":
+        line += f" (after replaying {f.get('replay_steps')} step(s) from step {f.get('from_step')})"
+    if f.get("window"):
+        line += f"; skips sequences {f['window']}"
+    if verdict == "state" and f.get("lr_factor") is not None:
+        line += f"; lr_scale x{_g(f['lr_factor'])}"
+    if f.get("fallback"):
+        line += f"; {f['fallback']}"
+    if f.get("escalated"):
+        line += "; escalated"
+    return line
+
+
+def _lr_scale(f: dict) -> str:
+    recover = f.get("recover_steps")
+    tail = f", recovering over {recover} steps" if recover else " from here on"
+    return f"learning rate scale {_g(f.get('old'))} -> {_g(f.get('new'))} at step {f.get('step')}{tail}"
+
+
+def _alert(f: dict) -> str:
+    text = f.get("message") or ", ".join(f"{k}={_g(v)}" for k, v in f.items() if k not in ("step", "time"))
+    return f"alert at step {f.get('step')}: {f.get('reason')}: {text}"
+
+
+# event -> (level, line); a None line is not printed. Events not named here go to DEBUG.
+LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
+    "save": (logging.INFO, lambda f: f"saved {f.get('checkpoint')} (step {f.get('step')}, "
+                                     f"{f.get('bytes', 0) / 1e6:.1f} MB in {_g(f.get('seconds'))} s)"),
+    "resume": (logging.INFO, _resume),
+    "branch": (logging.INFO, lambda f: f"branched from {f.get('parent')} at step {f.get('step')}; {f.get('data')}"),
+    "import": (logging.INFO, lambda f: f"started from imported weights {f.get('source')}"),
+    "resume_audit": (logging.INFO, _audit),
+    "skip": (logging.WARNING, lambda f: f"step {f.get('step')}: update skipped ({f.get('reason')}); loss "
+                                        f"{_g(f.get('loss'))}, grad norm {_g(f.get('gnorm'))}"),
+    "rewind": (logging.WARNING, lambda f: f"spike at step {f.get('step')} ({f.get('reason')}): rewound to step "
+                                          f"{f.get('to_step')}" + (f", skipping sequences {f['window']}"
+                                                                   if f.get("window") else "")),
+    "triage": (logging.WARNING, _triage),
+    "lr_scale": (logging.WARNING, _lr_scale),
+    "alert": (logging.WARNING, _alert),
+    "escalation": (logging.ERROR, lambda f: f"escalated to a human at step {f.get('step')}: {f.get('reason')}"),
+    "passed_over": (logging.WARNING, lambda f: f"checkpoint {f.get('checkpoint')} passed over: {f.get('reason')}"),
+    "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder: {f}"),
+    "leftovers_removed": (logging.INFO, lambda f: f"removed half-written saves {f.get('folders')}"),
+    "recovery_rebuilt": (logging.WARNING, lambda f: f"rebuilt the run's skip list: {f.get('reason')}"),
+    "forensics_failed": (logging.WARNING, lambda f: f"spike forensics at step {f.get('step')} not written: "
+                                                    f"{f.get('reason')}"),
+    "domain_epoch": (logging.INFO, lambda f: f"domain {f.get('domain')} starts pass {f.get('epoch')} at step "
+                                             f"{f.get('step')}"),
+    "finished": (logging.INFO, lambda f: f"this run is finished: step {f.get('step')} of train.total_steps="
+                                         f"{f.get('total_steps')}; nothing to train (raise train.total_steps to "
+                                         f"extend it, or use a new run.dir)"),
+    "preempted": (logging.WARNING, lambda f: f"{f.get('signal')} before the first step: {f.get('reason')}"),
+    "interrupted": (logging.WARNING, lambda f: f"interrupted at step {f.get('step')}"),
+    "failed": (logging.ERROR, lambda f: f"failed at step {f.get('step')}: {f.get('error')}"),
+}
+
+
+class Console:
+    """Rank 0's lines for a person (all methods are no-ops elsewhere)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, log_every: int = 1,
+                 tty: bool | None = None):
+        self.run_dir, self.enabled, self.total_steps = run_dir, enabled, total_steps
+        self.log_every = max(1, log_every)
+        self.tty = enabled and (sys.stderr.isatty() if tty is None else tty)
+        self.bar_shown = False
+        self.started = time.time()
+        self.step_time: float | None = None  # moving average, for the ETA
+        self.first_step: int | None = None
+        self.last: dict = {}
+        self.val: dict[str, float] = {}
+        self.best_val: dict[str, float] = {}
+        self.spikes: list[str] = []
+        self.saved: str | None = None
+        if enabled:
+            configure()
+
+    # --- steps --------------------------------------------------------------------------------
+    def step(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        step, dt = record["step"], record.get("step_time_s", 0.0)
+        self.first_step = step if self.first_step is None else self.first_step
+        self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
+        self.last = record
+        eta = max(0, self.total_steps - step) * self.step_time
+        if self.tty:
+            sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {record['loss']:.4f}  "
+                             f"{record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}   ")
+            sys.stderr.flush()
+            self.bar_shown = True
+        elif step % self.log_every == 0 or step == self.total_steps or step == self.first_step:
+            LOG.info(f"step {step}/{self.total_steps}  loss {record['loss']:.4f}  gnorm {record.get('gnorm', 0):.3g}  "
+                     f"lr {record.get('lr', 0):.3g}  {record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}")
+
+    def val_loss(self, record: dict) -> None:
+        if not self.enabled or not record.get("val_loss"):
+            return
+        self.val = dict(record["val_loss"])
+        for domain, loss in self.val.items():
+            self.best_val[domain] = min(loss, self.best_val.get(domain, math.inf))
+        self._line(logging.INFO, f"step {record['step']}: validation loss "
+                   + ", ".join(f"{d} {v:.4f}" for d, v in sorted(self.val.items())))
+
+    # --- events -------------------------------------------------------------------------------
+    def event(self, event: str, fields: dict) -> None:
+        if not self.enabled:
+            return
+        if event == "save":
+            self.saved = str(self.run_dir / "checkpoints" / str(fields.get("checkpoint")))
+        elif event == "skip":
+            self.spikes.append(f"step {fields.get('step')}: skipped")
+        elif event == "triage":
+            self.spikes.append(f"step {fields.get('spike_start', fields.get('step'))}: {fields.get('verdict')}")
+        elif event == "rewind" and not fields.get("triage_phase"):
+            self.spikes.append(f"step {fields.get('step')}: rewound")
+        if event == "preempt_save":
+            self._preempt_save(fields)
+        elif event == "end":
+            self._summary(fields)
+        elif event in LINES:
+            level, line = LINES[event]
+            text = line(fields)
+            if text:
+                self._line(level, text)
+        else:
+            self._line(logging.DEBUG, f"{event}: {fields}")
+
+    def _preempt_save(self, f: dict) -> None:
+        where = self.run_dir / "checkpoints" / f"step-{int(f.get('step', 0)):08d}"
+        self._line(logging.WARNING, f"stopped by {f.get('signal', 'a stop signal')} after step {f.get('step')}: "
+                   f"saved {where}; run the same command again to resume from step {f.get('step')}")
+
+    def _summary(self, f: dict) -> None:
+        seconds = time.time() - self.started
+        val = ", ".join(f"{d} {v:.4f} (best {self.best_val[d]:.4f})" for d, v in sorted(self.val.items()))
+        spikes = f"{len(self.spikes)} spike event(s): " + "; ".join(self.spikes[-10:]) if self.spikes else "no spikes"
+        loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
+        self._line(logging.INFO, f"finished: step {f.get('step')} of {self.total_steps}, {f.get('tokens', 0):,} tokens "
+                   f"in {_duration(seconds)}{loss}; validation loss: {val or 'not measured'}; {spikes}; "
+                   f"checkpoints in {self.run_dir / 'checkpoints'}" + (f" (newest {self.saved})" if self.saved else ""))
+
+    def _line(self, level: int, text: str) -> None:
+        if self.bar_shown:  # the bar's line ends before the event's line starts
+            sys.stderr.write("\n")
+            self.bar_shown = False
+        LOG.log(level, text)
+
+    def close(self) -> None:
+        if self.bar_shown:
+            sys.stderr.write("\n")
+            self.bar_shown = False
+
+
+# A CPU core's sustained training throughput, roughly (fp32 matmuls of a small transformer, forward
+# and backward): enough to tell a minute per step from a second, not to plan a run by.
+CPU_FLOPS_PER_THREAD = 5e10
+SLOW_CPU_STEP_S = 30.0
+
+
+def warn_at_start(cfg: Any, device_type: str, n_params: int, tokens_per_step: int, threads: int) -> list[str]:
+    """Warnings a person should read before a run starts (rank 0; logged and returned): a config
+    sized for a GPU started on the CPU, and a run too short for its validation or checkpoint interval."""
+    lines = []
+    if device_type == "cpu":
+        seconds = 6 * n_params * tokens_per_step / (CPU_FLOPS_PER_THREAD * max(1, threads))
+        if seconds > SLOW_CPU_STEP_S:
+            total = seconds * max(0, cfg.train.total_steps)
+            lines.append(f"this config ({n_params / 1e6:.0f}M parameters, {tokens_per_step:,} tokens/step) runs on "
+                         f"the CPU: about {_duration(seconds)} per step, {_duration(total)} for "
+                         f"train.total_steps={cfg.train.total_steps}; use a GPU, or a smaller config such as "
+                         f"configs/tiny.yaml")
+    total_steps = cfg.train.total_steps
+    if cfg.ckpt.every > total_steps:
+        lines.append(f"ckpt.every={cfg.ckpt.every} is more than train.total_steps={total_steps}: the run saves only "
+                     f"at its end, so a crash loses all of it; set e.g. ckpt.every={max(1, total_steps // 4)}")
+    if cfg.run.val_every > total_steps:
+        lines.append(f"run.val_every={cfg.run.val_every} is more than train.total_steps={total_steps}: validation "
+                     f"runs only at the last step; set e.g. run.val_every={max(1, total_steps // 4)}")
+    for line in lines:
+        LOG.warning(line)
+    return lines

@@ -1,0 +1,145 @@
+"""The console a person reads in a Slurm file: a line every run.log_every steps, one line for every
+event a person should see, a summary at the end; only rank 0; level and format through logging."""
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import pytest
+
+from dsslm.observe import console as console_module
+from dsslm.observe.sinks import Sinks
+from helpers import run_train
+
+
+@pytest.fixture(autouse=True)
+def fresh_logger():
+    """Each test starts from an unconfigured "dsslm" logger, as a new process does."""
+    log = logging.getLogger("dsslm")
+    saved = (log.level, list(log.handlers), log.propagate, log.disabled)
+    log.setLevel(logging.NOTSET)
+    log.handlers.clear()
+    log.disabled = False
+    # The handler dsslm adds to an unconfigured logger, added here: pytest's logging plugin may
+    # attach its own capture handlers to loggers during a session, and dsslm respects any handler.
+    handler = console_module._Stderr()
+    handler.setFormatter(logging.Formatter(console_module.FORMAT))
+    log.addHandler(handler)
+    log.propagate = False
+    yield log
+    log.setLevel(saved[0])
+    log.handlers[:] = saved[1]
+    log.propagate, log.disabled = saved[2], saved[3]
+
+
+def sinks(tmp_path, is_main=True, log_every=5, total=20):
+    return Sinks(tmp_path, is_main, total, tensorboard=False, config={"run": {"log_every": log_every}})
+
+
+def record(step, loss=3.0):
+    return {"step": step, "loss": loss, "gnorm": 0.5, "lr": 1e-3, "tokens_per_s": 1000.0, "step_time_s": 0.5}
+
+
+def test_a_file_gets_a_step_line_every_log_every_steps_and_the_events(tmp_path, capsys):
+    s = sinks(tmp_path)
+    for step in range(1, 21):
+        s.log_step(record(step, loss=4.0 - step / 10))
+        if step == 10:
+            s.log_val({"step": 10, "val_loss": {"web": 3.5}})
+            s.emit("save", checkpoint="step-00000010", step=10, seconds=0.1, bytes=2_000_000)
+        if step == 12:
+            s.emit("skip", step=12, loss=9.0, gnorm=40.0, data_position=48, reason="loss z=7")
+            s.emit("rewind", step=13, to_step=10, window=[40, 56], checkpoint="x", reason="hard spike")
+            s.emit("triage", step=13, verdict="state", scope="window", spike_start=12, target=13, from_step=10,
+                   replay_steps=3, window=[], lr_scale=0.7, lr_factor=0.7, escalated=False, evidence={})
+            s.emit("lr_scale", step=13, old=1.0, new=0.7, recover_steps=0)
+            s.emit("alert", step=13, reason="slow_throughput", message="tokens/s fell to 40% of its median")
+    s.log_val({"step": 20, "val_loss": {"web": 3.7}})
+    s.emit("end", step=20, tokens=2560, skipped_steps=1)
+    s.close()
+    lines = capsys.readouterr().err.splitlines()
+    steps = [line for line in lines if " dsslm: step " in line and "/20" in line]
+    assert [line.split("step ")[1].split("/")[0] for line in steps] == ["1", "5", "10", "15", "20"]
+    assert all(k in steps[1] for k in ("loss 3.5000", "gnorm 0.5", "lr 0.001", "1,000 tok/s", "eta 0m07s"))
+    text = "\n".join(lines)
+    for expected in ("saved step-00000010 (step 10, 2.0 MB", "step 12: update skipped (loss z=7)",
+                     "rewound to step 10, skipping sequences [40, 56]",
+                     "triage of the spike at step 12: caused by the model's state", "lr_scale x0.7",
+                     "learning rate scale 1 -> 0.7 at step 13 from here on",
+                     "alert at step 13: slow_throughput: tokens/s fell", "validation loss web 3.5000"):
+        assert expected in text, expected
+    summary = lines[-1]
+    assert "finished: step 20 of 20, 2,560 tokens" in summary and "final loss 2.0000" in summary
+    assert "web 3.7000 (best 3.5000)" in summary and "step 12: skipped" in summary and "step 12: state" in summary
+    assert f"checkpoints in {tmp_path / 'checkpoints'}" in summary
+
+
+def test_a_preemption_save_says_where_the_next_run_resumes(tmp_path, capsys):
+    s = sinks(tmp_path)
+    s.emit("preempt_save", step=7, signal="SIGTERM")
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM after step 7: saved {tmp_path / 'checkpoints' / 'step-00000007'}" in err
+    assert "resume from step 7" in err
+
+
+def test_other_ranks_print_nothing(tmp_path, capsys):
+    s = sinks(tmp_path, is_main=False)
+    s.log_step(record(5))
+    s.emit("escalation", step=5, reason="x")
+    s.emit("end", step=20, tokens=1)
+    assert capsys.readouterr().err == ""
+
+
+def test_level_and_format_are_the_users(tmp_path, capsys, monkeypatch, fresh_logger):
+    monkeypatch.setenv("DSSLM_LOG_LEVEL", "warning")
+    s = sinks(tmp_path, log_every=1)
+    s.log_step(record(1))
+    s.emit("alert", step=1, reason="slow_throughput", message="slow")
+    err = capsys.readouterr().err
+    assert "step 1/20" not in err and "alert at step 1" in err
+    # A handler the user set up is used as it is, and dsslm adds none of its own.
+    fresh_logger.handlers.clear()
+    fresh_logger.setLevel(logging.INFO)  # as a user would configure it
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: seen.append(rec.getMessage())
+    fresh_logger.addHandler(handler)
+    s = sinks(tmp_path, log_every=1)
+    s.log_step(record(1))
+    assert not any(isinstance(h, console_module._Stderr) for h in fresh_logger.handlers)
+    assert seen[0].startswith("step 1/20")
+
+
+def test_a_terminal_gets_the_bar_and_event_lines_start_on_their_own_line(tmp_path, capsys):
+    c = console_module.Console(tmp_path, True, 20, log_every=5, tty=True)
+    c.step(record(1))
+    c.event("save", {"checkpoint": "step-00000001", "step": 1, "seconds": 0.1, "bytes": 10})
+    err = capsys.readouterr().err
+    assert err.startswith("\rstep 1/20  loss 3.0000")
+    assert "   \n" in err and err.rstrip().endswith("saved step-00000001 (step 1, 0.0 MB in 0.1 s)")
+
+
+@pytest.mark.slow
+def test_a_run_logged_to_a_file_reads_like_a_log(tmp_path):
+    """As under nohup or Slurm: stderr a file; the step lines, saves and the summary are there."""
+    proc = run_train(tmp_path / "run", "train.total_steps=12", "ckpt.every=6", "run.log_every=4",
+                     "run.val_every=6")
+    lines = proc.stderr.splitlines()
+    assert [line.split(" dsslm: ")[1].split()[1] for line in lines if " dsslm: step " in line and "/12" in line] \
+        == ["1/12", "4/12", "8/12", "12/12"]
+    assert any("saved step-00000006" in line for line in lines)
+    assert any("validation loss" in line for line in lines)
+    assert "finished: step 12 of 12" in lines[-1] and "Traceback" not in proc.stderr
+
+
+def test_a_gpu_sized_config_on_the_cpu_and_a_too_short_run_are_warned_about(capsys):
+    from dsslm.config import load
+    cfg = load("configs/125m.yaml", [])
+    lines = console_module.warn_at_start(cfg, "cpu", 124_000_000, 8 * 4 * 2048, threads=2)
+    assert len(lines) == 1 and "runs on the CPU: about" in lines[0] and "configs/tiny.yaml" in lines[0]
+    assert console_module.warn_at_start(cfg, "cuda", 124_000_000, 8 * 4 * 2048, threads=2) == []
+    short = load(None, ["train.total_steps=200", "optim.warmup_steps=10"])  # tiny.yaml: both every 250
+    lines = console_module.warn_at_start(short, "cpu", 800_000, 768, threads=2)
+    assert [line.split("=")[0] for line in lines] == ["ckpt.every", "run.val_every"]
+    assert "ckpt.every=50" in lines[0] and "run.val_every=50" in lines[1]
+    assert console_module.warn_at_start(load(None, []), "cpu", 800_000, 768, threads=2) == []

@@ -80,7 +80,8 @@ class BatchRampCfg:
 class TrainCfg:
     total_steps: int = 300
     micro_batch_size: int = 12
-    grad_accum: int = 1
+    grad_accum: int = 1         # micro-batches per step; with global_batch_size set, derived per world size
+    global_batch_size: int = 0  # sequences per optimizer step (0 = micro_batch_size x grad_accum x world)
     precision: str = "fp32"     # bf16 | fp16 | fp32
     z_loss: float = 1e-4
     loss_scale_init: float = 65536.0  # fp16 only: the dynamic loss scaler's starting scale
@@ -209,7 +210,7 @@ RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
     "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "data.prefetch",
     "train.total_steps",
-    "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
+    "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults", "monitor.max_rewinds", "engine",
     "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
@@ -236,14 +237,16 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections (run:, model:, "
                           f"train:, ...), not a list; see configs/tiny.yaml")
     try:
-        merged = OmegaConf.merge(schema, loaded)
+        merged, accum_set = OmegaConf.merge(schema, loaded), OmegaConf.select(loaded, "train.grad_accum") is not None
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            merged, accum_set = OmegaConf.merge(merged, OmegaConf.from_dotlist([item])), accum_set or item.startswith("train.grad_accum=")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain(err)) from None
+    _check(not (accum_set and cfg.train.global_batch_size), f"train.global_batch_size={cfg.train.global_batch_size} and "
+           f"train.grad_accum={cfg.train.grad_accum} are both set; drop train.grad_accum (it follows per world size)")
     validate(cfg)
     return cfg
 
@@ -292,6 +295,7 @@ def validate(cfg: Config) -> None:
                        ("ckpt.keep_last", cfg.ckpt.keep_last),
                        ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
         _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(t.global_batch_size >= 0, f"train.global_batch_size={t.global_batch_size} must be >= 0 (0 = unset)")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
     _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")

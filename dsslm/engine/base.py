@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.clip import ClipBound
-from dsslm.config import Config
+from dsslm.config import Config, ConfigError
 from dsslm.engine.blocks import set_matmul_precision
 from dsslm.optim import adamw_impl, set_lr
 from dsslm.precision import LossScaler
@@ -72,6 +72,22 @@ class OptimState:
                 raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/ or exp_avg_sq/")
         return out
 
+def derive_grad_accum(cfg: Config, world_size: int) -> None:
+    """Set train.grad_accum from train.global_batch_size at this world size (no-op when unset).
+
+    The global batch is the setting and the accumulation its consequence, as in torchtitan and
+    Megatron: a resume on another GPU count keeps the global batch, so the fingerprint matches and
+    the learning-rate plan, defined per optimizer step, stays the plan."""
+    t = cfg.train
+    if not t.global_batch_size:
+        return
+    per_pass = t.micro_batch_size * world_size
+    if t.global_batch_size % per_pass:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                          f"{t.micro_batch_size} x world size {world_size} = {per_pass}; change one of them")
+    t.grad_accum = t.global_batch_size // per_pass
+
+
 def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -110,6 +126,7 @@ class Engine(abc.ABC):
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.is_main = self.rank == 0
+        derive_grad_accum(cfg, self.world_size)  # before DeepSpeed's config or the loader read it
         self.module = model  # the unwrapped model: parameter names for checkpoints come from it
         # Taken before any engine shards the model (ZeRO-3 replaces shapes with empty partitions):
         # what a checkpoint's tensors must match, name by name.

@@ -68,6 +68,9 @@ class ModelCfg:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6      # RMSNorm's epsilon (Llama 2/3 and SmolLM use 1e-5, Qwen3 1e-6)
     init_std: float = 0.02
+    document_mask: bool = False  # attention within each document of a packed sequence (EOS-delimited)
+    document_positions: bool = False  # with document_mask: RoPE positions restart at 0 in each document
+    eos_id: int = -1            # the EOS id documents end with: taken from the data manifest with document_mask
 
 
 @dataclass
@@ -320,6 +323,7 @@ def validate_model(cfg: Config) -> None:
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
     _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _check(m.document_mask or not m.document_positions, "model.document_positions=true needs model.document_mask=true")
     _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
            f"model.vocab_size={m.vocab_size} and model.ffn_hidden={m.ffn_hidden} must be >= 0 (0 = derived)")
     if cfg.run.init_from.startswith(HF_PREFIX):

@@ -30,6 +30,10 @@ from dsslm.precision import LossScaler
 
 T = TypeVar("T")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# Every per-parameter tensor of the optimizer state: AdamW's moments, and Muon's momentum buffer
+# (optim.name=muon, hidden matrices only; torch's state key "momentum_buffer").
+STATE_KINDS = MOMENTS + ("momentum",)
+TORCH_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "momentum_buffer"}
 # The collectives' timeout. Nothing waits in a collective for longer than a step, a checkpoint
 # gather or rank 0 hashing the one checkpoint it loads (a 16 GB folder hashes in ~10-30 s); the
 # one wait that grows with the corpus (hashing its shards) goes through `gather_long` instead.
@@ -46,15 +50,18 @@ class OptimState:
     over and takes back, and the one a checkpoint stores, so a ZeRO run resumes under FSDP.
 
     `step` is Adam's own step count per parameter (bias correction), `exp_avg` and `exp_avg_sq`
-    the fp32 moments at full (unsharded) shape. Empty before the first optimizer step.
+    the fp32 moments at full (unsharded) shape. Under optim.name=muon the hidden matrices have
+    `momentum` (Muon's buffer, full shape) and a step count instead of the two moments. Empty
+    before the first optimizer step.
     """
     step: dict[str, float] = field(default_factory=dict)
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    momentum: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """One flat table for safetensors: `exp_avg/NAME`, `exp_avg_sq/NAME`, `step/NAME`."""
-        flat = {f"{kind}/{name}": t for kind in MOMENTS for name, t in getattr(self, kind).items()}
+        """One flat table for safetensors: `exp_avg/NAME`, `exp_avg_sq/NAME`, `momentum/NAME`, `step/NAME`."""
+        flat = {f"{kind}/{name}": t for kind in STATE_KINDS for name, t in getattr(self, kind).items()}
         # fp64 so step counts past 2^24 stay exact.
         flat.update({f"step/{name}": torch.tensor([s], dtype=torch.float64) for name, s in self.step.items()})
         return flat
@@ -66,10 +73,10 @@ class OptimState:
             kind, _, name = key.partition("/")
             if kind == "step":
                 out.step[name] = float(tensor.item())
-            elif kind in MOMENTS:
+            elif kind in STATE_KINDS:
                 getattr(out, kind)[name] = tensor
             else:
-                raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/ or exp_avg_sq/")
+                raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/, exp_avg_sq/ or momentum/")
         return out
 
 def derive_grad_accum(cfg: Config, world_size: int) -> None:
@@ -425,8 +432,9 @@ def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
                 continue
             name = names[id(param)]
             out.step[name] = float(state["step"])
-            for kind in MOMENTS:
-                getattr(out, kind)[name] = state[kind].detach().float()
+            for kind in STATE_KINDS:
+                if TORCH_KEYS[kind] in state:
+                    getattr(out, kind)[name] = state[TORCH_KEYS[kind]].detach().float()
     return out
 
 
@@ -436,8 +444,8 @@ def load_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
     for name, step in optim.step.items():
         param = params[name]
         optimizer.state[param] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                  **{kind: getattr(optim, kind)[name].to(param.device, param.dtype).clone()
-                                     for kind in MOMENTS}}
+                                  **{TORCH_KEYS[kind]: getattr(optim, kind)[name].to(param.device, param.dtype).clone()
+                                     for kind in STATE_KINDS if name in getattr(optim, kind)}}
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -308,7 +308,6 @@ def validate(cfg: Config) -> None:
     validate_model(cfg)
     validate_optim(cfg)
     validate_data(cfg)
-    validate_observe(cfg)
     validate_spike_policy(cfg)
 
 
@@ -369,17 +368,13 @@ def validate_data(cfg: Config) -> None:
     validate_mix(cfg.data.mix)
 
 
-def validate_observe(cfg: Config) -> None:
-    ob = cfg.observe
+def validate_spike_policy(cfg: Config) -> None:
+    """The monitor, clipping, drill and observe keys."""
+    m, o, f, ob = cfg.monitor, cfg.optim, cfg.faults, cfg.observe
     _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
     _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
     _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
     _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))
-
-
-def validate_spike_policy(cfg: Config) -> None:
-    """The monitor, clipping and drill keys."""
-    m, o, f = cfg.monitor, cfg.optim, cfg.faults
     _check_choice("monitor.detector", m.detector, ("mad", "zscore", "max_multiple"))
     _check_choice("monitor.nonfinite", m.nonfinite, ("rewind", "skip"))
     _check_choice("optim.clip_mode", o.clip_mode, ("fixed", "zclip"))
@@ -451,51 +446,3 @@ def hashed_items(cfg: Config) -> dict[str, Any]:
 def config_hash(cfg: Config) -> str:
     blob = json.dumps(hashed_items(cfg), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-# Hashed keys added after checkpoints were first written, and the value those older checkpoints
-# were made with: their absence is that value, not a difference. `model.vocab_pad_to=1` is the
-# unpadded embedding of checkpoints from before padding existed, so a resume under the default
-# 64 is refused naming the key (the shapes differ), and one with `model.vocab_pad_to=1` continues.
-LEGACY_VALUES = {"model.vocab_pad_to": 1}
-
-
-def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now).
-
-    A key the checkpoint does not have (dsslm added it since) is read at the value the older code
-    behaved as: LEGACY_VALUES where that differs from today's default (model.vocab_pad_to was 1,
-    no padding), else the default (model.norm_eps=1e-6 was a constant before): then no drift."""
-    now, defaults = hashed_items(cfg), hashed_items(Config())
-    saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **saved}
-    keys = set(saved) | set(now)
-    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
-            and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
-
-
-def _has_key(tree: dict, dotted: str) -> bool:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def from_dict(tree: Any, where: str) -> Config:
-    """A Config from a saved tree (a checkpoint's state.json `config`), checked like a loaded one.
-
-    `where` names the file in the error, since the user did not type these keys."""
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{where}: the config is not an object")
-    # A key older dsslm did not write reads as what that code did (see drift).
-    legacy = [f"{key}={value}" for key, value in LEGACY_VALUES.items() if not _has_key(tree, key)]
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree,
-                                                  OmegaConf.from_dotlist(legacy)))
-        validate(cfg)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"{where}: {_explain(err)}") from None
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    return cfg

@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from dsslm.ckpt.format import ASIDE_SUFFIX, STATE_FILE, TENSOR_SUFFIX, Checkpoint, CheckpointError, parse_name, invalid_reason
 from dsslm.ckpt.resume import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
-from dsslm.ckpt.train_state import FINGERPRINT_SPEC
-from dsslm.config import Config, ConfigError, from_dict
+from dsslm.ckpt.train_state import FINGERPRINT_SPEC, from_dict
+from dsslm.config import Config, ConfigError
 from dsslm.data import DataError, load_manifest
 from dsslm.data.manifest import verify_split
 from dsslm.data.corpus import default_data_dir

@@ -68,6 +68,9 @@ class ModelCfg:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6      # RMSNorm's epsilon (Llama 2/3 and SmolLM use 1e-5, Qwen3 1e-6)
     init_std: float = 0.02
+    document_mask: bool = False  # attention within each document of a packed sequence (EOS-delimited)
+    document_positions: bool = False  # with document_mask: RoPE positions restart at 0 in each document
+    eos_id: int = -1            # the EOS id documents end with: taken from the data manifest with document_mask
 
 
 @dataclass
@@ -80,7 +83,8 @@ class BatchRampCfg:
 class TrainCfg:
     total_steps: int = 300
     micro_batch_size: int = 12
-    grad_accum: int = 1
+    grad_accum: int = 1         # micro-batches per step; with global_batch_size set, derived per world size
+    global_batch_size: int = 0  # sequences per optimizer step (0 = micro_batch_size x grad_accum x world)
     precision: str = "fp32"     # bf16 | fp16 | fp32
     z_loss: float = 1e-4
     loss_scale_init: float = 65536.0  # fp16 only: the dynamic loss scaler's starting scale
@@ -111,6 +115,9 @@ class OptimCfg:
     zclip_warmup_steps: int = 25  # zclip: steps of norms averaged before it clips
     decay_embeddings: bool = False
     impl: str = "auto"          # auto | single | foreach | fused: torch AdamW's kernel (auto: fused)
+    name: str = "adamw"         # adamw | muon (Muon for the hidden matrices, AdamW for the rest)
+    muon_lr: float = 0.02       # muon: Muon's peak rate (scheduled like peak_lr), before torch's shape scaling
+    muon_momentum: float = 0.95  # muon: its Nesterov momentum
 
 
 @dataclass
@@ -222,7 +229,7 @@ RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
     "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "data.prefetch",
     "train.total_steps",
-    "train.device", "train.micro_batch_size", "train.grad_accum", "ckpt", "faults", "monitor.max_rewinds", "engine",
+    "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults", "monitor.max_rewinds", "engine",
     "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
     "monitor.rewind_every", "monitor.rewind_points",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
@@ -250,14 +257,16 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections (run:, model:, "
                           f"train:, ...), not a list; see configs/tiny.yaml")
     try:
-        merged = OmegaConf.merge(schema, loaded)
+        merged, accum_set = OmegaConf.merge(schema, loaded), OmegaConf.select(loaded, "train.grad_accum") is not None
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            merged, accum_set = OmegaConf.merge(merged, OmegaConf.from_dotlist([item])), accum_set or item.startswith("train.grad_accum=")
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain(err)) from None
+    _check(not (accum_set and cfg.train.global_batch_size), f"train.global_batch_size={cfg.train.global_batch_size} and "
+           f"train.grad_accum={cfg.train.grad_accum} are both set; drop train.grad_accum (it follows per world size)")
     validate(cfg)
     return cfg
 
@@ -307,13 +316,13 @@ def validate(cfg: Config) -> None:
                        ("ckpt.keep_last", cfg.ckpt.keep_last),
                        ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
         _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(t.global_batch_size >= 0, f"train.global_batch_size={t.global_batch_size} must be >= 0 (0 = unset)")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
     _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
     validate_model(cfg)
     validate_optim(cfg)
     validate_data(cfg)
-    validate_observe(cfg)
     validate_spike_policy(cfg)
 
 
@@ -331,6 +340,7 @@ def validate_model(cfg: Config) -> None:
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
     _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _check(m.document_mask or not m.document_positions, "model.document_positions=true needs model.document_mask=true")
     _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
            f"model.vocab_size={m.vocab_size} and model.ffn_hidden={m.ffn_hidden} must be >= 0 (0 = derived)")
     if cfg.run.init_from.startswith(HF_PREFIX):
@@ -344,6 +354,8 @@ def validate_optim(cfg: Config) -> None:
     _check_choice("optim.schedule", o.schedule, ("cosine", "wsd"))
     _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
     _check_choice("optim.impl", o.impl, ("auto", "single", "foreach", "fused"))
+    _check_choice("optim.name", o.name, ("adamw", "muon"))
+    _check(o.muon_lr > 0 and 0 <= o.muon_momentum < 1, f"optim.muon_lr={o.muon_lr} must be > 0 and optim.muon_momentum={o.muon_momentum} in [0, 1)")
     _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
     _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
     _check(0 <= o.warmup_steps <= t.total_steps,
@@ -371,19 +383,15 @@ def validate_data(cfg: Config) -> None:
     validate_mix(cfg.data.mix)
 
 
-def validate_observe(cfg: Config) -> None:
-    ob = cfg.observe
+def validate_spike_policy(cfg: Config) -> None:
+    """The monitor, clipping, drill and observe keys."""
+    m, o, f, ob = cfg.monitor, cfg.optim, cfg.faults, cfg.observe
     _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
     _check(cfg.eval.every >= 0 and cfg.eval.max_examples >= 0, f"eval.every={cfg.eval.every} and "
            f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: only at the start; all examples)")
     _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
     _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
     _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))
-
-
-def validate_spike_policy(cfg: Config) -> None:
-    """The monitor, clipping and drill keys."""
-    m, o, f = cfg.monitor, cfg.optim, cfg.faults
     _check_choice("monitor.detector", m.detector, ("mad", "zscore", "max_multiple"))
     _check_choice("monitor.nonfinite", m.nonfinite, ("rewind", "skip"))
     _check_choice("optim.clip_mode", o.clip_mode, ("fixed", "zclip"))
@@ -458,51 +466,3 @@ def hashed_items(cfg: Config) -> dict[str, Any]:
 def config_hash(cfg: Config) -> str:
     blob = json.dumps(hashed_items(cfg), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-# Hashed keys added after checkpoints were first written, and the value those older checkpoints
-# were made with: their absence is that value, not a difference. `model.vocab_pad_to=1` is the
-# unpadded embedding of checkpoints from before padding existed, so a resume under the default
-# 64 is refused naming the key (the shapes differ), and one with `model.vocab_pad_to=1` continues.
-LEGACY_VALUES = {"model.vocab_pad_to": 1}
-
-
-def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now).
-
-    A key the checkpoint does not have (dsslm added it since) is read at the value the older code
-    behaved as: LEGACY_VALUES where that differs from today's default (model.vocab_pad_to was 1,
-    no padding), else the default (model.norm_eps=1e-6 was a constant before): then no drift."""
-    now, defaults = hashed_items(cfg), hashed_items(Config())
-    saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **saved}
-    keys = set(saved) | set(now)
-    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
-            and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
-
-
-def _has_key(tree: dict, dotted: str) -> bool:
-    node: Any = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def from_dict(tree: Any, where: str) -> Config:
-    """A Config from a saved tree (a checkpoint's state.json `config`), checked like a loaded one.
-
-    `where` names the file in the error, since the user did not type these keys."""
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{where}: the config is not an object")
-    # A key older dsslm did not write reads as what that code did (see drift).
-    legacy = [f"{key}={value}" for key, value in LEGACY_VALUES.items() if not _has_key(tree, key)]
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree,
-                                                  OmegaConf.from_dotlist(legacy)))
-        validate(cfg)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"{where}: {_explain(err)}") from None
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    return cfg

@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = (f"max |logit diff| fp32 {parity['max_abs_logit_diff_fp32']:.3g} (tolerance {FP32_TOLERANCE:g}), "
                f"bf16 {parity['max_abs_logit_diff_bf16']:.3g} (dsslm's own bf16: {parity['dsslm_own_bf16_diff']:.3g}), "
                f"tokenizer ids equal" if isinstance(parity, dict) else "parity check skipped")
+    if "document_mask" in record:
+        print(f"dsslm.export: warning: {record['document_mask']}", file=sys.stderr)
     print(f"exported step {record['step']} of {record['checkpoint']} to {args.out}: {record['architecture']}, "
           f"{record['dtype']}, in {record['total_s']:.1f}s; {figures}")
     return 0

@@ -82,6 +82,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
         apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
+    if cfg.model.document_mask and cfg.model.eos_id < 0:  # documents end with the tokenizer's EOS
+        cfg.model.eos_id = manifest["tokenizer"]["eos_id"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
     cleanup.callback(engine.close)

@@ -95,7 +95,8 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     Compiled: the same rotation in real arithmetic, which inductor fuses into one kernel (it
     generates no code for complex ops).
     """
-    table = table[: x.shape[1]]
+    if table.dim() == 3:  # one position per column; a [batch, seq, 1, pairs] table is per token already
+        table = table[: x.shape[1]]
     if torch.compiler.is_compiling():
         cos, sin = torch.view_as_real(table).unbind(-1)
         even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
@@ -115,7 +116,8 @@ class _SplitRopeFn(torch.autograd.Function):
     def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, n_heads: int):
         batch, seq, width = qkv.shape
         heads = qkv.view(batch, seq, 3, n_heads, width // 3 // n_heads)
-        rotated = torch.view_as_real(_as_pairs(heads[:, :, :2].float()) * table[:, None]).flatten(-2)
+        # [seq, 1, pairs] or per token [batch, seq, 1, pairs]: a slot axis before the heads'.
+        rotated = torch.view_as_real(_as_pairs(heads[:, :, :2].float()) * table.unsqueeze(-3)).flatten(-2)
         q, k = rotated.to(qkv.dtype).unbind(2)
         ctx.save_for_backward(table)
         ctx.heads_shape, ctx.dtype = heads.shape, qkv.dtype
@@ -126,7 +128,7 @@ class _SplitRopeFn(torch.autograd.Function):
         table, = ctx.saved_tensors
         unused = grad_q is None or grad_k is None or grad_v is None  # an output that took no part in the loss
         grad = (torch.zeros if unused else torch.empty)(ctx.heads_shape, dtype=torch.float32, device=table.device)
-        back = table.conj()  # the inverse rotation, [seq, 1, pairs] against [batch, seq, heads, pairs]
+        back = table.conj()  # the inverse rotation, [(batch,) seq, 1, pairs] against [batch, seq, heads, pairs]
         for slot, g in enumerate((grad_q, grad_k)):
             if g is not None:
                 # The output must be a view of `grad` (a copy would drop the result): view_as_complex
@@ -164,13 +166,53 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
         batch, seq, dim = x.shape
         q, k, v = self.split_heads(self.qkv(x), rope)
-        # SDPA computes its softmax in fp32 internally, whatever the input dtype.
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:  # SDPA computes its softmax in fp32 internally, whatever the input dtype.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        elif isinstance(mask, torch.Tensor):  # the dense [batch, 1, seq, seq] causal-and-same-document mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:  # a FlexAttention BlockMask (CUDA): the masked-out blocks are skipped, not computed
+            out = _flex_attention()(q, k, v, block_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+def _flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention
+
+
+def document_ids(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The document of every token of packed sequences [batch, seq]: the count of EOS tokens before
+    it. A document's own closing EOS belongs to it (prepare writes `doc EOS doc EOS ...`)."""
+    is_eos = (idx == eos_id).to(torch.int32)
+    return is_eos.cumsum(1, dtype=torch.int32) - is_eos
+
+
+def document_positions(doc: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document [batch, seq]: 0 at every document's first token."""
+    cols = torch.arange(doc.shape[1], device=doc.device).expand_as(doc)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return cols - torch.where(first, cols, torch.zeros_like(cols)).cummax(1).values
+
+
+def document_mask(doc: torch.Tensor, flex: bool = False):
+    """Causal attention within documents: query i sees key j iff j <= i and both are in one
+    document. Dense boolean [batch, 1, seq, seq] for SDPA (CPU; its math kernel trains, where
+    FlexAttention's CPU backward raises), or a FlexAttention BlockMask (CUDA), whose kernels skip
+    whole masked blocks: the exact result with less work the more documents a sequence holds."""
+    batch, seq = doc.shape
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document(b, h, q, k):
+            return (k <= q) & (doc[b, q] == doc[b, k])
+        return create_block_mask(same_document, batch, None, seq, seq, device=doc.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -220,8 +262,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -230,6 +272,8 @@ class Transformer(nn.Module):
         super().__init__()
         if cfg.vocab_size < 1:
             raise ValueError("model.vocab_size must be set (from the data manifest) before building")
+        if cfg.document_mask and not 0 <= cfg.eos_id < cfg.vocab_size:
+            raise ValueError("model.document_mask needs model.eos_id (from the data manifest) before building")
         self.cfg = cfg
         self.vocab_size = cfg.vocab_size
         rows = padded_vocab(cfg.vocab_size, cfg.vocab_pad_to)
@@ -265,10 +309,15 @@ class Transformer(nn.Module):
             self.lm_head.weight[self.vocab_size:].zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        rope = self.rope[: idx.shape[1]]
+        rope, mask = self.rope[: idx.shape[1]], None
+        if self.cfg.document_mask:
+            doc = document_ids(idx, self.cfg.eos_id)
+            mask = document_mask(doc, flex=idx.is_cuda and _has_flex())
+            if self.cfg.document_positions:  # per-token angles [batch, seq, 1, pairs]
+                rope = self.rope[document_positions(doc)]
         x = self.tok_emb(idx)
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope, mask)
         # Logits in fp32: the softmax over a large vocabulary is where bf16 hurts most. The
         # padded rows are cut off here, so nothing downstream can score or sample them.
         x = self.norm(x)
@@ -277,6 +326,14 @@ class Transformer(nn.Module):
         # A CPU gains nothing from the alignment: multiply by the real rows only (fewer FLOPs,
         # and no backward through a column slice of the logits).
         return F.linear(x, self.lm_head.weight[: self.vocab_size]).float()
+
+
+def _has_flex() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:  # an older torch: the dense mask, exact but O(seq^2) memory
+        return False
+    return True
 
 
 LAYER_GROUPS = ("embeddings", "attention", "mlp", "norms", "head", "other")

@@ -1,10 +1,15 @@
-"""AdamW with decay / no-decay groups, and the learning rate as a pure function of the step."""
+"""AdamW with decay / no-decay groups, Muon for the hidden matrices (`optim.name=muon`), and the
+learning rate as a pure function of the step."""
 from __future__ import annotations
 
+import collections
 import math
+from typing import Callable
 
 import torch
 from torch import nn
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from dsslm.config import Config, OptimCfg
 
@@ -98,5 +103,94 @@ def decay_start_step(config: Config) -> int | None:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The planned rate to every group; Muon's group runs at optim.muon_lr / optim.peak_lr of it."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
+
+
+# --- Muon ----------------------------------------------------------------------------------------
+def muon_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
+    """Three groups: Muon for the hidden 2-D matrices (attention and MLP projections); AdamW for
+    the embedding, an untied head (decayed like today's matrices), norm gains and biases. The
+    embedding is a lookup, not a linear map of its input, and the head's rows are scored one by
+    one: Muon's orthogonalised update fits neither (Keller Jordan; Moonlight; torch's docs)."""
+    adamw = param_groups(model, cfg)
+    outer = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    outer |= {id(p) for n, p in model.named_parameters() if n.split(".")[0] in ("lm_head", "tok_emb")}
+    hidden, hidden_names = [], []
+    for group in adamw:
+        keep = [(p, n) for p, n in zip(group["params"], group["names"]) if p.dim() != 2 or id(p) in outer]
+        hidden += [p for p in group["params"] if p.dim() == 2 and id(p) not in outer]
+        hidden_names += [n for p, n in zip(group["params"], group["names"]) if p.dim() == 2 and id(p) not in outer]
+        group["params"], group["names"] = [p for p, _ in keep], [n for _, n in keep]
+    assert_partition(model, [hidden] + [g["params"] for g in adamw])
+    bad = [n for p, n in zip(hidden, hidden_names) if p.dim() != 2 or id(p) in outer]
+    assert not bad and hidden, f"Muon's group must be the hidden 2-D matrices only: {bad or 'none found'}"
+    muon = {"params": hidden, "names": hidden_names, "muon": True, "weight_decay": cfg.weight_decay,
+            "momentum": cfg.muon_momentum, "lr_ratio": cfg.muon_lr / cfg.peak_lr}
+    return [muon] + [g for g in adamw if g["params"]]
+
+
+def muon_momentum(grad: torch.Tensor, buf: torch.Tensor, momentum: float) -> torch.Tensor:
+    """Muon's elementwise half (torch.optim.Muon's, Nesterov): the buffer's EMA and the update it
+    gives. Elementwise, so a shard of the gradient gives the same shard of the update."""
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum)
+
+
+def orthogonalise(update: torch.Tensor) -> torch.Tensor:
+    """Muon's matrix half, on a WHOLE matrix: torch's quintic Newton-Schulz (5 steps, bf16), the
+    one definition every engine feeds (a shard's orthogonalisation is not the matrix's)."""
+    return _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+
+
+def _same(t: torch.Tensor, *_) -> torch.Tensor:
+    return t
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """Muon on the group marked `muon`, torch AdamW (same kernel, same bits) on the others, in one
+    optimizer, so engines drive, clip, skip and checkpoint it as they do AdamW.
+
+    `whole(t)` gives the full matrix of a (possibly sharded) tensor and `part(full, param)` this
+    rank's part of a full update; the engine supplies them (FSDP2: DTensor gather and local slice;
+    DDP: identity), so the orthogonalisation always sees whole matrices. The update is torch's:
+    p <- p (1 - lr wd) - lr sqrt(max(1, rows / cols)) NS(nesterov momentum) (`_adjust_lr`,
+    adjust_lr_fn=None). `orthogonalised` counts the orthogonalisations per matrix name."""
+
+    def __init__(self, groups: list[dict], whole: Callable = _same, part: Callable = _same, **adamw):
+        self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
+        super().__init__([{k: v for k, v in g.items() if k != "names"} for g in groups], **adamw)
+        self.whole, self.part = whole, part
+        self.orthogonalised: collections.Counter = collections.Counter()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        everything = self.param_groups
+        for group in (g for g in everything if g.get("muon")):
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if not state:  # a step count too, so checkpoints name it like AdamW's
+                    state["step"] = torch.tensor(0.0)
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                state["step"] += 1
+                full = orthogonalise(self.whole(muon_momentum(p.grad, state["momentum_buffer"], group["momentum"])))
+                self.orthogonalised[self.names[id(p)]] += 1
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(self.part(full, p), alpha=-_adjust_lr(group["lr"], None, full.shape))
+        self.param_groups = [g for g in everything if not g.get("muon")]
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = everything
+
+
+def build_optimizer(model: nn.Module, cfg: OptimCfg, device: torch.device, whole: Callable = _same,
+                    part: Callable = _same) -> torch.optim.AdamW:
+    """optim.name: AdamW over its two groups, or MuonAdamW (Muon's group and AdamW's)."""
+    if cfg.name != "muon":
+        return build_adamw(model, cfg, device)
+    impl = adamw_impl(cfg.impl, device)
+    kernel = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    return MuonAdamW(muon_groups(model, cfg), whole, part, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2),
+                     eps=cfg.eps, weight_decay=cfg.weight_decay, **kernel)

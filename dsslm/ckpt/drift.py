@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dsslm.config import Config, ConfigError, from_dict
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dsslm.config import Config, ConfigError, _explain, hashed_items, validate
 from dsslm.optim import lr_at
 
 # Keys that set a tensor's shape or what a data position means (a sequence of seq_len tokens):
@@ -98,3 +101,54 @@ def lr_change(saved_config: Any, cfg: Config, step: int) -> tuple[float, float] 
         return None  # nothing to compare with; the fingerprint already vouched for what matters
     old, new = lr_at(step, old_cfg), lr_at(step, cfg)
     return None if abs(old - new) <= 1e-12 * max(abs(old), abs(new), 1e-30) else (old, new)
+
+
+# Reading a saved config: what older checkpoints meant by the keys they lack.
+
+# Reading a saved config (moved here from config.py, which holds what a user types).
+# Hashed keys added after checkpoints were first written, and the value those older checkpoints
+# were made with: their absence is that value, not a difference. `model.vocab_pad_to=1` is the
+# unpadded embedding of checkpoints from before padding existed, so a resume under the default
+# 64 is refused naming the key (the shapes differ), and one with `model.vocab_pad_to=1` continues.
+LEGACY_VALUES = {"model.vocab_pad_to": 1}
+
+
+def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """Keys whose value differs between a checkpoint's hashed items and `cfg`: key -> (saved, now).
+
+    A key the checkpoint does not have (dsslm added it since) is read at the value the older code
+    behaved as: LEGACY_VALUES where that differs from today's default (model.vocab_pad_to was 1,
+    no padding), else the default (model.norm_eps=1e-6 was a constant before): then no drift."""
+    now, defaults = hashed_items(cfg), hashed_items(Config())
+    saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **saved}
+    keys = set(saved) | set(now)
+    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
+            and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
+
+
+def _has_key(tree: dict, dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def from_dict(tree: Any, where: str) -> Config:
+    """A Config from a saved tree (a checkpoint's state.json `config`), checked like a loaded one.
+
+    `where` names the file in the error, since the user did not type these keys."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{where}: the config is not an object")
+    # A key older dsslm did not write reads as what that code did (see drift).
+    legacy = [f"{key}={value}" for key, value in LEGACY_VALUES.items() if not _has_key(tree, key)]
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree,
+                                                  OmegaConf.from_dotlist(legacy)))
+        validate(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{where}: {_explain(err)}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return cfg

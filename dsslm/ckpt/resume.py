@@ -30,7 +30,7 @@ from dsslm.ckpt.drift import describe
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
-from dsslm.engine.base import MOMENTS, Engine, OptimState, optim_kinds
+from dsslm.engine.base import STATE_KINDS, Engine, OptimState, optim_kinds
 from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
 
 SCHEMA_VERSION = 2
@@ -255,10 +255,12 @@ class Checkpointer:
             optim = OptimState.from_tensors(tensors["optim"])
         except ValueError as exc:
             raise CheckpointError(f"optim: {exc}") from None
-        for kind in MOMENTS:
+        for kind in STATE_KINDS:
             check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
-            if set(getattr(optim, kind)) != set(optim.step):
-                raise CheckpointError(f"optim: {kind} and step name different parameters")
+        # AdamW's parameters have both moments, Muon's (optim.name=muon) a momentum; each has a step.
+        if set(optim.exp_avg) != set(optim.exp_avg_sq) or set(optim.exp_avg) & set(optim.momentum) \
+                or set(optim.exp_avg) | set(optim.momentum) != set(optim.step):
+            raise CheckpointError("optim: exp_avg, exp_avg_sq, momentum and step name different parameters")
         for key, tensor in tensors["optim"].items():
             if key.startswith("step/") and (tensor.shape != (1,) or tensor.dtype != torch.float64):
                 raise CheckpointError(f"optim {key}: shape {tuple(tensor.shape)} {tensor.dtype}, expected (1,) float64")
@@ -469,7 +471,8 @@ def _check_values(model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
     """No NaN or inf in weights or moments, and no negative second moment: a run saves only states
     it reached through applied steps (the spike policy never applies a non-finite one), so such a
     checkpoint was damaged after the fact and would poison every step trained from it."""
-    tables = [("model", model_sd), ("optim exp_avg", optim.exp_avg), ("optim exp_avg_sq", optim.exp_avg_sq)]
+    tables = [("model", model_sd), ("optim exp_avg", optim.exp_avg), ("optim exp_avg_sq", optim.exp_avg_sq),
+              ("optim momentum", optim.momentum)]
     for group, table in tables:
         for name, tensor in table.items():
             bad = int((~torch.isfinite(tensor)).sum())

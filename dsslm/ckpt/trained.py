@@ -25,8 +25,9 @@ from dsslm.ckpt.format import Checkpoint, CheckpointError, candidates, invalid_r
 from dsslm.ckpt.shards import open_folder
 from dsslm.ckpt.resume import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
+from dsslm.ckpt.drift import from_dict
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC
-from dsslm.config import Config, ConfigError, from_dict
+from dsslm.config import Config, ConfigError
 from dsslm.data import DataError, load_manifest
 from dsslm.data.manifest import verify_split
 from dsslm.data.corpus import default_data_dir

@@ -23,13 +23,18 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.clip import ClipBound
-from dsslm.config import Config
+from dsslm.config import Config, ConfigError
 from dsslm.engine.blocks import set_matmul_precision
 from dsslm.optim import adamw_impl, set_lr
 from dsslm.precision import LossScaler
 
 T = TypeVar("T")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# Every per-parameter tensor of the optimizer state: AdamW's moments, and Muon's momentum buffer
+# (optim.name=muon, hidden matrices only; torch's state key "momentum_buffer").
+STATE_KINDS = MOMENTS + ("momentum",)
+TORCH_KEYS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "momentum_buffer"}
+STATE_KIND_OF = {torch_key: kind for kind, torch_key in TORCH_KEYS.items()}  # torch's name -> the checkpoint's
 # The collectives' timeout. Nothing waits in a collective for longer than a step, a checkpoint
 # gather or rank 0 hashing the one checkpoint it loads (a 16 GB folder hashes in ~10-30 s); the
 # one wait that grows with the corpus (hashing its shards) goes through `gather_long` instead.
@@ -46,15 +51,18 @@ class OptimState:
     over and takes back, and the one a checkpoint stores, so a ZeRO run resumes under FSDP.
 
     `step` is Adam's own step count per parameter (bias correction), `exp_avg` and `exp_avg_sq`
-    the fp32 moments at full (unsharded) shape. Empty before the first optimizer step.
+    the fp32 moments at full (unsharded) shape. Under optim.name=muon the hidden matrices have
+    `momentum` (Muon's buffer, full shape) and a step count instead of the two moments. Empty
+    before the first optimizer step.
     """
     step: dict[str, float] = field(default_factory=dict)
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    momentum: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """One flat table for safetensors: `exp_avg/NAME`, `exp_avg_sq/NAME`, `step/NAME`."""
-        flat = {f"{kind}/{name}": t for kind in MOMENTS for name, t in getattr(self, kind).items()}
+        """One flat table for safetensors: `exp_avg/NAME`, `exp_avg_sq/NAME`, `momentum/NAME`, `step/NAME`."""
+        flat = {f"{kind}/{name}": t for kind in STATE_KINDS for name, t in getattr(self, kind).items()}
         # fp64 so step counts past 2^24 stay exact.
         flat.update({f"step/{name}": torch.tensor([s], dtype=torch.float64) for name, s in self.step.items()})
         return flat
@@ -66,10 +74,10 @@ class OptimState:
             kind, _, name = key.partition("/")
             if kind == "step":
                 out.step[name] = float(tensor.item())
-            elif kind in MOMENTS:
+            elif kind in STATE_KINDS:
                 getattr(out, kind)[name] = tensor
             else:
-                raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/ or exp_avg_sq/")
+                raise ValueError(f"optimizer tensor {key!r} is not step/, exp_avg/, exp_avg_sq/ or momentum/")
         return out
 
 @dataclass
@@ -136,6 +144,22 @@ def state_tensor_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value.reshape(param.shape).to(device=param.device, dtype=param.dtype).clone()
 
 
+def derive_grad_accum(cfg: Config, world_size: int) -> None:
+    """Set train.grad_accum from train.global_batch_size at this world size (no-op when unset).
+
+    The global batch is the setting and the accumulation its consequence, as in torchtitan and
+    Megatron: a resume on another GPU count keeps the global batch, so the fingerprint matches and
+    the learning-rate plan, defined per optimizer step, stays the plan."""
+    t = cfg.train
+    if not t.global_batch_size:
+        return
+    per_pass = t.micro_batch_size * world_size
+    if t.global_batch_size % per_pass:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                          f"{t.micro_batch_size} x world size {world_size} = {per_pass}; change one of them")
+    t.grad_accum = t.global_batch_size // per_pass
+
+
 def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -174,6 +198,7 @@ class Engine(abc.ABC):
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.is_main = self.rank == 0
+        derive_grad_accum(cfg, self.world_size)  # before DeepSpeed's config or the loader read it
         self.module = model  # the unwrapped model: parameter names for checkpoints come from it
         # Taken before any engine shards the model (ZeRO-3 replaces shapes with empty partitions):
         # what a checkpoint's tensors must match, name by name.
@@ -541,8 +566,9 @@ def adam_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
                 continue
             name = names[id(param)]
             out.step[name] = float(state["step"])
-            for kind in MOMENTS:
-                getattr(out, kind)[name] = state[kind].detach().float()
+            for kind in STATE_KINDS:
+                if TORCH_KEYS[kind] in state:
+                    getattr(out, kind)[name] = state[TORCH_KEYS[kind]].detach().float()
     return out
 
 
@@ -559,7 +585,8 @@ def load_adam_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
     for name, step in optim.step.items():
         param = params[name]
         optimizer.state[param] = {"step": adam_step_tensor(step, param, groups[id(param)]),
-                                  **{kind: state_tensor_like(getattr(optim, kind)[name], param) for kind in MOMENTS}}
+                                  **{TORCH_KEYS[kind]: state_tensor_like(getattr(optim, kind)[name], param)
+                                     for kind in STATE_KINDS if name in getattr(optim, kind)}}
 
 
 def replica_local_state(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, rank: int,
@@ -578,7 +605,7 @@ def replica_local_state(params: dict[str, nn.Parameter], optimizer: torch.optim.
                     out.append(Shard(f"optim/step/{name}", (1,), 0, 1,
                                      torch.tensor([float(value)], dtype=torch.float64)))
             elif torch.is_tensor(value) and tuple(value.shape) == shape:
-                tensors[f"optim/{kind}/{name}"] = value.detach()
+                tensors[f"optim/{STATE_KIND_OF.get(kind, kind)}/{name}"] = value.detach()
         if end > start:
             out += [Shard(key, shape, start, end, t.float().reshape(-1)[start:end]) for key, t in tensors.items()]
     return out
@@ -598,7 +625,7 @@ def load_replica_state(params: dict[str, nn.Parameter], optimizer: torch.optim.O
         state = {"step": adam_step_tensor(float(reader.read(f"optim/step/{name}")[0]), param, groups[id(param)])}
         for kind, names in kinds.items():
             if kind != "step" and name in names:
-                state[kind] = state_tensor_like(reader.read(f"optim/{kind}/{name}"), param)
+                state[TORCH_KEYS.get(kind, kind)] = state_tensor_like(reader.read(f"optim/{kind}/{name}"), param)
         optimizer.state[param] = state
 
 

@@ -13,7 +13,7 @@ from dsslm.config import Config
 from dsslm.engine.base import (OptimState, Shard, StateReader, TorchAdamWEngine, adam_state_by_name, check_names,
                                load_adam_state, load_replica_state, replica_local_state)
 from dsslm.engine.blocks import prepare_model
-from dsslm.optim import build_adamw
+from dsslm.optim import build_optimizer
 
 
 class DDPEngine(TorchAdamWEngine):
@@ -23,7 +23,7 @@ class DDPEngine(TorchAdamWEngine):
         super().__init__(cfg, model)
         model.to(self.device)
         prepare_model(model, cfg.train, whole_model=True)
-        self.optimizer = build_adamw(model, cfg.optim, self.device)
+        self.optimizer = build_optimizer(model, cfg.optim, self.device)  # DDP: whole matrices as they are
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
         if self.distributed:

@@ -30,16 +30,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import (MOMENTS, OptimState, Shard, StateReader, TorchAdamWEngine, adam_step_tensor,
-                               check_names, group_of, optim_kinds, storage_bytes, whole)
+from dsslm.engine.base import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,
+                               TorchAdamWEngine, adam_step_tensor, check_names, group_of, optim_kinds, storage_bytes,
+                               whole)
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.blocks import prepare_model
-from dsslm.optim import build_adamw
+from dsslm.optim import build_optimizer
 
 
 def shard_model(model: nn.Module, precision: str) -> None:
@@ -70,7 +71,9 @@ class FSDPEngine(TorchAdamWEngine):
         # Tied weights have two names (tok_emb.weight, lm_head.weight); checkpoints use the first.
         canonical = {id(p): n for n, p in self.params.items()}
         self.aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
-        self.optimizer = build_adamw(model, cfg.optim, self.device)
+        # Muon orthogonalises whole matrices: each rank gathers the momentum-updated matrix (one
+        # all-gather per matrix), orthogonalises it and keeps its own rows of the result.
+        self.optimizer = build_optimizer(model, cfg.optim, self.device, whole=_full_matrix, part=_my_rows)
         self._grad_bytes = 0
 
     # --- the training step -------------------------------------------------------------------
@@ -136,8 +139,9 @@ class FSDPEngine(TorchAdamWEngine):
             if not state:
                 continue
             optim.step[name] = float(state["step"])
-            for key in MOMENTS:
-                getattr(optim, key)[name] = state[key].detach().float()
+            for key in STATE_KINDS:
+                if TORCH_KEYS[key] in state:
+                    getattr(optim, key)[name] = state[TORCH_KEYS[key]].detach().float()
         return {n: t.detach().float() for n, t in model_sd.items() if n in self.params}, optim
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
@@ -153,7 +157,8 @@ class FSDPEngine(TorchAdamWEngine):
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
                   for g in self.optimizer.param_groups]
         state = {name: {"step": torch.tensor(float(step)),
-                        **{key: getattr(optim, key)[name].float() for key in MOMENTS}}
+                        **{TORCH_KEYS[key]: getattr(optim, key)[name].float() for key in STATE_KINDS
+                           if name in getattr(optim, key)}}
                  for name, step in optim.step.items()}
         set_optimizer_state_dict(self.module, self.optimizer, {"state": state, "param_groups": groups},
                                  options=options)
@@ -178,7 +183,7 @@ class FSDPEngine(TorchAdamWEngine):
                         out.append(Shard(f"optim/step/{name}", (1,), 0, 1,
                                          torch.tensor([float(value)], dtype=torch.float64)))
                 elif isinstance(value, DTensor) and tuple(value.shape) == shape:
-                    tensors[f"optim/{kind}/{name}"] = value.to_local()
+                    tensors[f"optim/{STATE_KIND_OF.get(kind, kind)}/{name}"] = value.to_local()
             if end > start:
                 out += [Shard(key, shape, start, end, t.detach().float().reshape(-1)) for key, t in tensors.items()]
         return out
@@ -204,7 +209,7 @@ class FSDPEngine(TorchAdamWEngine):
                     mine = torch.zeros_like(local)
                     if end > start:
                         mine.copy_(reader.read(f"optim/{kind}/{name}", start, end).reshape(local.shape))
-                    state[kind] = DTensor.from_local(mine, param.device_mesh, param.placements, run_check=False,
+                    state[TORCH_KEYS.get(kind, kind)] = DTensor.from_local(mine, param.device_mesh, param.placements, run_check=False,
                                                      shape=param.shape, stride=param.stride())
                 self.optimizer.state[param] = state
 
@@ -214,3 +219,16 @@ class FSDPEngine(TorchAdamWEngine):
         optim_bytes = storage_bytes([t for state in self.optimizer.state.values() for t in state.values()
                                      if torch.is_tensor(t)])
         return {"param_bytes": param_bytes, "grad_bytes": self._grad_bytes, "optim_bytes": optim_bytes}
+
+
+def _full_matrix(t: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of a sharded (DTensor) one: an all-gather."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _my_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a full tensor every rank holds, laid out as `param`: a local slice
+    (src_data_rank=None), no communication."""
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

@@ -76,7 +76,7 @@ def _check_agrees(cfg: Config, env: dict) -> None:
         raise ConfigError(f"accelerate launch --mixed_precision {precision} but train.precision="
                           f"{cfg.train.precision}; set train.precision={want} or launch with --mixed_precision no")
     grad_accum = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
-    if grad_accum and int(grad_accum) != cfg.train.grad_accum:
+    if grad_accum and not cfg.train.global_batch_size and int(grad_accum) != cfg.train.grad_accum:
         raise ConfigError(f"accelerate launch --gradient_accumulation_steps {grad_accum} but train.grad_accum="
                           f"{cfg.train.grad_accum}; set train.grad_accum={grad_accum} or drop the flag")
     clip = env.get("ACCELERATE_GRADIENT_CLIPPING", "").strip().lower()

@@ -144,6 +144,12 @@ class ZeroEngine(Engine):
         self.name = f"zero{self.stage}"
         self.params = dict(model.named_parameters())  # unwrapped names; DeepSpeed keeps the objects
         self._check_stage()
+        if cfg.optim.name == "muon":
+            # DeepSpeed hands a client optimizer flat partitions of many matrices (stages 1-2) or
+            # of one (stage 3), never a whole matrix: Muon there would orthogonalise fragments, or
+            # silently run as SGD (DeepSpeed issue 8441). Refused until fed whole matrices.
+            raise ConfigError(f"optim.name=muon is not supported on engine.kind=zero (stage {self.stage}) yet: "
+                              f"DeepSpeed's partitions are not whole matrices; use engine.kind=fsdp or ddp")
         model.to(self.device)
         prepare_model(model, cfg.train)
         optimizer = build_adamw(model, cfg.optim, self.device)

@@ -45,6 +45,10 @@ EXPORTED_KEYS = {
     "norm_eps": "rms_norm_eps",
     "dropout": "nothing: inference has no dropout", "init_std": "nothing: weights are given",
     "vocab_pad_to": "nothing: the padded rows are cut off",
+    # The same weights and function on one document per sequence; packed rows need the caller's
+    # 4-D mask and position_ids (the export warns: hf.write.DOCUMENT_MASK_NOTE).
+    "document_mask": "nothing on one document a row (export warns)", "document_positions": "position_ids",
+    "eos_id": "eos_token_id",
 }
 
 

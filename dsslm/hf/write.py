@@ -115,11 +115,22 @@ def write_folder(folder: Path, trained: Trained, tok, dtype: torch.dtype, max_by
     write_tokenizer(folder, tok)
 
 
-def probe_batch(tok, vocab_size: int, seq_len: int) -> torch.Tensor:
+# What transformers reproduces of a model trained with model.document_mask: stated in the export's
+# record and printed as a warning line by `python -m dsslm.export`.
+DOCUMENT_MASK_NOTE = ("trained with model.document_mask: transformers reproduces its logits on one document per "
+                      "sequence (generation, or one document per row), not on packed rows of several EOS-separated "
+                      "documents, where it attends across the EOS; there pass a 4-D attention mask and per-document "
+                      "position_ids yourself")
+
+
+def probe_batch(tok, vocab_size: int, seq_len: int, eos_id: int = -1) -> torch.Tensor:
     """Two fixed sequences: uniformly random ids (every row of the embedding is fair game) and
-    the probe text's ids repeated."""
+    the probe text's ids repeated. With `eos_id` (a document-masked model), no EOS inside: one
+    document per row, the input on which transformers and dsslm compute the same function."""
     length = min(seq_len, PROBE_TOKENS)
     random_ids = torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+    if eos_id >= 0:
+        random_ids[random_ids == eos_id] = (eos_id + 1) % vocab_size
     text = torch.tensor(tok.encode(PROBE_TEXT)).repeat(length // len(tok.encode(PROBE_TEXT)) + 1)[:length]
     return torch.stack([random_ids, text])
 
@@ -131,7 +142,7 @@ def check_parity(folder: Path, trained: Trained, tok, dtype: torch.dtype) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = trained.cfg.model
-    probe = probe_batch(tok, cfg.vocab_size, cfg.seq_len)
+    probe = probe_batch(tok, cfg.vocab_size, cfg.seq_len, cfg.eos_id if cfg.document_mask else -1)
     model = trained.model.cpu()
     reference = model(probe)[..., :cfg.vocab_size]
     exported = model
@@ -202,6 +213,7 @@ def export(source: str, out: Path, dtype_name: str = "fp32", check: bool = True,
                   "vocab_size": trained.cfg.model.vocab_size, "tokenizer": tok.kind,
                   "tokenizer_sha256": trained.fingerprint["tokenizer_sha256"],
                   "parity": parity if check else "skipped (--no-check)",
+                  **({"document_mask": DOCUMENT_MASK_NOTE} if trained.cfg.model.document_mask else {}),
                   "write_s": round(written_s, 3), "total_s": round(time.perf_counter() - started, 3),
                   "files": {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}}
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=1) + "\n")

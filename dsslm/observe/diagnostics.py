@@ -128,7 +128,9 @@ class _LayerProbe:
                         attn.register_forward_hook(self._done)]
 
     def _inputs(self, module: nn.Module, args: tuple) -> None:
-        _, self.seen["rope"] = args  # Attention.forward(x, rope)
+        # Attention.forward(x, rope, mask): under model.document_mask the maximum is still over
+        # every causal score, cross-document ones included: an upper bound of what softmax sees.
+        self.seen["rope"] = args[1]
 
     def _qkv(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         self.seen["qkv"] = out.detach()

@@ -314,3 +314,28 @@ def test_a_config_json_claiming_another_shape_than_its_weights_is_refused_before
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "model.embed_tokens.weight is [257, 32] F32, its config.json needs [257, 4096]" in err
     assert built == [] and not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_document_masked_model_exports_with_a_warning_and_matches_on_one_document(runs, tmp_path, capsys):
+    run_dir = tmp_path / "masked"
+    cfg = tiny_cfg(run_dir, f"data.dir={runs['byte_data']}", "train.total_steps=6", "ckpt.every=6",
+                   "ckpt.async_save=false", "model.document_mask=true", "model.document_positions=true")
+    assert train(cfg) == 0
+    trained = open_trained(run_dir)
+    eos = ByteTokenizer().eos_id
+    assert trained.cfg.model.eos_id == eos  # taken from the data manifest, kept in the checkpoint
+    rc, out, err = export_main(capsys, run_dir, "--out", tmp_path / "hf")
+    assert rc == 0, err
+    warning = [line for line in err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "model.document_mask" in warning[0] and "one document per sequence" in warning[0]
+    record = json.loads((tmp_path / "hf" / "dsslm_export.json").read_text())
+    assert "document_mask" in record and record["parity"]["max_abs_logit_diff_fp32"] <= 1e-4
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    one_doc = probe(trained.cfg.model.vocab_size)
+    one_doc[one_doc == eos] = 0
+    with torch.no_grad():
+        assert (model(one_doc).logits - trained.model(one_doc)).abs().max() <= 1e-4  # what it reproduces
+        packed = one_doc.clone()
+        packed[:, 10] = eos  # two documents a row: transformers attends across the EOS, dsslm does not
+        assert (model(packed).logits[:, 11:] - trained.model(packed)[:, 11:]).abs().max() > 1e-3

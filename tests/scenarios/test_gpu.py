@@ -22,12 +22,15 @@ def test_auto_is_fused_adamw_and_tf32_on_cuda(tmp_path):
     engine.close()
 
 
-def test_bf16_compiled_run_resumes_to_the_bit_on_cuda(tmp_path):
+@pytest.mark.parametrize("recipe", [(), ("optim.name=muon", "model.document_mask=true", "model.document_positions=true")],
+                         ids=["adamw", "muon-document-mask"])
+def test_bf16_compiled_run_resumes_to_the_bit_on_cuda(tmp_path, recipe):
+    """Fused AdamW (optim.impl=auto on CUDA); with Muon and FlexAttention's document mask too."""
     reference = tmp_path / "reference"
-    run_train(reference, *CUDA, "train.compile=true", env=GPU_ENV)
+    run_train(reference, *CUDA, "train.compile=true", *recipe, env=GPU_ENV)
     killed = tmp_path / "killed"
-    run_train(killed, *CUDA, "train.compile=true", "faults.crash_at_step=15", check=False, env=GPU_ENV)
-    run_train(killed, *CUDA, "train.compile=true", env=GPU_ENV)
+    run_train(killed, *CUDA, "train.compile=true", *recipe, "faults.crash_at_step=15", check=False, env=GPU_ENV)
+    run_train(killed, *CUDA, "train.compile=true", *recipe, env=GPU_ENV)
     assert events(killed, "resume")[0]["step"] == 10
     ref, got = losses_by_step(reference), losses_by_step(killed)
     assert all(got[s] == ref[s] for s in range(11, 21))

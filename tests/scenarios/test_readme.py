@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -1,7 +1,8 @@
 import pytest
 
 from dsslm import config
-from dsslm.config import ConfigError, config_hash, drift, load
+from dsslm.ckpt.drift import drift, from_dict
+from dsslm.config import ConfigError, config_hash, load
 from dsslm.train import main
 
 
@@ -73,13 +74,13 @@ def test_model_and_init_from_values_are_checked(override, named):
 
 def test_from_dict_checks_a_saved_config_like_a_loaded_one():
     tree = config.to_dict(load(None, ["model.d_model=256"]))
-    assert config.from_dict(tree, "state.json").model.d_model == 256
+    assert from_dict(tree, "state.json").model.d_model == 256
     tree["model"]["n_heads"] = 3
     with pytest.raises(ConfigError, match=r"state\.json: model\.d_model=256 must be divisible"):
-        config.from_dict(tree, "state.json")
+        from_dict(tree, "state.json")
     tree["model"]["n_heads"], tree["model"]["colour"] = 4, "red"
     with pytest.raises(ConfigError, match=r"state\.json: unknown config key 'model\.colour'"):
-        config.from_dict(tree, "state.json")
+        from_dict(tree, "state.json")
 def test_data_verify_takes_true_false_or_full_and_mix_weights_of_any_scale():
     assert [load(None, [f"data.verify={v}"]).data.verify for v in ("true", "false", "full")] == [True, False, "full"]
     cfg = load(None, ["data.mix.web=7", "data.mix.code=3", "data.mix.books=0"])

@@ -3,7 +3,6 @@ event a person should see, a summary at the end; only rank 0; level and format t
 from __future__ import annotations
 
 import logging
-import subprocess
 
 import pytest
 

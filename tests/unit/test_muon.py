@@ -1,0 +1,67 @@
+"""optim.name=muon: the groups, and the update torch.optim.Muon + AdamW make, to the bit."""
+import pytest
+import torch
+
+from dsslm.config import ConfigError, load
+from dsslm.model import build_model
+from dsslm.optim import build_optimizer, muon_groups, set_lr
+
+
+def cfg_with(*overrides):
+    cfg = load(None, ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                      "model.seq_len=16", "optim.name=muon", *overrides])
+    return cfg
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
+    cfg = cfg_with(f"model.tie_embeddings={str(tied).lower()}")
+    model = build_model(cfg.model)
+    groups = muon_groups(model, cfg.optim)
+    muon, *adamw = groups
+    assert muon["muon"] and sorted(muon["names"]) == sorted(
+        n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks."))
+    adamw_names = [n for g in adamw for n in g["names"]]
+    assert "tok_emb.weight" in adamw_names and ("lm_head.weight" in adamw_names) == (not tied)
+    assert all(p.dim() == 1 for g in adamw for n, p in zip(g["names"], g["params"]) if "norm" in n)
+    assert muon["lr_ratio"] == cfg.optim.muon_lr / cfg.optim.peak_lr
+
+
+def test_one_step_is_torch_muon_on_the_matrices_and_torch_adamw_on_the_rest_to_the_bit():
+    cfg = cfg_with("optim.impl=single")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    twin = build_model(cfg.model)
+    twin.load_state_dict(model.state_dict())
+    ours = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    groups = muon_groups(twin, cfg.optim)
+    theirs_muon = torch.optim.Muon(groups[0]["params"], lr=cfg.optim.muon_lr, weight_decay=cfg.optim.weight_decay,
+                                   momentum=cfg.optim.muon_momentum, nesterov=True)
+    theirs_adamw = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups[1:]],
+                                     lr=cfg.optim.peak_lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                     eps=cfg.optim.eps, foreach=False)
+    idx = torch.randint(0, 64, (2, 16))
+    for step in range(3):
+        for m in (model, twin):
+            m(idx).logsumexp(-1).mean().backward()
+        lr = cfg.optim.peak_lr * (step + 1) / 3
+        set_lr(ours, lr)
+        ours.step()
+        ours.zero_grad()
+        for g in theirs_muon.param_groups:
+            g["lr"] = lr * cfg.optim.muon_lr / cfg.optim.peak_lr
+        for g in theirs_adamw.param_groups:
+            g["lr"] = lr
+        theirs_muon.step()
+        theirs_adamw.step()
+        twin.zero_grad()
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert set(ours.orthogonalised.values()) == {3} and len(ours.orthogonalised) == len(groups[0]["params"])
+
+
+def test_muon_settings_are_checked():
+    with pytest.raises(ConfigError, match="optim.name"):
+        cfg_with("optim.name=sgd")
+    with pytest.raises(ConfigError, match="optim.muon_lr"):
+        cfg_with("optim.muon_lr=0")

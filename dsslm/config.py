@@ -7,8 +7,6 @@ and exit 2.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,19 +221,6 @@ class Config:
     eval: EvalCfg = field(default_factory=EvalCfg)
 
 
-# Keys that may change between a checkpoint and its resume without changing what the run
-# computes up to that point. Everything else must match (or be allowed with --allow-drift).
-RESUME_MUTABLE_KEYS = (
-    "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
-    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "data.prefetch",
-    "train.total_steps",
-    "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults", "monitor.max_rewinds", "engine",
-    "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
-    "monitor.rewind_every", "monitor.rewind_points",
-    # How the same math is scheduled: rounding-level differences only, like a change of engine.
-    "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
-    "optim.impl", "eval",
-)
 
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -444,25 +429,3 @@ def validate_mix(mix: dict[str, float]) -> None:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def hashed_items(cfg: Config) -> dict[str, Any]:
-    """The flat key -> value map that the config hash covers (mutable keys left out)."""
-    return {key: value for key, value in _flatten(to_dict(cfg)).items()
-            if not any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS)}
-
-
-def config_hash(cfg: Config) -> str:
-    blob = json.dumps(hashed_items(cfg), sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]

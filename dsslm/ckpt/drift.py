@@ -10,12 +10,14 @@ every remaining step, and the user hears the old and new value at the resume ste
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dsslm.config import Config, ConfigError, _explain, hashed_items, validate
+from dsslm.config import Config, ConfigError, _explain, to_dict, validate
 from dsslm.optim import lr_at
 
 # Keys that set a tensor's shape or what a data position means (a sequence of seq_len tokens):
@@ -101,6 +103,46 @@ def lr_change(saved_config: Any, cfg: Config, step: int) -> tuple[float, float] 
         return None  # nothing to compare with; the fingerprint already vouched for what matters
     old, new = lr_at(step, old_cfg), lr_at(step, cfg)
     return None if abs(old - new) <= 1e-12 * max(abs(old), abs(new), 1e-30) else (old, new)
+
+
+# What a resume compares: every key but those that may change without changing what the run
+# computes up to that point.
+
+# Keys that may change between a checkpoint and its resume without changing what the run
+# computes up to that point. Everything else must match (or be allowed with --allow-drift).
+RESUME_MUTABLE_KEYS = (
+    "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
+    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "data.dir", "data.verify", "data.prefetch",
+    "train.total_steps",
+    "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults", "monitor.max_rewinds", "engine",
+    "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
+    "monitor.rewind_every", "monitor.rewind_points",
+    # How the same math is scheduled: rounding-level differences only, like a change of engine.
+    "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
+    "optim.impl", "eval",
+)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def hashed_items(cfg: Config) -> dict[str, Any]:
+    """The flat key -> value map that the config hash covers (mutable keys left out)."""
+    return {key: value for key, value in _flatten(to_dict(cfg)).items()
+            if not any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS)}
+
+
+def config_hash(cfg: Config) -> str:
+    blob = json.dumps(hashed_items(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 # Reading a saved config: what older checkpoints meant by the keys they lack.

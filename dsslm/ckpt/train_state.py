@@ -12,8 +12,8 @@ from typing import Any
 
 from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipEntry,
                                Str, Window)
-from dsslm.config import Config, ConfigError, config_hash, hashed_items
-from dsslm.ckpt.drift import SHAPE_KEYS, drift, shape_refusal
+from dsslm.config import Config, ConfigError
+from dsslm.ckpt.drift import SHAPE_KEYS, config_hash, drift, hashed_items, shape_refusal
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
 # sequences it skipped, the checkpoint step it went back to and the lr_scale factor it applied;

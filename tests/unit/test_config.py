@@ -1,8 +1,8 @@
 import pytest
 
 from dsslm import config
-from dsslm.ckpt.drift import drift, from_dict
-from dsslm.config import ConfigError, config_hash, load
+from dsslm.ckpt.drift import config_hash, drift, from_dict, hashed_items
+from dsslm.config import ConfigError, load
 from dsslm.train import main
 
 
@@ -47,7 +47,7 @@ def test_hash_ignores_resume_mutable_keys():
     base = load(None, [])
     assert config_hash(base) == config_hash(load(None, ["train.total_steps=999", "ckpt.every=7"]))
     assert config_hash(base) != config_hash(load(None, ["optim.peak_lr=1e-3"]))
-    changed = drift(config.hashed_items(base), load(None, ["model.d_model=256"]))
+    changed = drift(hashed_items(base), load(None, ["model.d_model=256"]))
     assert list(changed) == ["model.d_model"]
 
 
@@ -57,7 +57,7 @@ def test_shipped_configs_validate():
 
 
 def test_a_key_added_since_the_checkpoint_is_no_drift_at_its_default():
-    saved = config.hashed_items(load(None, []))
+    saved = hashed_items(load(None, []))
     del saved["model.norm_eps"]  # a checkpoint written before the key existed
     assert drift(saved, load(None, [])) == {}
     assert drift(saved, load(None, ["model.norm_eps=1e-5"])) == {"model.norm_eps": (None, 1e-5)}

@@ -15,7 +15,9 @@ triage it, whose evidence goes into the triage decision):
 
 Every rank also keeps the last few spike steps' global sequence indices and per-sequence losses
 in memory (with or without `monitor.forensics`): `data_entries` turns them into the skip entries
-a data verdict commits, narrowed to the offending sequences (`data.skips.offending`).
+a data verdict commits, narrowed to the offending sequences (`data.skips.offending`). Those of
+the steps a streak open at a checkpoint can span travel in its part "triage" (`ReplayProgress`),
+so a resume in the middle of a streak names the same data as the uninterrupted run.
 
 A folder is written into `spikes/.tmp-*` and renamed into place (files and folders fsynced), so
 a reader sees a whole folder or none; a step that spikes again (a replay, a resume) gets

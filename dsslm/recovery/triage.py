@@ -56,8 +56,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+import numpy as np
+
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, SkipEntry, Spec, StateError, Str, Window
+from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, Optional, SkipEntry, Spec, StateError,
+                          Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
 from dsslm.data.skips import merge_skip_list
@@ -110,21 +113,37 @@ class ReplayProgress:
     `fed` and `recent` are shared with the Rewinder and the Triage (`bind`) and refilled in place,
     so a restore (a resume, or a rewind loading its base) hands both what the checkpoint knew:
     the uninterrupted run and every resume decide from the same records. Checkpoints written
-    before these fields existed load with both empty (the old behaviour)."""
+    before these fields existed load with both empty (the old behaviour).
+
+    Also bound: `sequences`, Forensics' per-sequence losses of the spike steps (what a data
+    verdict names; gathered on every rank, so rank 0's state.json holds them all), saved for the
+    steps still in `fed` only (the steps a streak open at the checkpoint can span: a few steps x
+    the global batch); and `streak`, Triage's open streak (first step, the skip list before its
+    re-runs committed data), which a same-data replay of that streak feeds. Without them a resume
+    in the middle of a streak names every chunk its steps were fed and replays with the data its
+    re-runs committed: another verdict than the uninterrupted run's."""
 
     def __init__(self) -> None:
         self.replay: Replay | None = None
         self.state_spec = _TriageState()
         self.fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
         self.recent: collections.deque = collections.deque()
+        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+        self.streak: tuple[int, list] | None = None
 
-    def bind(self, fed: collections.OrderedDict, recent: collections.deque) -> None:
+    def bind(self, fed: collections.OrderedDict, recent: collections.deque,
+             sequences: collections.OrderedDict | None = None) -> None:
         self.fed, self.recent = fed, recent
+        if sequences is not None:
+            self.sequences = sequences
 
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None,
                 "fed": [[step, first, end] for step, (first, end) in self.fed.items()],
-                "recent": [list(row) for row in self.recent]}
+                "recent": [list(row) for row in self.recent],
+                "sequences": [[step, [int(i) for i in indices], [_num(x) for x in losses]]
+                              for step, (indices, losses) in self.sequences.items() if step in self.fed],
+                "streak": {"start": self.streak[0], "skip_list": list(self.streak[1])} if self.streak else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.replay = Replay(**state["replay"]) if state["replay"] else None
@@ -132,6 +151,14 @@ class ReplayProgress:
         self.fed.update((int(step), (int(first), int(end))) for step, first, end in state.get("fed", []))
         self.recent.clear()
         self.recent.extend(list(row) for row in state.get("recent", []))
+        # Replaced, not merged: the uninterrupted run (restoring a rewind's base) and a resume
+        # then hold the same losses. float("nan") reads the strings non-finite losses are saved as.
+        self.sequences.clear()
+        for step, indices, losses in state.get("sequences", []):
+            self.sequences[int(step)] = (np.asarray(indices, dtype=np.int64),
+                                         np.asarray([float(x) for x in losses], dtype=np.float64))
+        streak = state.get("streak")
+        self.streak = (int(streak["start"]), list(streak["skip_list"])) if streak else None
 
 
 class Triage:
@@ -150,11 +177,19 @@ class Triage:
         self.noise = 0.0
         # The original pass's last few steps, for the evidence of a spike that rewinds.
         self._recent: collections.deque = collections.deque(maxlen=max(8, 2 * (cfg.monitor.max_skips + 2)))
-        progress.bind(rewinder._fed, self._recent)  # both travel in the checkpoint part "triage"
-        # (first step of the open streak, the skip list before its re-runs committed data): a
-        # streak that goes on to rewind replays the same data first. In memory only: a resume
-        # in the middle of a streak replays without the data its re-runs committed.
-        self._streak: tuple[int, list] | None = None
+        # All three travel in the checkpoint part "triage", and so does `_streak`.
+        progress.bind(rewinder._fed, self._recent, forensics.sequences if forensics is not None else None)
+
+    @property
+    def _streak(self) -> tuple[int, list] | None:
+        """(first step of the open streak, the skip list before its re-runs committed data): a
+        streak that goes on to rewind replays the same data first (kept in the checkpoint, so a
+        resume in the middle of a streak replays the same data too)."""
+        return self.progress.streak
+
+    @_streak.setter
+    def _streak(self, value: tuple[int, list] | None) -> None:
+        self.progress.streak = value
 
     @property
     def replay(self) -> Replay | None:
@@ -387,7 +422,8 @@ def _num(x: float) -> float | str:
 
 
 class _TriageState(Spec):
-    """The triage part of state.json: {"format": 1, "replay": null or a Replay}."""
+    """The triage part of state.json: {"format": 1, "replay": null or a Replay, "fed", "recent",
+    "sequences", "streak"} (the last four optional: older checkpoints lack them)."""
 
     replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
                     window=Window(), skip_list=ListOf(SkipEntry(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
@@ -397,10 +433,23 @@ class _TriageState(Spec):
 
     fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
     recent = ListOf(ListOf(Json(), length=4), max_len=1000)
+    # [step, [global sequence index, ...], [loss, ...]] per spike step; "nan"/"inf" for non-finite.
+    sequences = ListOf(ListOf(Json(), length=3), max_len=1000)
+    steps, indices = Int(1, MAX_STEP), ListOf(Int(0, MAX_COUNT), max_len=10_000_000)
+    losses = ListOf(Float(finite=False), max_len=10_000_000)
+    streak = Optional(Fields(start=Int(1, MAX_STEP), skip_list=ListOf(SkipEntry(), max_len=100_000)))
 
     def validate(self, value: Any, path: str) -> None:
-        Fields(optional=("fed", "recent"), format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json(),
-               fed=self.fed, recent=self.recent).validate(value, path)
+        Fields(optional=("fed", "recent", "sequences", "streak"), format=Int(STATE_FORMAT, STATE_FORMAT),
+               replay=Json(), fed=self.fed, recent=self.recent, sequences=self.sequences,
+               streak=self.streak).validate(value, path)
+        for i, (step, indices, losses) in enumerate(value.get("sequences", [])):
+            where = f"{path}.sequences[{i}]"
+            self.steps.validate(step, f"{where}[0]")
+            self.indices.validate(indices, f"{where}[1]")
+            self.losses.validate(losses, f"{where}[2]")
+            if len(indices) != len(losses):
+                raise StateError(f"{where}: {len(indices)} sequence indices but {len(losses)} losses")
         r = value["replay"]
         if r is None:
             return

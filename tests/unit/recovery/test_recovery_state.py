@@ -4,6 +4,7 @@ scaler overflow."""
 import collections
 import json
 
+import numpy as np
 import pytest
 
 from dsslm.ckpt.train_state import TrainState
@@ -49,6 +50,44 @@ def test_the_triage_part_carries_the_feed_record_and_the_original_rows():
     assert not other_fed and not other_recent
     with pytest.raises(StateError, match=r"state.triage.fed\[0\]"):
         restored.state_spec.validate({**saved, "fed": [[51, 800]]}, "state.triage")
+
+
+def test_the_triage_part_carries_the_open_streaks_sequence_losses_and_its_skip_list_before_reruns():
+    """A resume in the middle of a spike streak names the same offending data, and replays the
+    streak on the same data, as the uninterrupted run: both come from the checkpoint."""
+    fed, recent, sequences = collections.OrderedDict(), collections.deque(maxlen=8), collections.OrderedDict()
+    progress = ReplayProgress()
+    progress.bind(fed, recent, sequences)
+    fed[51], fed[52] = (800, 816), (816, 832)
+    sequences[40] = (np.arange(4, dtype=np.int64), np.ones(4))  # a streak long closed: not carried
+    sequences[51] = (np.arange(800, 816, dtype=np.int64), np.linspace(2.0, 9.123456789012345, 16))
+    sequences[52] = (np.arange(816, 832, dtype=np.int64), np.array([float("nan"), float("inf")] + [2.5] * 14))
+    skips = [{"shard": "web/train-00000.bin", "tokens": [0, 512]}]
+    progress.streak = (51, skips)
+    saved = json.loads(json.dumps(progress.state_dict(), allow_nan=False))
+    progress.state_spec.validate(saved, "state.triage")
+    other = collections.OrderedDict({9: (np.zeros(1, dtype=np.int64), np.zeros(1))})
+    restored = ReplayProgress()
+    restored.bind(collections.OrderedDict(), collections.deque(maxlen=8), other)
+    restored.load_state_dict(saved)
+    assert list(other) == [51, 52] and restored.streak == (51, skips)
+    for step in (51, 52):
+        assert other[step][0].dtype == np.int64 and np.array_equal(other[step][0], sequences[step][0])
+        # To the bit, NaN and inf included: the offending sequences are picked from these.
+        assert other[step][1].tobytes() == sequences[step][1].tobytes()
+    # A checkpoint written before the fields existed loads with neither.
+    restored.load_state_dict({"format": 1, "replay": None})
+    assert not other and restored.streak is None
+    for bad, where in [({"sequences": [[51, [800, 801], [2.0]]]}, r"sequences\[0\]: 2 sequence indices but 1"),
+                       ({"sequences": [[51, [-1], [2.0]]]}, r"sequences\[0\]\[1\]\[0\]"),
+                       ({"sequences": [[51, [800], ["x"]]]}, r"sequences\[0\]\[2\]\[0\]"),
+                       ({"sequences": [[0, [800], [2.0]]]}, r"sequences\[0\]\[0\]"),
+                       ({"sequences": [[51, [800]]]}, r"sequences\[0\]"),
+                       ({"streak": {"start": 51, "skip_list": "all"}}, r"streak.skip_list"),
+                       ({"streak": {"start": 51}}, r"streak.skip_list: missing"),
+                       ({"streak": [51, []]}, r"streak: \[51, \[\]\] is not an object")]:
+        with pytest.raises(StateError, match=r"state.triage." + where):
+            restored.state_spec.validate({**saved, **bad}, "state.triage")
 
 
 class _Rewinder:

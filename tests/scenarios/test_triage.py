@@ -51,8 +51,11 @@ def final_state(run_dir, step=64):
 
 
 def tensors(run_dir, step=64):
+    """The checkpoint's tensors by file: gathered (one process), or each rank's shard (2 ranks
+    save sharded; two runs of the same world size cut their tensors into the same pieces)."""
     folder = run_dir / "checkpoints" / f"step-{step:08d}"
-    return {name: load_file(folder / name) for name in ("model.safetensors", "optim.safetensors")}
+    names = sorted(p.name for p in folder.glob("shard-*.safetensors")) or ["model.safetensors", "optim.safetensors"]
+    return {name: load_file(folder / name) for name in names}
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsslm.ckpt.format import read_manifest
+from dsslm.ckpt.shards import open_folder
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.loader import Loader
 from dsslm.recovery import triage as triage_module
@@ -51,11 +53,10 @@ def final_state(run_dir, step=64):
 
 
 def tensors(run_dir, step=64):
-    """The checkpoint's tensors by file: gathered (one process), or each rank's shard (2 ranks
-    save sharded; two runs of the same world size cut their tensors into the same pieces)."""
+    """Every tensor of the step's checkpoint, gathered or sharded, read whole by its key."""
     folder = run_dir / "checkpoints" / f"step-{step:08d}"
-    names = sorted(p.name for p in folder.glob("shard-*.safetensors")) or ["model.safetensors", "optim.safetensors"]
-    return {name: load_file(folder / name) for name in names}
+    reader = open_folder(folder, read_manifest(folder)["files"]).reader
+    return {"checkpoint": {key: reader.read(key) for key in reader.keys()}}
 
 
 @pytest.fixture(scope="module")

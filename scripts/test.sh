@@ -6,4 +6,10 @@ bash scripts/setup.sh
 # Debian's Slurm packages for the real-Slurm tests (they skip with a reason where apt cannot run).
 [ -f .ci/slurm-deps ] && bash .ci/slurm-deps || echo "slurm packages not installed; slurm tests will skip"
 export DS_ACCELERATOR=cpu
-exec .venv/bin/python -m pytest -q "$@"
+# pytest runs as a child, not exec'd, so the suite's duration prints after it; its exit code stays
+# this script's (and so .ci/run's).
+start=$(date +%s)
+rc=0
+.venv/bin/python -m pytest -q "$@" || rc=$?
+echo "suite took $(( $(date +%s) - start )) s (pytest exit code $rc)"
+exit "$rc"

@@ -23,6 +23,7 @@ def stream(run_dir) -> list[tuple]:
             for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
 
+@pytest.mark.slow
 def test_prefetch_trains_the_same_run_bitwise_through_a_ramp_and_a_rewind(tmp_path):
     # 20 sequences of 32 tokens: a ramp over the first steps. After it, step s starts at sequence
     # 238 + 4 (s - 64): the poisoned sequences 244..251 are fed by steps 65..67 alone, the streak.
@@ -72,6 +73,7 @@ def val_domain_tokens(run_dir) -> dict[int, dict]:
     return {r["step"]: r["domain_tokens"] for r in read_jsonl(run_dir / "metrics.jsonl") if "domain_tokens" in r}
 
 
+@pytest.mark.slow
 def test_a_mixture_resumes_bitwise_with_its_tokens_per_domain_and_epochs(tmp_path, two_domains):
     mix = [f"data.dir={two_domains}", "data.mix.prose=0.4", "data.mix.tiny=0.6", "run.val_every=5",
            "run.val_batches=1", "train.total_steps=30", "ckpt.every=5"]
@@ -94,6 +96,7 @@ def test_a_mixture_resumes_bitwise_with_its_tokens_per_domain_and_epochs(tmp_pat
         [("tiny", 1, crossing // 4 + 1)]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_domain_tokens_resumes_with_them_derived(tmp_path, two_domains):
     mix = [f"data.dir={two_domains}", "data.mix.prose=0.5", "data.mix.tiny=0.5", "train.total_steps=12",
            "ckpt.every=6"]

@@ -15,6 +15,8 @@ import pytest
 from dsslm.ckpt.format import invalid_reason
 from helpers import TINY, events, hook_env, read_jsonl, run_distributed, run_train, start_train
 
+pytestmark = pytest.mark.slow
+
 EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 4, 130
 SLOW_SAVE = """
     import os, time

@@ -173,6 +173,7 @@ def exported(runs, name: str, tmp_path: Path, capsys) -> Path:
     return tmp_path / "hf"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["byte", "bpe"])
 def test_round_trip_gives_the_same_weights_to_the_bit_and_the_import_trains(runs, tmp_path, capsys, name):
     hf_dir = exported(runs, name, tmp_path, capsys)
@@ -211,6 +212,7 @@ def step_one_loss(trained, data_dir: Path) -> float:
     return float(torch.tensor([float(ce.double())], dtype=torch.float64)[0]) / targets.numel()
 
 
+@pytest.mark.slow
 def test_import_on_two_ranks_loads_the_same_weights_everywhere(runs, tmp_path, capsys):
     hf_dir = exported(runs, "byte", tmp_path, capsys)
     common = (f"data.dir={runs['byte_data']}", f"run.init_from=hf:{hf_dir}", "train.total_steps=3",

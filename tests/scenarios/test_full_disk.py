@@ -12,6 +12,8 @@ import pytest
 
 from helpers import ROOT, TINY, events, read_jsonl, run_train, train_cmd
 
+pytestmark = pytest.mark.slow
+
 EXIT_WRITE_FAILED = 4
 # WSD: the learning rate of the steps trained before the disk filled does not depend on
 # train.total_steps, so the resume (with another length) can audit them.

@@ -52,6 +52,7 @@ def test_preemption_signal_saves_at_the_current_step_and_exits_0(reference, tmp_
     assert ref == got
 
 
+@pytest.mark.slow
 def test_branch_from_another_runs_checkpoint_records_lineage(tmp_path):
     wsd = ["train.total_steps=40", "ckpt.every=10", "optim.schedule=wsd", "optim.decay_steps=10"]
     parent = tmp_path / "parent"
@@ -74,6 +75,7 @@ def test_branch_from_another_runs_checkpoint_records_lineage(tmp_path):
     assert all(parent_losses[s] == v for s, v in losses_by_step(twin).items())
 
 
+@pytest.mark.slow
 def test_branch_refuses_another_model_shape(tmp_path, capsys):
     from dsslm.train import main
     parent = tmp_path / "parent"
@@ -83,6 +85,7 @@ def test_branch_refuses_another_model_shape(tmp_path, capsys):
     assert rc == 2 and "model.d_model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_retention_keeps_last_k_recovery_target_and_pre_decay_checkpoint(tmp_path):
     assert train(tiny_cfg(tmp_path, "train.total_steps=60", "ckpt.every=5", "ckpt.keep_last=2",
                      "optim.schedule=wsd", "optim.decay_steps=20")) == 0
@@ -91,6 +94,7 @@ def test_retention_keeps_last_k_recovery_target_and_pre_decay_checkpoint(tmp_pat
     assert kept == [40, 50, 55, 60]
 
 
+@pytest.mark.slow
 def test_alert_command_receives_rewind_event_as_json(tmp_path):
     sink = tmp_path / "alerts.jsonl"
     command = f"{sys.executable} -c \"import sys; open('{sink}', 'a').write(sys.stdin.read() + chr(10))\""

@@ -7,8 +7,12 @@ import signal
 import socket
 import time
 
+import pytest
+
 from dsslm.ckpt.format import invalid_reason
 from helpers import events, read_jsonl, run_train, start_train
+
+pytestmark = pytest.mark.slow
 
 
 def step_records(run_dir):

@@ -10,6 +10,8 @@ from dsslm.recovery.faults import DrillAbort
 from dsslm.train import main, train
 from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg
 
+pytestmark = pytest.mark.slow
+
 
 def trained_sequences(run_dir) -> list[int]:
     """Global sequence indices of the final trajectory's steps, from metrics.jsonl: a step re-run

@@ -12,6 +12,8 @@ from dsslm.recovery.faults import DrillAbort
 from dsslm.train import train
 from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
 
+pytestmark = pytest.mark.slow
+
 STEPS = ["train.total_steps=30", "ckpt.every=10", "ckpt.keep_last=5"]
 
 

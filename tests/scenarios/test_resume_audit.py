@@ -9,6 +9,8 @@ from dsslm.recovery.faults import DrillAbort
 from dsslm.train import train
 from helpers import events, run_train, tiny_cfg
 
+pytestmark = pytest.mark.slow
+
 STEPS = ["train.total_steps=24", "ckpt.every=10", "model.dropout=0.1"]  # dropout: the RNG matters
 
 

@@ -130,6 +130,7 @@ def test_sample_with_the_same_seed_prints_the_same_text(runs, capsys, kind):
     assert other[1] != first[1]
 
 
+@pytest.mark.slow
 def test_sample_as_a_command_repeats_and_bad_arguments_exit_2(runs):
     cmd = [PYTHON, "-m", "dsslm.sample", str(runs["byte"]), "--prompt", "Th", "--max-new-tokens", "12", "--seed", "3"]
     outs = [subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120) for _ in range(2)]

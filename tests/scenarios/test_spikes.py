@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 from dsslm.train import main, train
 from helpers import TINY, events, read_jsonl, run_train, tiny_cfg
 
+pytestmark = pytest.mark.slow
+
 # d_model 64 at lr 3e-3 has settled near loss 3 by step 60, where uniformly random tokens
 # (loss ~7) are a clear spike; checkpoints every 5 steps give rewind targets.
 SPIKE = ["monitor.triage=false", "model.d_model=64", "optim.peak_lr=3e-3", "train.total_steps=100", "ckpt.every=5",

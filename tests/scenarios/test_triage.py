@@ -23,6 +23,8 @@ from dsslm.recovery import triage as triage_module
 from dsslm.train import main, train
 from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
 
+pytestmark = pytest.mark.slow
+
 RUN = ["model.d_model=64", "optim.peak_lr=3e-3", "optim.min_lr=3e-3", "train.micro_batch_size=16",
        "train.total_steps=64", "ckpt.every=5", "ckpt.keep_last=3", "ckpt.keep_every=15", "monitor.min_history=10", "monitor.window=20",
        "monitor.rewind_margin_steps=2", "observe.every=0"]

@@ -12,6 +12,8 @@ from dsslm.data import prepare
 from dsslm.train import main
 from helpers import TINY, events, run_distributed, run_train
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def data_dir(tmp_path):

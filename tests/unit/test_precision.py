@@ -1,11 +1,14 @@
 """Mixed precision end to end on CPU: bf16 keeps fp32 masters; fp16 skips and counts overflows."""
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from dsslm.train import train
 from helpers import events, read_jsonl, tiny_cfg
+
+pytestmark = pytest.mark.slow
 
 
 def run(run_dir, *extra):

@@ -167,6 +167,7 @@ CONTENDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_contenders_on_a_stale_lock_have_exactly_one_winner(tmp_path):
     for round_ in range(3):
         run_dir, signals = tmp_path / f"run{round_}", tmp_path / f"signals{round_}"

@@ -128,6 +128,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_malformed_checkpoint_is_passed_over_and_the_previous_one_used(reference, tmp_path, case):
     edit, field = CASES[case]
@@ -158,6 +159,7 @@ def test_a_checkpoint_folder_that_is_a_symlink_is_passed_over_and_never_deleted_
     assert {p.name: p.read_bytes() for p in other.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_a_manifest_that_is_a_fifo_is_passed_over_without_hanging(reference, tmp_path):
     run_dir = tampered_run(reference, tmp_path, lambda folder: None)
     manifest = run_dir / "checkpoints" / "step-00000008" / "MANIFEST"

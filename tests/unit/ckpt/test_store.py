@@ -339,6 +339,7 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
     assert mgr.valid_steps() == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_crash_drill_mid_save_leaves_previous_checkpoints(tmp_path):
     before = run_script("""
         mgr = CheckpointStore(run)
@@ -361,6 +362,7 @@ def test_crash_drill_mid_save_leaves_previous_checkpoints(tmp_path):
     assert mgr.valid_steps() == [1, 2, 3] and temps[0].is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crash_after, expect_tag", [("aside", "old"), ("new", "new")])
 def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_tag):
     result = run_script(f"""

@@ -75,6 +75,7 @@ def test_an_epoch_visits_every_chunk_once(data_dir):
     assert lo.n_chunks == sum((e["tokens"] - 1) // SEQ_LEN for d in lo.manifest["domains"].values() for e in d["train"])
 
 
+@pytest.mark.slow
 def test_same_batch_in_a_fresh_process(data_dir):
     skip = [[3 * BATCH, 5 * BATCH]]
     script = ("import hashlib, sys; from dsslm.data.loader import Loader; "

@@ -206,6 +206,7 @@ def test_bad_input_into_existing_data_dir_keeps_it_valid(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["default", "manifest.json"]
 
 
+@pytest.mark.slow
 def test_cli_runs_as_a_module(tmp_path):
     (tmp_path / "a.txt").write_text(TEXT)
     cmd = [sys.executable, "-m", "dsslm.data", "prepare", "--input", str(tmp_path / "a.txt"),
@@ -227,6 +228,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+@pytest.mark.slow
 def test_prepare_streams_in_bounded_memory(tmp_path):
     block = words(2000, 7).encode()
     n_blocks = (50 << 20) // len(block) + 1

@@ -319,6 +319,7 @@ def test_observe_config_is_checked():
 
 
 # --- two ranks ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sharded_two_ranks_measure_what_one_process_does(tmp_path, data_dir):
     """FSDP on 2 gloo ranks: full_state is a collective whose tensors only rank 0 gets; the
     measurements must match a one-process run of the same global batch, written once."""

@@ -78,6 +78,7 @@ def test_read_backward_is_read_reversed_and_skips_the_torn_line(tmp_path):
     assert list(read_jsonl_backward(tmp_path / "fifo.jsonl")) == []
 
 
+@pytest.mark.slow
 def test_every_reader_takes_a_torn_last_line(tmp_path):
     """A run killed mid-write: report, the drill's reader and a resume all carry on."""
     run_dir = tmp_path / "run"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dsslm import report
 from dsslm.observe import plots
@@ -107,6 +108,7 @@ def test_clean_run_writes_plots_and_summary(tmp_path, capsys):
     assert "Unreadable" not in summary
 
 
+@pytest.mark.slow
 def test_incident_run_counts_and_table(tmp_path):
     run_dir = incident_run(tmp_path / "incident")
     out = tmp_path / "elsewhere"
@@ -156,6 +158,7 @@ def test_missing_metrics_exits_2(tmp_path, capsys):
     assert not (tmp_path / "report").exists()
 
 
+@pytest.mark.slow
 def test_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dsslm.report", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)

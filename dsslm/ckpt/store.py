@@ -388,15 +388,8 @@ class CheckpointStore:
             index = build_index(world_size, tmp_name, [rep["pieces"] for rep in reports])
             check_index(index, {**files, INDEX_FILE: None, STATE_FILE: None}, world_size)  # an engine's bug, caught now
             files[INDEX_FILE] = self._write_one(tmp / INDEX_FILE, [memoryview(json.dumps(index).encode())], step)
-            state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
-            files[STATE_FILE] = self._write_one(tmp / STATE_FILE, [memoryview(state_bytes)], step)
-            manifest = {"format": FORMAT, "step": step,
-                        "files": {n: {"sha256": h, "size": size} for n, (h, size) in sorted(files.items())}}
-            self._write_one(tmp / MANIFEST, [memoryview(json.dumps(manifest, indent=1).encode())], step)
-            fsync_dir(tmp)
-            self._fence()
-            with self._lock:
-                path = self._publish(tmp, step)
+            files = dict(sorted(files.items()))
+            path = self._seal(tmp, step, state, files)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # every rank has posted: nobody writes there any more
             raise
@@ -408,6 +401,19 @@ class CheckpointStore:
         except OSError as exc:
             raise CheckpointError(f"{path.name} was saved, but retention could not delete: {exc}") from exc
         return path
+
+    def _seal(self, tmp: Path, step: int, state: dict, files: dict) -> Path:
+        """Both formats' last writes: state.json, the MANIFEST last (every other file's SHA-256, in
+        `files`' order), then, fenced by run.dir's lock, the one rename that publishes the folder."""
+        state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
+        files[STATE_FILE] = self._write_one(tmp / STATE_FILE, [memoryview(state_bytes)], step)
+        manifest = {"format": FORMAT, "step": step,
+                    "files": {n: {"sha256": h, "size": size} for n, (h, size) in files.items()}}
+        self._write_one(tmp / MANIFEST, [memoryview(json.dumps(manifest, indent=1).encode())], step)
+        fsync_dir(tmp)
+        self._fence()
+        with self._lock:
+            return self._publish(tmp, step)
 
     def _write(self, step: int, tensors: dict, state: dict) -> Path:
         start = time.perf_counter()
@@ -422,15 +428,7 @@ class CheckpointStore:
             for group, named in tensors.items():
                 name = group + TENSOR_SUFFIX
                 files[name] = self._write_one(tmp / name, safetensors_chunks(named), step)
-            state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
-            files[STATE_FILE] = self._write_one(tmp / STATE_FILE, [memoryview(state_bytes)], step)
-            manifest = {"format": FORMAT, "step": step,
-                        "files": {n: {"sha256": h, "size": size} for n, (h, size) in files.items()}}
-            self._write_one(tmp / MANIFEST, [memoryview(json.dumps(manifest, indent=1).encode())], step)
-            fsync_dir(tmp)
-            self._fence()
-            with self._lock:
-                path = self._publish(tmp, step)
+            path = self._seal(tmp, step, state, files)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # our own temp folder; frees what ENOSPC needs
             raise

@@ -107,11 +107,13 @@ class StopFlag:
 
 
 def note_exit(emit: Callable[..., object], step_of: Callable[[], int],
-              quiet: tuple[type[BaseException], ...] = ()) -> Callable[..., bool]:
+              quiet: tuple[type[BaseException], ...] = (),
+              said: tuple[type[BaseException], ...] = ()) -> Callable[..., bool]:
     """An ExitStack exit callback recording in events.jsonl why a run ends early: `preempted` (a
     stop signal before the first step), `interrupted` (Ctrl-C) or `failed` (an exception; not for
-    `quiet` ones, such as a refused config, which have their own line or event). Never suppresses
-    the exception."""
+    `quiet` ones, such as a refused config, which have their own line or event). A `said` failure
+    is recorded with `exit_line: true`: the process's last line says it, so the console does not
+    say it twice. Never suppresses the exception."""
     def on_exit(exc_type, exc, tb) -> bool:
         if exc_type is None or issubclass(exc_type, quiet):
             return False
@@ -121,6 +123,7 @@ def note_exit(emit: Callable[..., object], step_of: Callable[[], int],
         elif issubclass(exc_type, KeyboardInterrupt):
             emit("interrupted", step=step_of())
         elif issubclass(exc_type, Exception):
-            emit("failed", step=step_of(), error=f"{exc_type.__name__}: {exc}"[:2000])
+            emit("failed", step=step_of(), error=f"{exc_type.__name__}: {exc}"[:2000],
+                 **({"exit_line": True} if issubclass(exc_type, said) else {}))
         return False
     return on_exit

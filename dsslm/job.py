@@ -40,7 +40,7 @@ from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
 from dsslm.observe.audit import ResumeAudit, run_env
 from dsslm.observe.console import warn_at_start
-from dsslm.observe.sinks import Sinks
+from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor
@@ -101,8 +101,10 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     cleanup.callback(sinks.close)
-    # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to write).
-    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost)))
+    # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to
+    # write); a failed write is recorded, and said once, by main's last line.
+    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost),
+                           said=(CheckpointError, LogWriteError)))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
     cleanup.push(finish_saves(store))

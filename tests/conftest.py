@@ -7,3 +7,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # doing the work: on 2 shared cores, test_wrap, test_loss and test_precision took 77-95 s with
 # spinning and 15-16 s without. Scheduling only: no result changes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process_group():
+    """A test that leaves a process group behind fails, and the group is taken down: otherwise the
+    next engine built in this process joins it, does not own it, and a later test fails far from
+    the cause (test_fsdp's "the engine that made the group took it down" did, in CI)."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group initialized")

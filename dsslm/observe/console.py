@@ -133,7 +133,8 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
                                          f"extend it, or use a new run.dir)"),
     "preempted": (logging.WARNING, lambda f: f"{f.get('signal')} before the first step: {f.get('reason')}"),
     "interrupted": (logging.WARNING, lambda f: f"interrupted at step {f.get('step')}"),
-    "failed": (logging.ERROR, lambda f: f"failed at step {f.get('step')}: {f.get('error')}"),
+    "failed": (logging.ERROR, lambda f: None if f.get("exit_line") else f"failed at step {f.get('step')}: "
+                                                                         f"{f.get('error')}"),
 }
 
 

@@ -1,6 +1,6 @@
 """The README's commands, run as a new user copies them (the venv's python named, relative paths from
 the repository root), sized down so they finish in seconds: none may end in a traceback or a
-non-zero exit. What is changed, and only that: model and step counts appended to every
+non-zero exit. What is changed, and only that: model, batch and step counts appended to every
 `dsslm.train`, 8 ranks made 2, the BPE vocabulary made small for a small corpus."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT
 
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
-         "train.micro_batch_size=2", "train.grad_accum=1", "train.total_steps=4", "ckpt.every=2",
+         "train.micro_batch_size=2", "train.global_batch_size=4", "train.total_steps=4", "ckpt.every=2",
          "run.val_every=2", "run.val_batches=1", "optim.warmup_steps=1", "train.precision=fp32",
          "train.device=cpu", "train.compile=false", "run.tensorboard=false"]
 SKIP = ("scripts/test.sh", "-m pytest")  # the test suite itself

@@ -137,6 +137,14 @@ class ZeroEngine(Engine):
     name = "zero"
 
     def __init__(self, cfg: Config, model: nn.Module):
+        if cfg.optim.name == "muon":
+            # DeepSpeed hands a client optimizer flat partitions of many matrices (stages 1-2) or
+            # of one (stage 3), never a whole matrix: Muon there would orthogonalise fragments, or
+            # silently run as SGD (DeepSpeed issue 8441). Refused until fed whole matrices; first,
+            # before a process group is made for nothing.
+            raise ConfigError(f"optim.name=muon is not supported on engine.kind=zero (stage "
+                              f"{cfg.engine.zero_stage}) yet: DeepSpeed's partitions are not whole matrices; "
+                              f"use engine.kind=fsdp or ddp")
         super().__init__(cfg, model)
         ensure_process_group(self.device)  # DeepSpeed needs a group, even for one process
         self.distributed = True
@@ -144,12 +152,6 @@ class ZeroEngine(Engine):
         self.name = f"zero{self.stage}"
         self.params = dict(model.named_parameters())  # unwrapped names; DeepSpeed keeps the objects
         self._check_stage()
-        if cfg.optim.name == "muon":
-            # DeepSpeed hands a client optimizer flat partitions of many matrices (stages 1-2) or
-            # of one (stage 3), never a whole matrix: Muon there would orthogonalise fragments, or
-            # silently run as SGD (DeepSpeed issue 8441). Refused until fed whole matrices.
-            raise ConfigError(f"optim.name=muon is not supported on engine.kind=zero (stage {self.stage}) yet: "
-                              f"DeepSpeed's partitions are not whole matrices; use engine.kind=fsdp or ddp")
         model.to(self.device)
         prepare_model(model, cfg.train)
         optimizer = build_adamw(model, cfg.optim, self.device)

@@ -56,3 +56,20 @@ def test_one_rank_fsdp_trains_like_ddp_and_its_full_state_reloads_to_the_bit(tmp
     finally:
         fsdp.close()
     assert not dist.is_initialized()  # the engine that made the group took it down
+
+
+def test_an_engine_refused_in_its_constructor_takes_its_group_down(tmp_path, monkeypatch):
+    """No engine object means no close(): build_engine itself takes down the group the failed
+    constructor made, or the next train() in this process joins a group nobody owns."""
+    import pytest
+
+    from dsslm.config import ConfigError
+    from dsslm.engine import build_engine, fsdp
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("refused after the group was made")
+    monkeypatch.setattr(fsdp, "shard_model", refuse)
+    cfg = tiny_cfg(tmp_path, "model.vocab_size=64", "engine.kind=fsdp")
+    with pytest.raises(ConfigError):
+        build_engine(cfg, build_model(cfg.model))
+    assert not dist.is_initialized()

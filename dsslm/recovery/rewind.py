@@ -2,8 +2,10 @@
 record of bad data (`run.dir/skip_list.json`), and escalate to a human when rewinds run out.
 
 Steps are step counts, as in metrics.jsonl: a spike "at step s" is the step whose update would
-have made the run's step s. Skip windows are half-open ranges of global sequence indices
-(`data.stream`), so they keep naming the same data whatever the global batch.
+have made the run's step s. A rewind plans a window of the stream, half-open ranges of global
+sequence indices (`data.stream`), and skips the data that window read (`data.skips`: the chunks
+themselves, so the next epoch's shuffle does not bring them back); the window stays in the rewind
+record, where it tells whether a later spike is in the same region.
 
 The run-level file holds the skip list, every rewind carried out and the lowest lr_scale. Every
 resume merges it into what its checkpoint restored: a checkpoint older than a spike does not know
@@ -22,6 +24,7 @@ from dsslm.ckpt.resume import Checkpointer
 from dsslm.fields import Fields, Float, Int, ListOf, Optional, SkipEntry, StateError, validate
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
+from dsslm.data.loader import Loader
 from dsslm.data.skips import is_window, merge_skip_list
 from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
@@ -170,9 +173,9 @@ class Rewinder:
     """Carries out rewinds for the loop: plan on rank 0, every rank follows the same plan."""
 
     def __init__(self, cfg: Config, engine: Engine, checkpointer: Checkpointer, monitor: SpikeMonitor,
-                 batch_size: int, run_dir: Path, emit: Callable[..., Any]):
+                 batch_size: int, run_dir: Path, emit: Callable[..., Any], loader: Loader | None = None):
         self.cfg, self.engine, self.checkpointer, self.monitor = cfg, engine, checkpointer, monitor
-        self.batch_size, self.run_dir, self.emit = batch_size, run_dir, emit
+        self.batch_size, self.run_dir, self.emit, self.loader = batch_size, run_dir, emit, loader
         # step -> [first, end) sequences it was fed, for the few steps a spike can span.
         self._fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
         self.ring = RewindRing(engine, checkpointer, cfg.monitor.rewind_every if cfg.monitor.enabled else 0,
@@ -248,14 +251,25 @@ class Rewinder:
         if fallback is not None:
             base_skips, old_scale = fallback["skip_list"], fallback["lr_scale"]
             record["verdict"] = fallback["verdict"]
-        skip_list = merge_skip_list(base_skips + [rewind_plan.window])
+        skipped = self.engine.decide(lambda: self.data_of(rewind_plan.window, base_skips))
+        skip_list = merge_skip_list(base_skips + skipped)
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
         self.engine.decide(lambda: write_recovery(self.run_dir, state))
         self.emit("rewind", step=spike_step, to_step=state.step, window=rewind_plan.window,
-                  checkpoint=str(ckpt.path), reason=reason, **({"verdict": fallback["verdict"]} if fallback else {}))
+                  skipped=len(skipped), checkpoint=str(ckpt.path), reason=reason,
+                  **({"verdict": fallback["verdict"]} if fallback else {}))
         if rewind_plan.lr_scale_factor != 1.0:
             self.emit("lr_scale", step=state.step, old=old_scale, new=state.lr_scale)
+
+    def data_of(self, window: list[int], skip_list: list) -> list:
+        """The skip entries for a window of the stream: the data the window's sequences read
+        (what the skip list let through), so that text is never fed again, in any epoch (a
+        position window's chunks would come back in the next epoch's shuffle). The window
+        itself where there is no loader to name its data."""
+        if self.loader is None:
+            return [list(window)]
+        return self.loader.data_entries(self.loader.fed_between(window[0], window[1], skip_list))
 
     def plan(self, state: TrainState, spike_start: int, spike_step: int) -> RewindPlan:
         """Rank 0's plan for the spike over steps [spike_start, spike_step], on every rank."""

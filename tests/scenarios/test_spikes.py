@@ -2,10 +2,14 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsslm.data.corpus import default_data_dir
+from dsslm.data.loader import Loader
+from dsslm.data.skips import entries_of, windows_of
 from dsslm.train import main, train
 from helpers import TINY, events, read_jsonl, run_train, tiny_cfg
 
@@ -23,11 +27,6 @@ def cfg(run_dir, *extra):
 
 
 B = 4  # TINY's train.micro_batch_size on one rank: the global batch in sequences
-
-
-def fed_batches(run_dir):
-    """Data batches (of B sequences) whose update was kept (ok steps), in order."""
-    return [r["data_position"] // B for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("verdict") == "ok"]
 
 
 @pytest.mark.slow
@@ -54,26 +53,42 @@ def test_single_poisoned_batch_is_skipped_and_changes_nothing(tmp_path):
     assert records[72]["lr"] != records[71]["lr"]
 
 
-def test_poisoned_window_rewinds_once_and_is_never_fed_again(tmp_path):
+def chunks_fed(records, skip_list) -> set[int]:
+    """The chunks (ids name text) the ok steps among `records` read, from position and skip list."""
+    lo = Loader(default_data_dir(), 32, 1337)
+    fed = set()
+    for r in records:
+        if r.get("verdict") == "ok":
+            batch, _ = lo.step(r["data_position"], skip_list, B, 0, 1, 1)
+            fed |= set(lo.chunk_ids(batch.indices).tolist())
+    return fed
+
+
+def test_poisoned_window_rewinds_once_and_its_data_is_never_fed_again(tmp_path):
     assert train(cfg(tmp_path, "faults.poison_batches=[[70,74]]")) == 0
     rewinds = events(tmp_path, "rewind")
     assert len(rewinds) == 1
     start, end = rewinds[0]["window"]  # in global sequences
     assert start <= 70 * B and end >= 74 * B and rewinds[0]["to_step"] <= 68  # skip_batches=8 covers the rest
+    # The skip list names the window's data, not its positions: the chunks themselves, which a
+    # position window would let back in with the next epoch's shuffle.
     state_skip = json.loads((tmp_path / "checkpoints" / "step-00000100" / "state.json").read_text())["skip_list"]
-    assert [start, end] in state_skip
-    after = [b * B for b in fed_batches(tmp_path)[rewinds[0]["to_step"]:]]
-    assert not any(start <= b < end for b in after)
-    assert not any(70 <= b < 74 for b in fed_batches(tmp_path))  # no poisoned update was kept
-    # A resume from a checkpoint older than the spike must still never read the window.
+    lo = Loader(default_data_dir(), 32, 1337)
+    window_chunks = set(lo.chunk_ids(np.arange(start, end)).tolist())
+    assert not windows_of(state_skip) and set(lo.skipped_chunks(state_skip).tolist()) == window_chunks
+    assert rewinds[0]["skipped"] == len(entries_of(state_skip))
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    kept = {r["step"]: r for r in records if "data_position" in r}.values()  # a replayed step's last record
+    assert not chunks_fed(kept, state_skip) & window_chunks  # no update of the poisoned data was kept
+    # A resume from a checkpoint older than the spike must still never read the window's data.
     run_dir_copy = tmp_path.parent / f"{tmp_path.name}-resumed"
     shutil.copytree(tmp_path, run_dir_copy)
     for folder in (run_dir_copy / "checkpoints").glob("step-*"):
         if int(folder.name[5:]) > 65:
             shutil.rmtree(folder)
     assert train(cfg(run_dir_copy, "train.total_steps=110")) == 0
-    newly = read_jsonl(run_dir_copy / "metrics.jsonl")[len(read_jsonl(tmp_path / "metrics.jsonl")):]
-    assert newly and not any(start <= r["data_position"] < end for r in newly if "data_position" in r)
+    newly = read_jsonl(run_dir_copy / "metrics.jsonl")[len(records):]
+    assert newly and not chunks_fed(newly, state_skip) & window_chunks
 
 
 def test_same_region_again_lowers_lr_scale(tmp_path):

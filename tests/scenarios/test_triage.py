@@ -172,7 +172,10 @@ def test_over_the_replay_budget_falls_back_before_any_replay_and_says_what_it_kn
     rewinds = events(tmp_path, "rewind")
     assert [e.get("triage_phase") for e in rewinds] == [None] and rewinds[0]["verdict"] == "unknown"
     assert rewinds[0]["window"] == decision["window"] and decision["window"][0] == 50 * B
-    assert final_state(tmp_path)["skip_list"] == [decision["window"]]
+    # The planned window's data, named as data (chunks), so no later epoch feeds it again.
+    skip, lo = final_state(tmp_path)["skip_list"], Loader(default_data_dir(), 32, 1337)
+    assert skip and all("shard" in e for e in skip) and rewinds[0]["skipped"] == len(skip)
+    assert set(lo.skipped_chunks(skip).tolist()) == set(lo.chunk_ids(np.arange(*decision["window"])).tolist())
     record = final_state(tmp_path)["train"]["rewinds"][-1]
     assert record["verdict"] == "unknown" and record["to_step"] == rewinds[0]["to_step"] == 45
     assert final_state(tmp_path)["train"]["lr_scale"] == 1.0

@@ -28,7 +28,7 @@ from dsslm.ckpt.shards import check_headers, open_folder, read_rank_file, split_
 from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
 from dsslm.ckpt.drift import describe
 from dsslm.ckpt.store import CheckpointStore
-from dsslm.ckpt.train_state import FINGERPRINT_SPEC, TrainState, check_fingerprint
+from dsslm.ckpt.train_state import FINGERPRINT_SPEC, ResumeRefused, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
 from dsslm.engine.base import STATE_KINDS, Engine, OptimState, optim_kinds
 from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
@@ -226,6 +226,7 @@ class Checkpointer:
         entries = {"model": model, **{f"optim {kind}": {n: tensors[f"optim/{kind}/{n}"] for n in names}
                                       for kind, names in optim_kinds(reader).items()}}
         steps = optim_kinds(reader).get("step", set())
+        self.check_optimizer(set(optim_kinds(reader)) - {"step"})
         for group, table in entries.items():
             unknown = sorted(set(table) - set(shapes))
             missing = sorted(set(shapes) - set(table)) if group == "model" else []
@@ -244,6 +245,20 @@ class Checkpointer:
             if not 0 <= step <= MAX_STEP or step != int(step):
                 raise CheckpointError(f"optim step/{name}: {step} is not a step count")
 
+    def check_optimizer(self, kinds: set[str]) -> None:
+        """The checkpoint's optimizer state is this run's optimizer's: Muon's momentum where
+        optim.name=muon, AdamW's moments alone where adamw. A switch passed with --allow-drift
+        optim.name would otherwise load state the optimizer cannot read (a KeyError on the first
+        step) or, worse, that it reads as fresh; no optimizer's state converts into the other's. It
+        refuses the resume (the run exits 2), as a config difference does: passed over as a
+        malformed folder, it would leave an older checkpoint without optimizer state (the start)
+        to be resumed from instead."""
+        saved = "muon" if "momentum" in kinds else "adamw" if kinds else None
+        if saved is not None and saved != self.cfg.optim.name:
+            raise ResumeRefused(f"resume refused: the checkpoint holds {saved}'s optimizer state and this run has "
+                                f"optim.name={self.cfg.optim.name}; resume with optim.name={saved}, or start from "
+                                f"its weights alone (python -m dsslm.export, then run.init_from=hf:DIR)")
+
     def check_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], values: bool = True) -> None:
         """Every tensor's name, shape and dtype against this model, before any is loaded: a
         broadcastable wrong shape would otherwise load silently."""
@@ -257,6 +272,7 @@ class Checkpointer:
             raise CheckpointError(f"optim: {exc}") from None
         for kind in STATE_KINDS:
             check_table(f"optim {kind}", getattr(optim, kind), shapes, exact=False)
+        self.check_optimizer({kind for kind in STATE_KINDS if getattr(optim, kind)})
         # AdamW's parameters have both moments, Muon's (optim.name=muon) a momentum; each has a step.
         if set(optim.exp_avg) != set(optim.exp_avg_sq) or set(optim.exp_avg) & set(optim.momentum) \
                 or set(optim.exp_avg) | set(optim.momentum) != set(optim.step):

@@ -120,3 +120,20 @@ def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_b
     from safetensors.torch import load_file
     optim = load_file(tmp_path / "crashed" / "checkpoints" / "step-00000008" / "optim.safetensors")
     assert any(k.startswith("momentum/blocks.") for k in optim) and not any(k.startswith("momentum/tok_emb") for k in optim)
+
+
+@pytest.mark.parametrize("saved, now", [("muon", "adamw"), ("adamw", "muon")])
+def test_a_switch_of_optimizer_passed_as_drift_is_refused_with_exit_2_and_one_line(tmp_path, capsys, saved, now):
+    """--allow-drift optim.name accepts the config's difference, but no optimizer can read the
+    other's state: one line naming both, exit 2, nothing saved (it was a KeyError traceback)."""
+    from dsslm.train import main
+    from helpers import TINY
+    common = [f"run.dir={tmp_path}", *TINY, "optim.muon_lr=0.02", "optim.warmup_steps=2", "ckpt.every=4"]
+    assert main([*common, f"optim.name={saved}", "train.total_steps=4"]) == 0
+    capsys.readouterr()
+    assert main(["--allow-drift", "optim.name", *common, f"optim.name={now}", "train.total_steps=6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert f"holds {saved}'s optimizer state" in err[-1] and f"optim.name={now}" in err[-1], err
+    # Nothing passed over (renamed .invalid) or resumed from the start checkpoint instead.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000000", "step-00000004"]

@@ -57,7 +57,7 @@ def test_poison_chunks_gives_each_named_chunk_its_own_noise_in_every_epoch(tmp_p
     assert hit.sum() == 8  # each of the four chunks once per epoch
     assert torch.equal(inputs[~hit], clean[0][~hit]) and torch.equal(targets[~hit], clean[1][~hit])
     rows = {c: [i for i in np.flatnonzero(hit) if chunks[i] == c] for c in range(5, 9)}
-    for c, (one, two) in rows.items():  # the same noise wherever the chunk is fed, another for another chunk
+    for one, two in rows.values():  # the same noise wherever the chunk is fed, another for another chunk
         assert torch.equal(inputs[one], inputs[two]) and not torch.equal(inputs[one], clean[0][one])
         assert torch.equal(inputs[one][1:], targets[one][:-1])
     assert not torch.equal(inputs[rows[5][0]], inputs[rows[6][0]])

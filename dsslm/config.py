@@ -172,6 +172,8 @@ class FaultsCfg:
     poison_rank: int = -1       # -1 = every rank's slice of a poisoned batch; else only this rank's
     nan_steps: list = field(default_factory=list)        # steps whose loss is made non-finite
     repeat_batches: list = field(default_factory=list)   # [[start, end], ...] data-batch windows of one repeated n-gram
+    repeat_chunks: list = field(default_factory=list)    # [[first, end], ...] chunk ids whose sequences repeat an n-gram
+    poison_chunks: list = field(default_factory=list)    # [[first, end], ...] chunk ids whose sequences are random tokens
     repeat_ngram: int = 4       # tokens in the repeated n-gram (0 = the window's first document, repeated)
     lr_burst: list = field(default_factory=list)         # [[start, end, multiplier], ...] steps [start, end)
     grad_fault_steps: list = field(default_factory=list)  # steps whose gradients one rank corrupts, once
@@ -398,7 +400,7 @@ def validate_spike_policy(cfg: Config) -> None:
     _check(f.repeat_ngram >= 0, f"faults.repeat_ngram={f.repeat_ngram} must be >= 0 (0 = one whole document)")
     _check(0 <= f.replay_noise < 0.5, f"faults.replay_noise={f.replay_noise} must be in [0, 0.5)")
     _check(f.grad_fault_scale > 0, f"faults.grad_fault_scale={f.grad_fault_scale} must be > 0")
-    for key in ("poison_batches", "repeat_batches"):
+    for key in ("poison_batches", "repeat_batches", "repeat_chunks", "poison_chunks"):
         for window in getattr(f, key):
             _check(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
                    and 0 <= window[0] < window[1],

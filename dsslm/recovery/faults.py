@@ -5,7 +5,7 @@ One `Drills` object is built from `cfg.faults` and asked by the loop where a fau
 
     drills.maybe_crash(step)                    # top of the loop, `step` steps completed
     lr = ... * drills.lr_multiplier(step)       # state: faults.lr_burst
-    batches = drills.corrupt(batches, indices)  # data: faults.poison_batches, faults.repeat_batches
+    batches = drills.corrupt(batches, indices)  # data: poison_/repeat_batches, poison_/repeat_chunks
     drills.loss_multiplier(step), drills.grad_multiplier(step)  # transient: nan_steps, grad_fault_steps
     drills.arm(store)                           # once: the crash-in-save drill
 
@@ -84,7 +84,7 @@ class Drills:
 
     def corrupt(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
         """This rank's micro-batches after the data drills (the same batches when none hits)."""
-        return self.repeat(self.poison(micro_batches, indices), indices)
+        return self.chunks(self.repeat(self.poison(micro_batches, indices), indices), indices)
 
     def poison(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
         """Replace poisoned sequences with uniform random tokens: a data-borne spike.
@@ -121,14 +121,37 @@ class Drills:
         starts = np.full(len(where), -1)
         for start, end in self.cfg.repeat_batches:
             starts[(where >= start * self.batch_size) & (where < end * self.batch_size)] = start
-        if (starts < 0).all():
+        return self._replace(micro_batches, starts, self._repeated_tokens)
+
+    def chunks(self, micro_batches: list[Batch], indices: np.ndarray) -> list[Batch]:
+        """The drills that name chunks: every sequence reading a chunk of a faults.repeat_chunks
+        range [first, end) becomes one n-gram of chunk `first`'s text repeated, of a
+        faults.poison_chunks range the chunk's own random tokens. A pure function of the chunk,
+        so the same in every batch, epoch, replay and rank that feeds it."""
+        cfg = self.cfg
+        if self.loader is None or not (cfg.repeat_chunks or cfg.poison_chunks):
+            return micro_batches
+        mine = self.loader.chunk_ids(np.asarray(indices, dtype=np.int64))
+        firsts, noisy = np.full(len(mine), -1), np.full(len(mine), -1)
+        for first, end in cfg.repeat_chunks:
+            firsts[(mine >= first) & (mine < end)] = first
+        for first, end in cfg.poison_chunks:
+            inside = (mine >= first) & (mine < end)
+            noisy[inside] = mine[inside]
+        return self._replace(self._replace(micro_batches, firsts, self._chunk_ngram), noisy, self._chunk_noise)
+
+    @staticmethod
+    def _replace(micro_batches: list[Batch], keys: np.ndarray, tokens_of) -> list[Batch]:
+        """Sequence i (across the micro-batches, in order) becomes tokens_of(keys[i], seq_len + 1)
+        where keys[i] >= 0; the same batches when none is."""
+        if (keys < 0).all():
             return micro_batches
         out, row = [], 0
         for inputs, targets in micro_batches:
             inputs, targets = inputs.clone(), targets.clone()
             for i in range(inputs.shape[0]):
-                if starts[row + i] >= 0:
-                    tokens = self._repeated_tokens(int(starts[row + i]), inputs.shape[1] + 1)
+                if keys[row + i] >= 0:
+                    tokens = tokens_of(int(keys[row + i]), inputs.shape[1] + 1)
                     inputs[i], targets[i] = tokens[:-1], tokens[1:]
             row += inputs.shape[0]
             out.append((inputs, targets))
@@ -166,6 +189,18 @@ class Drills:
             unit = document[:self.cfg.repeat_ngram] if self.cfg.repeat_ngram else document
             self._repeated[window_start] = unit.repeat(length // len(unit) + 1)[:length]
         return self._repeated[window_start]
+
+    def _chunk_ngram(self, first: int, length: int) -> torch.Tensor:
+        key = -1 - first  # apart from repeat_batches' window starts (>= 0) in one cache
+        if key not in self._repeated:
+            chunk = torch.from_numpy(self.loader._read_chunk(first).astype(np.int64))
+            unit = chunk[:self.cfg.repeat_ngram] if self.cfg.repeat_ngram else chunk
+            self._repeated[key] = unit.repeat(length // len(unit) + 1)[:length]
+        return self._repeated[key]
+
+    def _chunk_noise(self, chunk: int, length: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 2**40 + chunk)  # apart from poison's positions
+        return torch.randint(0, self.vocab_size, (length,), generator=gen)
 
     def lr_multiplier(self, step: int) -> float:
         """faults.lr_burst: what the learning rate of step `step` is multiplied by (a state drill:

@@ -31,7 +31,7 @@ import torch
 
 from dsslm.data.manifest import load_manifest
 from dsslm.data.mixture import Mixture, domain_key, weight_units
-from dsslm.data.skips import DOCUMENT_CHUNKS, chunk_range, document_bounds, entries_of, skip_key, windows_of
+from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, skip_key, windows_of
 from dsslm.data.sources import DataError
 from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice, take
 
@@ -152,7 +152,7 @@ class Loader:
     def data_entries(self, indices: np.ndarray, documents: np.ndarray | None = None) -> list[dict]:
         """Skip entries naming the data of these global sequences: each one's chunk and, where
         `documents` (a bool mask) says so, the documents its targets belong to (delimited by the
-        tokenizer's EOS, at most DOCUMENT_CHUNKS chunks beyond the chunk on either side)."""
+        tokenizer's EOS, at most DOCUMENT_TOKENS tokens beyond the chunk on either side)."""
         indices = np.asarray(indices, dtype=np.int64)
         documents = np.zeros(len(indices), dtype=bool) if documents is None else np.asarray(documents, dtype=bool)
         eos = self.manifest.get("tokenizer", {}).get("eos_id")
@@ -164,7 +164,7 @@ class Loader:
             end = start + self.seq_len + 1
             entries.append({"shard": path, "tokens": [start, end]})
             if whole_document:
-                a, b = document_bounds(self._shard(path), start + 1, end, eos, DOCUMENT_CHUNKS * self.seq_len)
+                a, b = document_bounds(self._shard(path), start + 1, end, eos, DOCUMENT_TOKENS)
                 # From the EOS before the document: the prediction of its first token is its too.
                 entries.append({"shard": path, "tokens": [max(0, a - 1), b]})
         return entries_of(entries)

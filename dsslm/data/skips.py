@@ -33,9 +33,11 @@ from dsslm.data.stream import merge_windows
 # sequence (random tokens) stands far above, a repeated n-gram can sit far below. A threshold
 # this high keeps a clean batch's spread (different documents, domains) from naming anything.
 OUTLIER_Z = 6.0
-# A document longer than this many chunks on either side of an offending sequence is named only
-# this far: a corpus without EOS (one long document per file) must not lose a whole shard.
-DOCUMENT_CHUNKS = 64
+# A document is named up to this many tokens on either side of an offending sequence: a whole
+# book (~100-500K tokens), but not a whole shard where a file of one huge document has its only
+# EOS at the end. In tokens, not chunks: 64 chunks was 4K tokens at seq_len 64, and the bench's
+# scattered 15K-token document kept coming back after its verdict named half of it.
+DOCUMENT_TOKENS = 1 << 20
 # Narrowing needs a batch to stand for "normal": fewer sequences than this are never narrowed,
 # and the robust scale is at least SCALE_FLOOR x the median (a batch that is all noise has a tiny
 # MAD, and one of its sequences must not look like the lone outlier).

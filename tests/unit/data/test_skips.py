@@ -12,7 +12,7 @@ import pytest
 from dsslm.ckpt.train_state import TrainState
 from dsslm.data import prepare
 from dsslm.data.loader import Loader
-from dsslm.data.skips import DOCUMENT_CHUNKS, chunk_range, entries_of, merge_skip_list, offending
+from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, entries_of, merge_skip_list, offending
 from dsslm.fields import StateError, validate
 from dsslm.recovery.rewind import RECOVERY_FILE, merge_recovery, read_recovery, write_recovery
 
@@ -255,4 +255,4 @@ def test_a_document_is_named_whole_but_never_more_than_its_reach(data_dir):
     every = np.arange(lo.n_chunks)
     inside = [g for g in every if (rows(lo, [g]) == BAD).any()]  # holds a prediction of the document
     assert set(named.tolist()) == set(lo.chunk_ids(np.array(inside)).tolist())
-    assert 38 <= len(named) <= 2 * DOCUMENT_CHUNKS + 1
+    assert 38 <= len(named) <= 2 * DOCUMENT_TOKENS // SEQ_LEN + 1

@@ -1,11 +1,11 @@
 """Sharded checkpoints under the real loop (2 gloo ranks in subprocesses): each rank writes its own
 shard; a resume at the same world size and engine is bit-exact; a checkpoint moves between world
 sizes and engines (2 ranks FSDP -> 1 process DDP, 1 process gathered -> 2 ranks FSDP) within
-fp32 rounding (every run has the same global batch of 8 sequences: observed ~5e-8 relative,
+fp32 rounding (the runs of a test share one global batch: observed ~5e-8 relative,
 asserted 1e-5, the engines' stated tolerance in test_engines_train.py).
 
-ZeRO is left out here only for time (DeepSpeed's start costs minutes on the shared 2-core box);
-the 2-rank ZeRO-2 -> 1-process FSDP move was checked by hand (docs/checkpoints.md)."""
+ZeRO-2 is one test (DeepSpeed's start costs minutes on the shared 2-core box): 2 ranks resume to
+the bit, and its checkpoint moves to 3 FSDP ranks and one process, and back from 3 FSDP ranks."""
 from __future__ import annotations
 
 import json
@@ -90,13 +90,16 @@ def test_tools_read_a_sharded_checkpoint_tensor_by_tensor(fsdp_run):
         assert torch.equal(param.detach().reshape(-1), torch.cat([t for _, t in parts])), name
 
 
-ZERO2 = ("engine.kind=zero", "engine.zero_stage=2", "train.micro_batch_size=2", "train.grad_accum=2")
-FSDP1 = ("engine.kind=fsdp", "train.micro_batch_size=4", "train.grad_accum=2")
+# One global batch of 12 sequences on 2, 3 and 1 ranks (grad_accum follows: 2, 2, 3).
+ZERO2 = ("engine.kind=zero", "engine.zero_stage=2", "train.micro_batch_size=3", "train.global_batch_size=12")
+FSDP3 = ("engine.kind=fsdp", "train.micro_batch_size=2", "train.global_batch_size=12")
+FSDP1 = ("engine.kind=fsdp", "train.micro_batch_size=4", "train.global_batch_size=12")
 
 
-def test_zero2_shards_resume_to_the_bit_and_continue_on_one_process_fsdp(tmp_path):
+def test_zero2_shards_resume_to_the_bit_and_move_to_three_fsdp_ranks_and_back(tmp_path):
     """ZeRO's flat partitions cut through rows: its pieces are element spans, read back by
-    fragment at the same world size (bit-exact) and by rows under FSDP on one process."""
+    fragment at the same world size (bit-exact), by uneven rows on 3 FSDP ranks (32 rows do not
+    split in 3) and on one process; a 3-rank FSDP checkpoint continues on 2 ZeRO-2 ranks."""
     ref = tmp_path / "zero2"
     run_train(ref, *COMMON, *ZERO2, nproc=2, timeout_s=1500)  # DeepSpeed's start alone took ~10 min here
     resumed = tmp_path / "resumed"
@@ -107,3 +110,12 @@ def test_zero2_shards_resume_to_the_bit_and_continue_on_one_process_fsdp(tmp_pat
     one = tmp_path / "fsdp1"
     run_train(one, *COMMON, *FSDP1, f"run.init_from={ref / 'checkpoints' / 'step-00000004'}")
     assert_close(losses_by_step(one), losses_by_step(ref), range(5, 9))
+    three = tmp_path / "fsdp3"
+    run_train(three, *COMMON, *FSDP3, "ckpt.every=2", f"run.init_from={ref / 'checkpoints' / 'step-00000004'}",
+              nproc=3, timeout_s=1500)
+    assert_close(losses_by_step(three), losses_by_step(ref), range(5, 9))
+    assert json.loads((three / "checkpoints" / "step-00000006" / "state.json").read_text())["world_size"] == 3
+    back = tmp_path / "back"
+    run_train(back, *COMMON, *ZERO2, f"run.init_from={three / 'checkpoints' / 'step-00000006'}", nproc=2,
+              timeout_s=1500)
+    assert_close(losses_by_step(back), losses_by_step(ref), range(7, 9))

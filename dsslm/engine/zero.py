@@ -443,12 +443,8 @@ class ZeroEngine(Engine):
     @torch.no_grad()
     def load_local_state(self, reader: StateReader) -> None:
         """Only this rank's fp32 master and moment fragments are read; the working copies follow
-        from the masters (stages 1 and 2: DeepSpeed's own copy-and-all-gather, as after a step;
-        stage 3: each parameter gathered once and written from the full weights)."""
-        if self.layout == "zero3":
-            for name, param in self.params.items():
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                    param.data.copy_(reader.read(f"model/{name}").reshape(param.shape).to(param.device, param.dtype))
+        from the masters as after a step (stages 1 and 2: DeepSpeed's copy-and-all-gather; stage
+        3: each rank copies its master partitions into its working partitions, no gather)."""
         kinds = optim_kinds(reader)
         steps = {name: float(reader.read(f"optim/step/{name}")[0]) for name in kinds.get("step", ())}
         inner = self.optimizer.optimizer.state
@@ -480,6 +476,9 @@ class ZeroEngine(Engine):
                     self._local(param, key).copy_(value)
         if self.layout != "zero3":
             self.optimizer.update_lp_params()  # a collective: every rank's working copy from the masters
+        else:
+            for group in range(len(self.optimizer.fp16_partitioned_groups_flat)):
+                self.optimizer._reassign_or_swap_out_partitioned_parameters(group)
 
     def _inner_group(self, flat: torch.Tensor) -> dict:
         for group in self.optimizer.optimizer.param_groups:

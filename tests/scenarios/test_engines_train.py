@@ -89,6 +89,10 @@ def test_zero3_trains_saves_and_resumes_after_a_kill(runs, tmp_path):
     # Same command again: the kill fires once per run.dir, so this resumes from step 10.
     run_train(run_dir, *COMMON, *LAYOUT["zero3"], "faults.crash_at_step=13", nproc=2)
     assert events(run_dir, "resume")[0]["step"] == 10
+    # The steps after 10 recomputed from the sharded checkpoint equal the killed job's, to the bit:
+    # each rank's working partitions came from its own master fragments, none read whole.
+    audit = events(run_dir, "resume_audit")[0]
+    assert audit["verdict"] == "exact" and audit["compared"] >= 2, audit
     assert_curve(losses_by_step(run_dir), losses_by_step(runs("one_process")), range(1, STEPS + 1))
 
 

@@ -17,8 +17,14 @@ it (the *base*) and replays to `target`:
                  the per-sequence losses: `Forensics.data_entries`), the rest of each batch
                  trained; the slots go to the next chunks of the stream. Gone: **data**; the
                  entries are committed to the skip list and skip_list.json, and the loader never
-                 feeds that data again, in any epoch. (A replay from before this version resumes
-                 with its position `window` instead, at least `skip_batches` batches.)
+                 feeds that data again, in any epoch. Still there, and the planned window (the
+                 spike steps widened to `skip_batches` batches, as the plain policy plans it)
+                 read data those entries do not name: once more without all of that window's
+                 data (`wide`) before calling it state, because the slots a skip frees go to the
+                 next sequences of the stream, and where bad data fills several batches in a row
+                 they are bad too (measured: a hard spike on the first of three bad batches was
+                 called state, backed off twice and exited 3). (A replay from before this version
+                 resumes with its position `window` instead, at least `skip_batches` batches.)
     backoff      still there: from the base again with the original data and the learning rate
                  x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
                  `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
@@ -59,7 +65,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, Optional, SkipEntry, Spec, StateError,
+from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, ListOf, Optional, SkipEntry, Spec, StateError,
                           Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
@@ -102,6 +108,8 @@ class Replay:
     # The spike's data (data.skips entries) the skip_window replay leaves out and a data verdict
     # commits; empty in a replay saved before this version, which skips `window` instead.
     entries: list = field(default_factory=list)
+    # The skip_window replay leaves out all the data of `window` (entries widened to it).
+    wide: bool = False
 
 
 class ReplayProgress:
@@ -324,14 +332,17 @@ class Triage:
                                 "reason": reason})
         # The whole plan before the first replay: same_data, skip_window and every backoff. A
         # triage that could stop half way would act on a verdict no replay has shown.
-        if not self._affordable(replay, phases=2 + self.cfg.monitor.max_backoffs):
+        if not self._affordable(replay, phases=3 + self.cfg.monitor.max_backoffs):
             return self._fall_back(state, replay, ckpt)
         self._replay_from(state, ckpt, replay, window=None, lr_scale=replay.lr_scale)
 
     def _next_phase(self, state: TrainState, step: int) -> None:
         r = self.replay
+        wider = self._widened(r) if r.phase == Phase.SKIP_WINDOW.value and not r.wide and r.entries else None
         if r.phase == Phase.SAME_DATA.value:
             r.phase, window, lr_scale = Phase.SKIP_WINDOW.value, r.window, r.lr_scale
+        elif wider is not None:  # without the whole window's data before calling it state
+            r.entries, r.wide, window, lr_scale = wider, True, r.window, r.lr_scale
         elif r.phase == Phase.SKIP_WINDOW.value or r.backoffs < self.cfg.monitor.max_backoffs:
             r.phase, r.backoffs = Phase.BACKOFF.value, r.backoffs + 1
             # On trial through lr_factor (from the base on); a lasting verdict sets lr_scale in _decide.
@@ -345,6 +356,12 @@ class Triage:
             return self._fall_back(state, r, ckpt)
         self._replay_from(state, ckpt, r, window, lr_scale)
 
+    def _widened(self, r: Replay) -> list | None:
+        """The entries with all the data the planned window read added, or None when they add
+        nothing (the narrowed entries already name every sequence of the window)."""
+        wider = self.engine.decide(lambda: merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list)))
+        return wider if wider != merge_skip_list(r.entries) else None
+
     def _affordable(self, r: Replay, ckpt: Checkpoint | None = None, phases: int = 1) -> bool:
         base = ckpt.state["step"] if ckpt is not None else r.base_step
         return r.replay_steps + phases * (r.target - base) <= self.cfg.monitor.triage_max_replay_steps
@@ -356,7 +373,8 @@ class Triage:
         loaded = ckpt.state["step"]
         r.replay_steps += r.target - loaded
         trial = self.cfg.monitor.lr_backoff ** r.backoffs if r.phase == Phase.BACKOFF.value else 1.0
-        r.evidence.append({"phase": r.phase, "from_step": loaded, "lr_scale": lr_scale * trial, "steps": []})
+        r.evidence.append({"phase": r.phase, "from_step": loaded, "lr_scale": lr_scale * trial, "steps": [],
+                           **({"wide": r.wide or not r.entries} if r.phase == Phase.SKIP_WINDOW.value else {})})
         # The skip_window phase leaves out the spike's data where it was named, else its window.
         skip = (r.entries or [window]) if window else []
         self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list + skip), lr_scale, None)
@@ -397,10 +415,13 @@ class Triage:
     def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint) -> None:
         """Over the replay budget: the plain rewind policy with the window planned before any
         replay (the feed record now holds what the replays fed), recording what the replays
-        showed: `state` when the spike came back without its window, else `unknown`."""
+        showed: `state` when the spike came back without its window's data, else `unknown` (a
+        skip_window replay without the narrowed data alone shows nothing: more of it may follow)."""
         self.replay = None
-        came_back = {e["phase"] for e in r.evidence[1:]}  # every phase replayed so far came back
-        verdict = "state" if came_back & {Phase.SKIP_WINDOW.value, Phase.BACKOFF.value} else "unknown"
+        # Every phase replayed so far came back.
+        shown = any(e["phase"] == Phase.BACKOFF.value or (e["phase"] == Phase.SKIP_WINDOW.value and e.get("wide", True))
+                    for e in r.evidence[1:])
+        verdict = "state" if shown else "unknown"
         budget = self.cfg.monitor.triage_max_replay_steps
         self.emit("triage", step=r.target, verdict=verdict, scope="window", spike_start=r.spike_start,
                   target=r.target, from_step=ckpt.state["step"], replay_steps=r.replay_steps, window=r.window,
@@ -429,7 +450,7 @@ class _TriageState(Spec):
                     window=Window(), skip_list=ListOf(SkipEntry(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
                     evidence=ListOf(Json(), max_len=10_000), entries=ListOf(SkipEntry(), max_len=100_000),
-                    optional=("entries",))
+                    wide=Bool(), optional=("entries", "wide"))
 
     fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
     recent = ListOf(ListOf(Json(), length=4), max_len=1000)

@@ -137,7 +137,7 @@ def test_state_spike_lowers_lr_scale_and_skips_no_data(tmp_path):
     assert train(cfg(tmp_path, *STATE)) == 0
     decision = triages(tmp_path, "window")[-1]
     assert decision["verdict"] == "state" and not decision["escalated"]
-    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "backoff"]
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "skip_window", "backoff"]
     state = final_state(tmp_path)
     assert state["train"]["lr_scale"] == pytest.approx(0.01) and state["skip_list"] == []
     assert json.loads((tmp_path / "skip_list.json").read_text())["lr_scale"] == pytest.approx(0.01)
@@ -148,10 +148,26 @@ def test_state_spike_lowers_lr_scale_and_skips_no_data(tmp_path):
     assert fed == {s: (s - 1) * B for s in range(1, 65)}
 
 
+def test_a_spike_on_the_first_of_three_bad_batches_is_data_not_state(tmp_path):
+    """max_skips=0: the first outlier rewinds at once, so the triage knows step 51's data alone.
+    Skipping it hands step 51's slots to the next sequences of the stream, batch 51's, bad too, so
+    the narrow skip_window replay comes back; without all of the planned window's data it does not:
+    data, the run goes on. (Before: called state, backed off twice, exited 3.)"""
+    assert train(cfg(tmp_path, DATA, "monitor.max_skips=0")) == 0
+    decision = triages(tmp_path, "window")[0]
+    assert decision["verdict"] == "data" and decision["spike_start"] == decision["target"] == 51, decision
+    assert [e["phase"] for e in decision["evidence"]] == ["original", "same_data", "skip_window", "skip_window"]
+    assert [e.get("wide") for e in decision["evidence"][2:]] == [False, True]
+    lo = Loader(default_data_dir(), 32, 1337)
+    poisoned = set(lo.chunk_ids(np.arange(50 * B, 53 * B)).tolist())
+    assert poisoned <= set(lo.skipped_chunks(final_state(tmp_path)["skip_list"]).tolist())
+    assert final_state(tmp_path)["train"]["lr_scale"] == 1.0 and not events(tmp_path, "escalation")
+
+
 def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, capsys):
     rc = main([f"run.dir={tmp_path}", *TINY, *RUN, "faults.lr_burst=[[50,54,30.0]]", "monitor.max_backoffs=1"])
     assert rc == 3 and "escalated" in capsys.readouterr().err
-    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "backoff"]
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "skip_window", "skip_window", "backoff"]
     assert triages(tmp_path, "window")[-1]["escalated"] and len(events(tmp_path, "escalation")) == 1
     # No verdict concluded a backoff: the restart a person makes after exit 3 trains at the
     # learning rate from before the triage, not at the backoff the last replay tried.

@@ -16,6 +16,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 from dsslm.config import Config, load
@@ -27,6 +29,16 @@ PYTHON = sys.executable
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         "train.micro_batch_size=4", "train.precision=fp32", "run.val_every=0", "run.tensorboard=false",
         "optim.warmup_steps=5", "train.device=cpu"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Autouse where a test module imports it: runs that small spin-wait on a second thread of a
+    shared 2-core machine far more than they compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_cfg(run_dir: Path, *overrides: str) -> Config:

@@ -118,6 +118,11 @@ class Loader:
             g = g[(g < lo) | (g >= hi)]
         return g[self._fed(g, self.skipped_chunks(skip_list))]
 
+    def window_entries(self, first: int, end: int, skip_list: list) -> list[dict]:
+        """Skip entries naming the data the global sequences [first, end) read, where the skip
+        list let them through: a window of the stream, named as data."""
+        return self.data_entries(self.fed_between(first, end, skip_list))
+
     def skipped_chunks(self, skip_list: list) -> np.ndarray:
         """The chunk ids the skip list's data entries name (sorted, unique int64); DataError when
         an entry names a shard this data does not have, tokens past its end, or every chunk."""

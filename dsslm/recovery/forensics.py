@@ -127,7 +127,7 @@ class Forensics:
                             else self.loader.data_entries(indices))
             else:
                 first, end = fed_of(step)
-                entries += self.loader.data_entries(self.loader.fed_between(first, end, skip_list))
+                entries += self.loader.window_entries(first, end, skip_list)
         return merge_skip_list(entries)
 
     def record_decision(self, steps: list[int], decision: dict) -> None:

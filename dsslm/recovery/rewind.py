@@ -269,7 +269,7 @@ class Rewinder:
         itself where there is no loader to name its data."""
         if self.loader is None:
             return [list(window)]
-        return self.loader.data_entries(self.loader.fed_between(window[0], window[1], skip_list))
+        return self.loader.window_entries(window[0], window[1], skip_list)
 
     def plan(self, state: TrainState, spike_start: int, spike_step: int) -> RewindPlan:
         """Rank 0's plan for the spike over steps [spike_start, spike_step], on every rank."""

@@ -330,8 +330,9 @@ class Triage:
                         lr_scale=state.lr_scale, reason=reason, entries=entries)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
                                 "reason": reason})
-        # The whole plan before the first replay: same_data, skip_window and every backoff. A
-        # triage that could stop half way would act on a verdict no replay has shown.
+        # The whole plan before the first replay: same_data, both skip_window replays (narrow,
+        # wide) and every backoff. A triage that could stop half way would act on a verdict no
+        # replay has shown.
         if not self._affordable(replay, phases=3 + self.cfg.monitor.max_backoffs):
             return self._fall_back(state, replay, ckpt)
         self._replay_from(state, ckpt, replay, window=None, lr_scale=replay.lr_scale)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from dsslm.data import prepare
 from dsslm.data.loader import Loader
 from dsslm.train import train
+from helpers import one_thread  # noqa: F401  (autouse here: every run on one thread)
 from helpers import events, read_jsonl, run_train, tiny_cfg
 
 # As tests/scenarios/test_triage.py: a constant learning rate, batches of 16; a repeated 4-gram
@@ -21,14 +21,6 @@ RUN = ["model.d_model=64", "optim.peak_lr=3e-3", "optim.min_lr=3e-3", "train.mic
        "ckpt.every=5", "ckpt.keep_last=3", "monitor.min_history=10", "monitor.window=20",
        "monitor.rewind_margin_steps=2", "observe.every=0"]
 B = 16
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from dsslm.data.corpus import default_data_dir
 from dsslm.data.loader import Loader
 from dsslm.recovery import triage as triage_module
 from dsslm.train import main, train
+from helpers import one_thread  # noqa: F401  (autouse here: every run on one thread)
 from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
 
 pytestmark = pytest.mark.slow
@@ -31,15 +32,6 @@ RUN = ["model.d_model=64", "optim.peak_lr=3e-3", "optim.min_lr=3e-3", "train.mic
 B = 16
 DATA = "faults.repeat_batches=[[50,53]]"          # steps 51..53 are fed data batches 50..52
 STATE = ["faults.lr_burst=[[50,54,30.0]]", "monitor.lr_backoff=0.01"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These runs are small: two threads on a shared 2-core machine spin-wait far more than they compute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def cfg(run_dir, *extra):

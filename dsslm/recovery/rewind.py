@@ -257,7 +257,7 @@ class Rewinder:
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
         self.engine.decide(lambda: write_recovery(self.run_dir, state))
         self.emit("rewind", step=spike_step, to_step=state.step, window=rewind_plan.window,
-                  skipped=len(skipped), checkpoint=str(ckpt.path), reason=reason,
+                  skip=skipped, checkpoint=str(ckpt.path), reason=reason,
                   **({"verdict": fallback["verdict"]} if fallback else {}))
         if rewind_plan.lr_scale_factor != 1.0:
             self.emit("lr_scale", step=state.step, old=old_scale, new=state.lr_scale)

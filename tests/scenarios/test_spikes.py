@@ -76,7 +76,7 @@ def test_poisoned_window_rewinds_once_and_its_data_is_never_fed_again(tmp_path):
     lo = Loader(default_data_dir(), 32, 1337)
     window_chunks = set(lo.chunk_ids(np.arange(start, end)).tolist())
     assert not windows_of(state_skip) and set(lo.skipped_chunks(state_skip).tolist()) == window_chunks
-    assert rewinds[0]["skipped"] == len(entries_of(state_skip))
+    assert rewinds[0]["skip"] == entries_of(state_skip)  # as a triage's rewind events name it
     records = read_jsonl(tmp_path / "metrics.jsonl")
     kept = {r["step"]: r for r in records if "data_position" in r}.values()  # a replayed step's last record
     assert not chunks_fed(kept, state_skip) & window_chunks  # no update of the poisoned data was kept

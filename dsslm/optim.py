@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -148,6 +149,35 @@ def _same(t: torch.Tensor, *_) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class Fragment:
+    """The part of one hidden matrix a rank holds inside a flat partition (ZeRO): elements
+    [start, start + numel) of the matrix's row-major flattening sit at [flat_start, flat_start +
+    numel) of the partition. numel 0: the rank holds none of it (it still joins the collective)."""
+    name: str
+    shape: tuple[int, int]
+    flat_start: int
+    start: int
+    numel: int
+
+
+# Matrices are made whole a bucket at a time: the transient buffer stays at most this many fp32
+# elements (128 MiB) beyond the largest matrix, whatever the model's size.
+WHOLE_BUCKET_ELEMENTS = 1 << 25
+
+
+def _buckets(fragments: list[Fragment]) -> list[list[Fragment]]:
+    out: list[list[Fragment]] = [[]]
+    size = 0
+    for f in fragments:
+        if out[-1] and size + math.prod(f.shape) > WHOLE_BUCKET_ELEMENTS:
+            out.append([])
+            size = 0
+        out[-1].append(f)
+        size += math.prod(f.shape)
+    return out
+
+
 class MuonAdamW(torch.optim.AdamW):
     """Muon on the group marked `muon`, torch AdamW (same kernel, same bits) on the others, in one
     optimizer, so engines drive, clip, skip and checkpoint it as they do AdamW.
@@ -156,24 +186,58 @@ class MuonAdamW(torch.optim.AdamW):
     rank's part of a full update; the engine supplies them (FSDP2: DTensor gather and local slice;
     DDP: identity), so the orthogonalisation always sees whole matrices. The update is torch's:
     p <- p (1 - lr wd) - lr sqrt(max(1, rows / cols)) NS(nesterov momentum) (`_adjust_lr`,
-    adjust_lr_fn=None). `orthogonalised` counts the orthogonalisations per matrix name."""
+    adjust_lr_fn=None). `orthogonalised` counts the orthogonalisations per matrix name.
+
+    ZeRO hands the optimizer flat partitions that cut through matrices, never a matrix: the engine
+    registers each partition's `fragments` and a `sum_ranks` (an all-reduce), and the step runs the
+    same two halves on them: the momentum on the partition (elementwise), then each matrix made
+    whole (every rank writes its fragment into a zero buffer, the sum over ranks is the matrix),
+    orthogonalised by every rank that holds part of it, and each rank applies its own part."""
 
     def __init__(self, groups: list[dict], whole: Callable = _same, part: Callable = _same, **adamw):
         self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
         super().__init__([{k: v for k, v in g.items() if k != "names"} for g in groups], **adamw)
         self.whole, self.part = whole, part
         self.orthogonalised: collections.Counter = collections.Counter()
+        self.fragments: dict[int, list[Fragment]] = {}  # id(flat partition) -> its matrices' parts
+        self.sum_ranks: Callable[[torch.Tensor], None] = lambda t: None
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:  # a step count too, so checkpoints name it like AdamW's
+            state["step"] = torch.tensor(0.0)
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        state["step"] += 1
+        return state
+
+    def _step_partition(self, flat: torch.Tensor, group: dict) -> None:
+        """Muon on a ZeRO flat partition, through its registered fragments (see the class)."""
+        update = muon_momentum(flat.grad, self._state_of(flat)["momentum_buffer"], group["momentum"])
+        for bucket in _buckets(self.fragments[id(flat)]):
+            sizes = [math.prod(f.shape) for f in bucket]
+            offsets = [sum(sizes[:i]) for i in range(len(bucket))]
+            buffer = torch.zeros(sum(sizes), dtype=update.dtype, device=update.device)
+            for f, at in zip(bucket, offsets):
+                buffer[at + f.start:at + f.start + f.numel] = update[f.flat_start:f.flat_start + f.numel]
+            self.sum_ranks(buffer)  # disjoint parts over zeros: the sum is each matrix, exactly
+            for f, at, size in zip(bucket, offsets, sizes):
+                if not f.numel:
+                    continue
+                full = orthogonalise(buffer[at:at + size].view(f.shape))
+                self.orthogonalised[f.name] += 1
+                mine = flat[f.flat_start:f.flat_start + f.numel]
+                mine.mul_(1 - group["lr"] * group["weight_decay"])
+                mine.add_(full.reshape(-1)[f.start:f.start + f.numel], alpha=-_adjust_lr(group["lr"], None, full.shape))
 
     @torch.no_grad()
     def step(self, closure=None):
         everything = self.param_groups
         for group in (g for g in everything if g.get("muon")):
             for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if not state:  # a step count too, so checkpoints name it like AdamW's
-                    state["step"] = torch.tensor(0.0)
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                state["step"] += 1
+                if id(p) in self.fragments:
+                    self._step_partition(p, group)
+                    continue
+                state = self._state_of(p)
                 full = orthogonalise(self.whole(muon_momentum(p.grad, state["momentum_buffer"], group["momentum"])))
                 self.orthogonalised[self.names[id(p)]] += 1
                 p.mul_(1 - group["lr"] * group["weight_decay"])

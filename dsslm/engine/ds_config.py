@@ -56,6 +56,10 @@ def ds_config(cfg: Config, world_size: int) -> dict:
         node, leaf = _parent(conf, dotted)
         if node.get(leaf, "auto") == "auto":
             node[leaf] = value
+    if cfg.optim.name == "muon":
+        # DeepSpeed asserts on any client optimizer it has not tested; ours steps the flat
+        # partitions it is given (elementwise) and makes the matrices whole itself (optim.MuonAdamW).
+        conf.setdefault("zero_allow_untested_optimizer", True)
     if zero["stage"] == 3:
         # Parameter gathering stays inside DeepSpeed's forward hooks; never all-gather on save.
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", False)

@@ -38,6 +38,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 if not torch.cuda.is_available():
@@ -55,12 +56,12 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # no
 
 from dsslm.clip import ClipBound  # noqa: E402
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import (MOMENTS, Engine, OptimState, Shard, StateReader, adam_step_tensor,  # noqa: E402
-                               check_names, optim_kinds, storage_bytes)
+from dsslm.engine.base import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, Engine, OptimState, Shard,  # noqa: E402
+                               StateReader, adam_step_tensor, check_names, optim_kinds, storage_bytes)
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.engine.blocks import prepare_model  # noqa: E402
-from dsslm.optim import build_adamw  # noqa: E402
+from dsslm.optim import Fragment, MuonAdamW, build_optimizer, set_lr  # noqa: E402
 from dsslm.precision import SCALER_SPEC  # noqa: E402
 
 # DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
@@ -137,16 +138,11 @@ class ZeroEngine(Engine):
     name = "zero"
 
     def __init__(self, cfg: Config, model: nn.Module):
-        if cfg.optim.name == "muon":
-            # DeepSpeed hands a client optimizer flat partitions of many matrices (stages 1-2) or
-            # of one (stage 3), never a whole matrix: Muon there would orthogonalise fragments, or
-            # silently run as SGD (DeepSpeed issue 8441). Refused until fed whole matrices; first,
-            # before a process group is made for nothing.
-            raise ConfigError(f"optim.name=muon is not supported on engine.kind=zero (stage "
-                              f"{cfg.engine.zero_stage}) yet: DeepSpeed's partitions are not whole matrices; "
-                              f"use engine.kind=fsdp or ddp")
         super().__init__(cfg, model)
         ensure_process_group(self.device)  # DeepSpeed needs a group, even for one process
+        if self.world_size == 1:
+            # ...and asserts a launcher set LOCAL_RANK: plain `python -m dsslm.train` is rank 0.
+            os.environ.setdefault("LOCAL_RANK", "0")
         self.distributed = True
         self.stage = cfg.engine.zero_stage
         self.name = f"zero{self.stage}"
@@ -154,12 +150,20 @@ class ZeroEngine(Engine):
         self._check_stage()
         model.to(self.device)
         prepare_model(model, cfg.train)
-        optimizer = build_adamw(model, cfg.optim, self.device)
+        # optim.name=muon: our MuonAdamW, never DeepSpeed's Muon (a second definition of the math,
+        # switched on by a `use_muon` attribute dsslm never sets). DeepSpeed hands the client
+        # optimizer flat partitions that cut through matrices; `_feed_muon` tells it where each
+        # hidden matrix's part lies, so it makes every matrix whole before orthogonalising
+        # (DeepSpeed issue 8441: Muon that never sees a matrix silently trains as SGD).
+        optimizer = build_optimizer(model, cfg.optim, self.device)
+        hidden = sorted(self._muon_names(optimizer))  # before DeepSpeed swaps the groups' params for partitions
         if self.is_main:
             say_if_building(self.device)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
         self.layout = self._layout()
+        if isinstance(optimizer, MuonAdamW):
+            self._feed_muon(optimizer, hidden)
         self.scaler = DeepSpeedLossScale(self.optimizer) if cfg.train.precision == "fp16" else None
         self._in_no_sync = False
         self._micro_counted = 0  # micro_steps this step's no_sync backwards added (drop_gradients undoes them)
@@ -179,6 +183,41 @@ class ZeroEngine(Engine):
             return "zero12"
         raise ConfigError(f"the DeepSpeed config made a {type(self.optimizer).__name__}, which dsslm does "
                           f"not drive; remove offload settings from it")
+
+    @staticmethod
+    def _muon_names(optimizer: torch.optim.Optimizer) -> list[str]:
+        if not isinstance(optimizer, MuonAdamW):
+            return []
+        return [optimizer.names[id(p)] for g in optimizer.param_groups if g.get("muon") for p in g["params"]]
+
+    def _feed_muon(self, muon: MuonAdamW, hidden: list[str]) -> None:
+        """Register, for every flat partition DeepSpeed made of Muon's group, where each hidden
+        matrix's part lies in it; the same list (every matrix of the partition, held or not) on
+        every rank, so all ranks run the same collectives in the same order."""
+        names = {id(p): n for n, p in self.params.items()}
+        opt = self.optimizer
+        if self.layout == "zero3":
+            parts = [(opt.fp32_partitioned_groups_flat[i], params) for i, params in enumerate(opt.fp16_groups)
+                     if muon.param_groups[opt.sub_group_to_group_id[i]].get("muon")]
+        else:
+            groups = opt.bf16_groups if self.layout == "bf16" else opt.bit16_groups
+            parts = [(self._flat_partitions()[i], params) for i, params in enumerate(groups)
+                     if muon.param_groups[i].get("muon")]
+        for flat, params in parts:
+            fragments = []
+            for param in params:
+                name = names[id(param)]
+                span = self._fragment(param) or (0, 0)
+                if self.layout == "zero3":
+                    flat_start = opt.grad_position[opt.get_param_id(param)][1]
+                else:
+                    mapping = param._hp_mapping
+                    flat_start = mapping.hp_fragment_address.start if mapping is not None else 0
+                fragments.append(Fragment(name, tuple(self.param_shapes[name]), flat_start, span[0], span[1] - span[0]))
+            muon.fragments[id(flat)] = fragments
+        if sorted(f.name for fs in muon.fragments.values() for f in fs) != hidden:
+            raise AssertionError("Muon's matrices and DeepSpeed's partitions of them do not match")
+        muon.sum_ranks = dist.all_reduce
 
     def _check_stage(self) -> None:
         if self.cfg.train.precision == "fp16" and not deepspeed.get_accelerator().is_fp16_supported():
@@ -240,8 +279,7 @@ class ZeroEngine(Engine):
         return norms
 
     def step(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.ds.step()
         self._micro_counted = 0
 
@@ -321,10 +359,10 @@ class ZeroEngine(Engine):
         self._link_moments()
         inner = self.optimizer.optimizer.state
         for name, param in self.params.items():
-            for key in MOMENTS:
+            for key in self._keys_of(param):
                 full = safe_get_full_optimizer_state(param, key)
                 if keep:
-                    getattr(optim, key)[name] = full.detach().float().cpu().clone()
+                    getattr(optim, STATE_KIND_OF[key])[name] = full.detach().float().cpu().clone()
             if keep:
                 optim.step[name] = float(inner[self._partition_of(param)]["step"])
         return model_sd, optim
@@ -367,14 +405,33 @@ class ZeroEngine(Engine):
                 self.optimizer._hp_optimizer_states_linked = False
             return
         steps = self._group_steps(optim.step)
-        for flat in self._flat_partitions():
-            # torch AdamW's own layout; AdamW then finds the state and does not re-initialise it.
-            inner[flat] = {"step": adam_step_tensor(steps[id(flat)], flat, self._inner_group(flat)),
-                           "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        self._link_moments()
+        held = {kind: set(getattr(optim, kind)) for kind in STATE_KINDS}
+        self._seed_state(steps, held)
         for name, param in self.params.items():
-            for key in MOMENTS:
-                safe_set_full_optimizer_state(param, getattr(optim, key)[name].to(self.device, torch.float32), key)
+            for kind in (k for k in STATE_KINDS if name in held[k]):
+                safe_set_full_optimizer_state(param, getattr(optim, kind)[name].to(self.device, torch.float32),
+                                              TORCH_KEYS[kind])
+
+    def _seed_state(self, steps: dict[int, float], held: dict[str, set[str]]) -> None:
+        """Give every flat partition the optimizer's own state layout (AdamW's moments; Muon's
+        buffer for Muon's partitions): the kinds the checkpoint `held` for its parameters, zeros
+        until the parameters' values are written through the links."""
+        inner = self.optimizer.optimizer.state
+        names_in = {}
+        for name, param in self.params.items():
+            names_in.setdefault(id(self._partition_of(param)), set()).add(name)
+        for flat in self._flat_partitions():
+            # torch's own layout; the optimizer then finds the state and does not re-initialise it.
+            inner[flat] = {"step": adam_step_tensor(steps[id(flat)], flat, self._inner_group(flat)),
+                           **{TORCH_KEYS.get(kind, kind): torch.zeros_like(flat) for kind, names in held.items()
+                              if kind != "step" and names & names_in.get(id(flat), set())}}
+        self._link_moments()
+
+    def _keys_of(self, param: nn.Parameter) -> list[str]:
+        """The per-element state keys of the partition holding `param` (torch's names)."""
+        flat = self._partition_of(param)
+        return sorted(k for k, v in self.optimizer.optimizer.state.get(flat, {}).items()
+                      if torch.is_tensor(v) and v.shape == flat.shape)
 
     def _group_steps(self, steps_by_name: dict[str, float]) -> dict[int, float]:
         """ZeRO keeps one Adam step count per flat group: every parameter in it must agree."""
@@ -411,20 +468,11 @@ class ZeroEngine(Engine):
                     else safe_get_local_optimizer_state(param, key))
         return param._hp_mapping.get_hp_fragment(key)
 
-    def _state_keys(self) -> list[str]:
-        """The per-element optimizer states the inner optimizer keeps (AdamW: exp_avg, exp_avg_sq)."""
-        keys: set[str] = set()
-        inner = self.optimizer.optimizer.state
-        for flat in self._flat_partitions():
-            keys |= {k for k, v in inner.get(flat, {}).items() if torch.is_tensor(v) and v.shape == flat.shape}
-        return sorted(keys)
-
     def local_state(self) -> list[Shard]:
         """This rank's fp32 master and moment fragments, as DeepSpeed partitions them: no gather."""
         has_state = self._has_adam_state()
         if has_state:
             self._link_moments()
-        keys = self._state_keys() if has_state else []
         inner = self.optimizer.optimizer.state
         out = []
         for name, param in self.params.items():
@@ -433,8 +481,9 @@ class ZeroEngine(Engine):
             if span is not None:
                 n = span[1] - span[0]
                 out.append(Shard(f"model/{name}", shape, *span, self._local(param, None).reshape(-1)[:n].detach()))
-                out += [Shard(f"optim/{key}/{name}", shape, *span, self._local(param, key).reshape(-1)[:n].detach())
-                        for key in keys]
+                out += [Shard(f"optim/{STATE_KIND_OF[key]}/{name}", shape, *span,
+                              self._local(param, key).reshape(-1)[:n].detach())
+                        for key in (self._keys_of(param) if has_state else [])]
             if has_state and self.is_main:
                 step = float(inner[self._partition_of(param)]["step"])
                 out.append(Shard(f"optim/step/{name}", (1,), 0, 1, torch.tensor([step], dtype=torch.float64)))
@@ -451,20 +500,17 @@ class ZeroEngine(Engine):
         for flat in self._flat_partitions():
             inner.pop(flat, None)
         if steps:
-            by_group = self._group_steps(steps)
-            for flat in self._flat_partitions():
-                inner[flat] = {"step": adam_step_tensor(by_group[id(flat)], flat, self._inner_group(flat)),
-                               **{kind: torch.zeros_like(flat) for kind in kinds if kind != "step"}}
-        if self.layout != "zero3":
+            self._seed_state(self._group_steps(steps), kinds)
+        elif self.layout != "zero3":
             self.optimizer._hp_optimizer_states_linked = False
-            if steps:
-                self._link_moments()
         for name, param in self.params.items():
             span = self._fragment(param)
             if span is None:
                 continue
-            for key in [None] + ([k for k in kinds if k != "step"] if steps else []):
-                value = reader.read(f"model/{name}" if key is None else f"optim/{key}/{name}", *span)
+            held = [k for k, names in kinds.items() if k != "step" and name in names] if steps else []
+            for kind in [None] + held:
+                key = None if kind is None else TORCH_KEYS.get(kind, kind)
+                value = reader.read(f"model/{name}" if kind is None else f"optim/{kind}/{name}", *span)
                 value = value.to(self.device, torch.float32)
                 if self.layout == "zero3":
                     local = self._local(param, key)
@@ -515,5 +561,18 @@ class ZeroEngine(Engine):
 
     def close(self) -> None:
         self.ds.destroy()
+        owned = self.owns_group
         super().close()
+        if owned:
+            forget_groups()
+
+
+def forget_groups() -> None:
+    """DeepSpeed caches the groups it cloned from the world group in module globals; once the
+    group this engine made is destroyed they name a dead group, and the next ZeRO engine in this
+    process (a second train() in a notebook or a test) fails in its first broadcast."""
+    from deepspeed.utils import groups
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")) and not callable(value):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
 

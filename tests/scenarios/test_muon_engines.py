@@ -1,6 +1,7 @@
-"""optim.name=muon on every engine: each hidden matrix orthogonalised once per step on every rank
-(no engine falls back to SGD or AdamW), the same curve on DDP and FSDP2 at 1 and 2 ranks, the
-state in the checkpoint layout, a resume to the bit on the same engine; ZeRO refuses it."""
+"""optim.name=muon on every engine: each hidden matrix orthogonalised once per step (on every rank
+under DDP and FSDP2; under ZeRO on every rank that holds part of it, each matrix by at least one),
+so no engine falls back to SGD or AdamW; the same curve on DDP, FSDP2 and ZeRO 1/2/3 at 1 and 2
+ranks; the state in the checkpoint layout; a resume to the bit on the same engine."""
 from __future__ import annotations
 
 import functools
@@ -13,26 +14,55 @@ from helpers import run_distributed
 from test_engines import build, make_cfg, plain, run_steps, tensors
 
 pytestmark = pytest.mark.slow
-MUON = ("optim.name=muon", "optim.muon_lr=0.02")
+# Three blocks: at 2 ranks ZeRO-1/2's partition boundary then falls inside a matrix, so a matrix
+# is made whole from both ranks' fragments (ZeRO-3 splits every matrix anyway).
+MUON = ("optim.name=muon", "optim.muon_lr=0.02", "model.n_layers=3")
+ENGINES = {"ddp": ("ddp", 1), "fsdp": ("fsdp", 1), "zero1": ("zero", 1), "zero2": ("zero", 2), "zero3": ("zero", 3),
+           # bf16 turns ZeRO-1 into DeepSpeed's BF16_Optimizer, a third partition layout
+           "ddp_bf16": ("ddp", 1, "train.precision=bf16"), "zero1_bf16": ("zero", 1, "train.precision=bf16")}
 SPLIT, TOTAL = 4, 6
 
 
-def muon_worker(rank: int, world_size: int, kind: str, state=None) -> dict:
-    """Steps [0, TOTAL) (full state kept at SPLIT), or, given a state, the steps after SPLIT from it."""
+class Pieces:
+    """A StateReader over the ranks' local_state() pieces, joined: what a sharded checkpoint reads."""
+
+    def __init__(self, pieces: list):
+        self.whole: dict = {}
+        for key, shape, start, end, values in pieces:
+            flat = self.whole.setdefault(key, (shape, torch.zeros(math.prod(shape), dtype=torch.from_numpy(values).dtype)))[1]
+            flat[start:end] = torch.from_numpy(values)
+
+    def keys(self):
+        return list(self.whole)
+
+    def shape(self, key):
+        return tuple(self.whole[key][0])
+
+    def read(self, key, start=0, end=None):
+        return self.whole[key][1][start:end].clone()
+
+
+def muon_worker(rank: int, world_size: int, kind: str, state=None, pieces=None) -> dict:
+    """Steps [0, TOTAL) (full state and this rank's local_state pieces kept at SPLIT), or, given a
+    full state or all ranks' pieces, the steps after SPLIT from it."""
     from dsslm.engine.base import OptimState
     torch.set_num_threads(1)
-    cfg = make_cfg(kind, 1, *MUON)
+    cfg = make_cfg(*ENGINES[kind][:2], *MUON, *ENGINES[kind][2:])
     engine = build(cfg)
     out = {}
-    if state is None:
+    if state is None and pieces is None:
         out["curve"] = run_steps(engine, cfg, range(SPLIT), grad_accum=2)
         out["split"] = plain(engine.full_state())
+        out["pieces"] = [(s.key, s.shape, s.start, s.end, plain(s.tensor.contiguous())) for s in engine.local_state()]
     else:
-        model_sd, optim = tensors(state)
-        engine.load_full_state(model_sd, OptimState(**optim))
+        if pieces is not None:
+            engine.load_local_state(Pieces(pieces))
+        else:
+            model_sd, optim = tensors(state)
+            engine.load_full_state(model_sd, OptimState(**optim))
         out["curve"] = []
     out["curve"] += run_steps(engine, cfg, range(SPLIT, TOTAL), grad_accum=2)
-    out["counts"] = dict(engine.optimizer.orthogonalised)
+    out["counts"] = dict(getattr(engine.optimizer, "optimizer", engine.optimizer).orthogonalised)  # ZeRO wraps ours
     out["final"] = plain(engine.full_state())
     engine.close()
     return out
@@ -49,15 +79,23 @@ def hidden_matrices() -> list[str]:
     return sorted(n for n, p in build_model(cfg.model).named_parameters() if p.dim() == 2 and n.startswith("blocks."))
 
 
-@pytest.mark.parametrize("kind,world", [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)])
+@pytest.mark.parametrize("kind,world", [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("zero1", 2),
+                                        ("zero2", 2), ("zero3", 1), ("zero3", 2), ("zero1_bf16", 2)])
 def test_each_hidden_matrix_is_orthogonalised_once_per_step_on_every_rank(kind, world):
     runs = straight(kind, world)
-    for result in runs:
-        assert result["counts"] == {name: TOTAL for name in hidden_matrices()}
+    if not kind.startswith("zero"):
+        for result in runs:
+            assert result["counts"] == {name: TOTAL for name in hidden_matrices()}
+    else:  # every rank that holds part of a matrix orthogonalises the whole matrix, every step
+        held = [set(r["counts"]) for r in runs]
+        assert set().union(*held) == set(hidden_matrices()) and all(
+            set(r["counts"].values()) == {TOTAL} for r in runs), [r["counts"] for r in runs]
+        if world == 2:  # ...and a matrix cut by the partition boundary is made whole from both ranks
+            assert held[0] & held[1] and (kind == "zero3") == (held[0] == held[1] == set(hidden_matrices()))
     optim = runs[0]["final"][1]  # rank 0 gets the full state (sharded engines gather to it)
     assert sorted(optim["momentum"]) == hidden_matrices()  # Muon's state, by name, at full shape
     assert not set(optim["momentum"]) & set(optim["exp_avg"]) and set(optim["step"].values()) == {float(TOTAL)}
-    reference = straight("ddp", 1)[0]["curve"]
+    reference = straight("ddp_bf16" if kind.endswith("bf16") else "ddp", 1)[0]["curve"]
     assert all(r["curve"] == runs[0]["curve"] for r in runs)  # every rank reports the same numbers
     # Another engine or world size sums the gradient in another order; Muon's Newton-Schulz runs in
     # bf16, so an fp32 ulp can flip a bf16 rounding: 1e-4 relative on the loss over 6 steps.
@@ -71,17 +109,20 @@ def test_each_hidden_matrix_is_orthogonalised_once_per_step_on_every_rank(kind, 
 
 def adamw_worker(rank: int, world_size: int) -> list:
     torch.set_num_threads(1)
-    cfg = make_cfg("ddp", 1)
+    cfg = make_cfg("ddp", 1, MUON[-1])  # the same model, AdamW
     engine = build(cfg)
     curve = run_steps(engine, cfg, range(TOTAL), grad_accum=2)
     engine.close()
     return curve
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_resume_from_the_full_state_continues_to_the_bit_on_the_same_engine(kind):
+@pytest.mark.parametrize("kind,through", [("ddp", "full"), ("fsdp", "pieces"), ("zero1", "full"), ("zero1", "pieces"),
+                                          ("zero3", "pieces")])
+def test_resume_continues_to_the_bit_on_the_same_engine(kind, through):
+    """Through the full (gathered) state, and through each rank's own pieces (a sharded checkpoint)."""
     first = straight(kind, 2)
-    resumed = run_distributed(muon_worker, 2, (kind, first[0]["split"]))
+    given = (first[0]["split"], None) if through == "full" else (None, [p for r in first for p in r["pieces"]])
+    resumed = run_distributed(muon_worker, 2, (kind, *given))
     assert resumed[0]["curve"] == first[0]["curve"][SPLIT:]
     (model_a, optim_a), (model_b, optim_b) = first[0]["final"], resumed[0]["final"]
     for name in model_a:
@@ -92,26 +133,18 @@ def test_resume_from_the_full_state_continues_to_the_bit_on_the_same_engine(kind
     assert optim_a["step"] == optim_b["step"]
 
 
-def test_fsdp_state_resumes_under_ddp_within_the_engines_tolerance():
-    resumed = run_distributed(muon_worker, 2, ("ddp", straight("fsdp", 2)[0]["split"]))
-    for (loss, _), (ref, _) in zip(resumed[0]["curve"], straight("fsdp", 2)[0]["curve"][SPLIT:]):
+@pytest.mark.parametrize("saved,resumed", [("fsdp", "ddp"), ("zero3", "fsdp"), ("ddp", "zero2")])
+def test_muon_state_resumes_across_engines_within_the_engines_tolerance(saved, resumed):
+    after = run_distributed(muon_worker, 2, (resumed, straight(saved, 2)[0]["split"]))
+    for (loss, _), (ref, _) in zip(after[0]["curve"], straight(saved, 2)[0]["curve"][SPLIT:]):
         assert math.isclose(loss, ref, rel_tol=1e-4)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_refuses_muon_with_exit_2_and_one_line(tmp_path, capsys, stage):
-    from dsslm.train import main
-    from helpers import TINY
-    assert main([f"run.dir={tmp_path / 'run'}", *TINY, "engine.kind=zero", f"engine.zero_stage={stage}", *MUON]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "optim.name=muon is not supported on engine.kind=zero" in err[0], err
-    assert not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_bits(tmp_path):
+@pytest.mark.parametrize("engine", [("engine.kind=ddp",), ("engine.kind=zero", "engine.zero_stage=3")], ids=["ddp", "zero3"])
+def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_bits(tmp_path, engine):
     from dsslm.train import main
     from helpers import TINY, losses_by_step, run_train
-    common = [*TINY, *MUON, "train.total_steps=8", "ckpt.every=4", "ckpt.async_save=false"]
+    common = [*TINY, *MUON, *engine, "train.total_steps=8", "ckpt.every=4", "ckpt.async_save=false"]
     assert main([f"run.dir={tmp_path / 'straight'}", *common]) == 0
     crashed = run_train(tmp_path / "crashed", *common[len(TINY):], "faults.crash_at_step=6", check=False)
     assert crashed.returncode != 0

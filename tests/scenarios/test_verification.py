@@ -2,7 +2,6 @@
 a restart hashes nothing; a changed shard exits 2; long work waits outside the collectives."""
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np

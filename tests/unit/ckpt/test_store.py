@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from dsslm.ckpt import format as ckpt_io, snapshot, store as checkpoint
+from dsslm.ckpt import format as ckpt_io, store as checkpoint
 from dsslm.ckpt.store import CheckpointError, CheckpointStore, load_checkpoint, invalid_reason
 
 from helpers import ROOT

@@ -5,7 +5,6 @@ import random
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -49,7 +49,9 @@ a restart leaves a later phase over budget and the skip-window replay had come b
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A
 normal result was a transient fault and its update is applied; a reproduced one is skipped as
-before, and the offending sequences' data joins the skip list (`note_rerun`).
+before, and where its excess loss is concentrated in a few sequences it is data and their data
+joins the skip list; where nearly every sequence rose it is `unknown` (data or state: a replay
+tells, if the streak goes on to rewind) and nothing is committed (`note_rerun`).
 
 Every decision is a `triage` event (verdict data | state | transient, the replayed losses and
 grad norms, the replayed steps) and a record in the train state's rewind history (counted per
@@ -72,7 +74,7 @@ from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, L
                           Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
-from dsslm.data.skips import merge_skip_list
+from dsslm.data.skips import concentrated, merge_skip_list
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
@@ -255,19 +257,29 @@ class Triage:
 
     def note_rerun(self, state: TrainState, step: int, first: tuple[float, float, str], rerun: tuple[float, float],
                    verdict: Verdict) -> None:
-        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient; a
-        reproduced one is data, and its offending sequences' data joins the skip list (the step's
-        update is still dropped: its batch was fed)."""
+        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient. A
+        reproduced one is no transient fault, and its update is still dropped (its batch was
+        fed); it is data only where its excess loss is concentrated in a few sequences
+        (`data.skips.concentrated`), and then their data joins the skip list. Otherwise (nearly
+        every sequence rose: a learning-rate burst or damaged weights look so, and so does a
+        batch that is bad everywhere) nothing in the step tells data from state: the verdict
+        is `unknown`, nothing is committed, and a streak it opens is attributed by the triage
+        if it goes on to rewind. Either way the streak is marked reproduced in place, so that
+        triage needs no same-data replay (`_start`)."""
         name = "transient" if verdict is Verdict.OK else "data"
         skip = []
         if name == "data":
-            start, skip = self.engine.decide(lambda: (
-                self.monitor.spike_start or step,
+            start, is_data, entries = self.engine.decide(lambda: (
+                self.monitor.spike_start or step, self._concentrated(step),
                 self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list)))
             if self._streak is None or self._streak[0] != start:
                 self._streak = (start, list(state.skip_list))
-            state.skip_list = merge_skip_list(state.skip_list + skip)
-            self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+            if is_data:
+                skip = entries
+                state.skip_list = merge_skip_list(state.skip_list + skip)
+                self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+            else:
+                name = "unknown"
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
                      "reason": first[2]},
                     {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
@@ -275,6 +287,11 @@ class Triage:
                     "skip": skip, "evidence": evidence}
         self.emit("triage", step=step, **decision)
         self.forensics.record_decision([step], decision)
+
+    def _concentrated(self, step: int) -> bool:
+        """Rank 0: is the outlier at `step` (captured by the forensics) carried by a few sequences?"""
+        captured = self.forensics.sequences.get(step)
+        return captured is not None and concentrated(captured[1], self.monitor.loss_outlier)
 
     def note_spread(self, step: int, first: tuple[float, float], again: tuple[float, float]) -> None:
         """The same step computed twice on the same weights, batch and random state (every rank,

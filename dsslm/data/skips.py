@@ -17,12 +17,13 @@ A window names positions, so the chunks it covered come back in the next epoch's
 entry names the text itself. The loader maps entries to chunk ids (`Loader.skipped_chunks`), so
 the batch stays a pure function of (seed, position, skip list) on every rank.
 
-`offending` narrows a spiking batch to the sequences whose loss stood out (`OUTLIER_Z`).
+`offending` narrows a spiking batch to the sequences whose loss stood out (`OUTLIER_Z`);
+`concentrated` asks whether those few explain the spike (data) or the whole batch rose (state).
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -119,6 +120,30 @@ def offending(losses: np.ndarray, z: float = OUTLIER_Z) -> np.ndarray:
     if not hit.any() or hit.sum() > max(1, len(x) // 4):
         return np.zeros(len(x), dtype=bool)
     return hit
+
+
+def concentrated(losses: np.ndarray, outlier: Callable[[float], bool]) -> bool:
+    """Is a spiking batch's excess loss carried by a few of its sequences (data), rather than
+    spread over nearly all of them (state: a learning-rate burst or damaged weights raise the
+    loss of every sequence)? `losses`: each sequence's mean loss per token; `outlier(loss)`: the
+    monitor's own test, would a step of this mean loss be an outlier against its clean history.
+
+    True when `offending` singles out sequences (each OUTLIER_Z robust sigma from the batch
+    median, at most a quarter of the batch) AND the rest of the batch, without them, is a
+    normal step: `outlier(mean loss of the rest)` is False. The threshold is the monitor's
+    because the question is the monitor's: the step was called an outlier against the clean
+    history; if the batch minus the named sequences would have passed that same test, those
+    sequences explain the spike. A state spike moves the whole distribution (its median moves
+    with it), so `offending` rarely names anything, and where it names the few hit hardest the
+    rest still fails the test. A batch that is bad everywhere (every sequence the same poisoned
+    text) is not concentrated either: nothing in its losses tells it from a state spike, so it
+    is left to a replay to attribute. Limitation: a spike flagged by its grad norm alone, whose
+    batch happens to hold a sequence far from the median, reads as concentrated."""
+    x = np.asarray(losses, dtype=np.float64)
+    hit = offending(x)
+    if not hit.any():
+        return False
+    return not outlier(float(np.mean(x[~hit])))  # `offending` names every non-finite loss
 
 
 def document_bounds(tokens: np.ndarray, start: int, end: int, eos_id: int | None, reach: int) -> tuple[int, int]:

@@ -77,7 +77,8 @@ def _audit(f: dict) -> str:
 def _triage(f: dict) -> str:
     verdict, scope = f.get("verdict"), f.get("scope")
     what = {"data": "the data: its window is skipped", "state": "the model's state: the learning rate is lowered",
-            "transient": "a transient fault: training continues unchanged"}.get(verdict, str(verdict))
+            "transient": "a transient fault: training continues unchanged",
+            "unknown": "nothing shown yet tells data from state"}.get(verdict, str(verdict))
     line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: caused by {what}"
     if scope == "window":
         line += f" (after replaying {f.get('replay_steps')} step(s) from step {f.get('from_step')})"

@@ -115,6 +115,19 @@ class SpikeMonitor:
         hard, outlier, _ = self._assess(loss - rel * abs(loss), gnorm * (1.0 - rel))
         return hard or outlier
 
+    def loss_outlier(self, loss: float) -> bool:
+        """Would a step of this loss (its grad norm at the clean median) be an outlier or a hard
+        spike against the clean history? False before the history is ready (nothing is judged
+        then). `data.skips.concentrated` asks it of a spiking batch without its offending
+        sequences."""
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return True
+        if not self._ready():
+            return False
+        hard, outlier, _ = self._assess(loss, statistics.median(self._gnorms) if self._gnorms else 0.0)
+        return hard or outlier
+
     def forgive(self) -> None:
         """Take back the last verdict's place in the streak (a replayed step within the noise)."""
         self._streak, self._spike_start = self._before

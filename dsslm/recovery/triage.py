@@ -11,7 +11,10 @@ it (the *base*) and replays to `target`:
 
     same_data    the same data, the same lr_scale. Every step through `target` within the
                  monitor's thresholds: **transient**; the run simply continues from the replay,
-                 nothing is skipped and the learning rate is untouched.
+                 nothing is skipped and the learning rate is untouched. Skipped where the
+                 streak's first outlier was re-run in place and reproduced (`note_rerun`): the
+                 replay would reach that step with the same weights and batch and come back,
+                 so the triage starts at skip_window (one replay fewer).
     skip_window  it came back: from the base again without the spike's data: the offending
                  sequences of its steps, named by their chunks and documents (`entries`, from
                  the per-sequence losses: `Forensics.data_entries`), the rest of each batch
@@ -37,8 +40,8 @@ it (the *base*) and replays to `target`:
 exactly; on GPU kernels are not bitwise, and a replayed step counts only beyond 3x the spread of
 one step computed twice (`note_spread`). The base is the newest rewind point (in memory, every
 `monitor.rewind_every` steps) or durable checkpoint at or before the planned step. Each spike may
-spend at most `triage_max_replay_steps` replayed steps, checked for the whole plan (same_data,
-skip_window and every backoff) before the first replay; a triage that does not fit falls back to
+spend at most `triage_max_replay_steps` replayed steps, checked for the whole plan (same_data
+unless skipped, both skip_window replays and every backoff) before the first replay; a triage that does not fit falls back to
 the plain rewind policy (`Rewinder.rewind`: skip the window planned from the original pass, back
 off when the region repeats) with the verdict `unknown` (or `state`, when a base that moved after
 a restart leaves a later phase over budget and the skip-window replay had come back).
@@ -46,7 +49,9 @@ a restart leaves a later phase over budget and the skip-window replay had come b
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A
 normal result was a transient fault and its update is applied; a reproduced one is skipped as
-before, and the offending sequences' data joins the skip list (`note_rerun`).
+before, and where its excess loss is concentrated in a few sequences it is data and their data
+joins the skip list; where nearly every sequence rose it is `unknown` (data or state: a replay
+tells, if the streak goes on to rewind) and nothing is committed (`note_rerun`).
 
 Every decision is a `triage` event (verdict data | state | transient, the replayed losses and
 grad norms, the replayed steps) and a record in the train state's rewind history (counted per
@@ -69,7 +74,7 @@ from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, L
                           Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
-from dsslm.data.skips import merge_skip_list
+from dsslm.data.skips import concentrated, merge_skip_list
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
@@ -252,19 +257,29 @@ class Triage:
 
     def note_rerun(self, state: TrainState, step: int, first: tuple[float, float, str], rerun: tuple[float, float],
                    verdict: Verdict) -> None:
-        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient; a
-        reproduced one is data, and its offending sequences' data joins the skip list (the step's
-        update is still dropped: its batch was fed)."""
+        """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient. A
+        reproduced one is no transient fault, and its update is still dropped (its batch was
+        fed); it is data only where its excess loss is concentrated in a few sequences
+        (`data.skips.concentrated`), and then their data joins the skip list. Otherwise (nearly
+        every sequence rose: a learning-rate burst or damaged weights look so, and so does a
+        batch that is bad everywhere) nothing in the step tells data from state: the verdict
+        is `unknown`, nothing is committed, and a streak it opens is attributed by the triage
+        if it goes on to rewind. Either way the streak is marked reproduced in place, so that
+        triage needs no same-data replay (`_start`)."""
         name = "transient" if verdict is Verdict.OK else "data"
         skip = []
         if name == "data":
-            start, skip = self.engine.decide(lambda: (
-                self.monitor.spike_start or step,
+            start, is_data, entries = self.engine.decide(lambda: (
+                self.monitor.spike_start or step, self._concentrated(step),
                 self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list)))
             if self._streak is None or self._streak[0] != start:
                 self._streak = (start, list(state.skip_list))
-            state.skip_list = merge_skip_list(state.skip_list + skip)
-            self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+            if is_data:
+                skip = entries
+                state.skip_list = merge_skip_list(state.skip_list + skip)
+                self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+            else:
+                name = "unknown"
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
                      "reason": first[2]},
                     {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
@@ -272,6 +287,11 @@ class Triage:
                     "skip": skip, "evidence": evidence}
         self.emit("triage", step=step, **decision)
         self.forensics.record_decision([step], decision)
+
+    def _concentrated(self, step: int) -> bool:
+        """Rank 0: is the outlier at `step` (captured by the forensics) carried by a few sequences?"""
+        captured = self.forensics.sequences.get(step)
+        return captured is not None and concentrated(captured[1], self.monitor.loss_outlier)
 
     def note_spread(self, step: int, first: tuple[float, float], again: tuple[float, float]) -> None:
         """The same step computed twice on the same weights, batch and random state (every rank,
@@ -322,20 +342,29 @@ class Triage:
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
         ckpt = self.rewinder.checkpoint_before(target, plan.to_step, spike_start)
+        # The streak's first outlier was re-run in place (same weights, batch and random state)
+        # and reproduced: a same-data replay from the base would reach that step with the same
+        # weights and batch and come back there, so it would only prove again that the spike is
+        # no transient fault. The triage starts at the skip-window phase instead (one replay
+        # fewer). A streak not re-run in place (a hard or non-finite first step, max_skips=0)
+        # still replays the same data first: that is how a transient fault is found.
+        in_place = self._streak is not None and self._streak[0] == spike_start
         # The same data as the original pass: without what this streak's re-runs committed.
-        before = self._streak[1] if self._streak and self._streak[0] == spike_start else state.skip_list
+        before = self._streak[1] if in_place else state.skip_list
         self._streak = None
-        replay = Replay(phase=Phase.SAME_DATA.value, spike_start=spike_start, target=target,
-                        base_step=ckpt.state["step"], window=list(plan.window), skip_list=list(before),
-                        lr_scale=state.lr_scale, reason=reason, entries=entries)
+        replay = Replay(phase=(Phase.SKIP_WINDOW if in_place else Phase.SAME_DATA).value, spike_start=spike_start,
+                        target=target, base_step=ckpt.state["step"], window=list(plan.window),
+                        skip_list=list(before), lr_scale=state.lr_scale, reason=reason, entries=entries)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
-                                "reason": reason})
-        # The whole plan before the first replay: same_data, both skip_window replays (narrow,
-        # wide) and every backoff. A triage that could stop half way would act on a verdict no
-        # replay has shown.
-        if not self._affordable(replay, phases=3 + self.cfg.monitor.max_backoffs):
+                                "reason": reason, **({"reproduced_in_place": spike_start} if in_place else {})})
+        # The whole plan before the first replay: same_data (unless the re-run in place stood for
+        # it), both skip_window replays (narrow, wide) and every backoff. A triage that could stop
+        # half way would act on a verdict no replay has shown.
+        if not self._affordable(replay, phases=(2 if in_place else 3) + self.cfg.monitor.max_backoffs):
             return self._fall_back(state, replay, ckpt)
-        self._replay_from(state, ckpt, replay, window=None, lr_scale=replay.lr_scale)
+        # The first phase's replay: same_data feeds the original data; skip_window leaves out the
+        # spike's data as the same_data phase's successor does (_next_phase).
+        self._replay_from(state, ckpt, replay, window=replay.window if in_place else None, lr_scale=replay.lr_scale)
 
     def _next_phase(self, state: TrainState, step: int) -> None:
         r = self.replay

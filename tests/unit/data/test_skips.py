@@ -12,7 +12,7 @@ import pytest
 from dsslm.ckpt.train_state import TrainState
 from dsslm.data import prepare
 from dsslm.data.loader import Loader
-from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, entries_of, merge_skip_list, offending
+from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, concentrated, entries_of, merge_skip_list, offending
 from dsslm.fields import StateError, validate
 from dsslm.recovery.rewind import RECOVERY_FILE, merge_recovery, read_recovery, write_recovery
 
@@ -79,6 +79,28 @@ def test_offending_names_nothing_in_a_clean_or_a_mostly_bad_batch():
     noise[4] = 5.7  # all poisoned: one a little further out is no lone outlier (the scale's floor)
     assert not offending(noise).any()
     assert not offending(np.r_[2.0, 2.01, 9.0, 2.02]).any()  # too few sequences to narrow
+
+
+def test_concentrated_tells_a_few_bad_sequences_from_a_batch_that_rose_everywhere():
+    """Synthetic per-sequence losses of one spiking step, judged against a monitor whose clean
+    steps average 2.0 nats and that calls a step an outlier above 2.1."""
+    rng = np.random.default_rng(3)
+    clean = 2.0 + 0.05 * rng.standard_normal(16)
+    outlier = lambda mean: mean > 2.1
+    data = clean.copy()
+    data[[3, 11]] = 5.5, 0.2                      # random tokens far above, a repeated n-gram far below
+    assert concentrated(data, outlier)           # the rest of the batch is a normal step: data
+    data[7] = np.inf
+    assert concentrated(data, outlier)           # a non-finite sequence is one of the few
+    assert not concentrated(clean + 0.8, outlier)  # a learning-rate burst: every sequence up, no one stands out
+    hit_hardest = clean + 0.8
+    hit_hardest[[2, 9]] += 4.0                    # ... and the few hit hardest stand out,
+    assert offending(hit_hardest).sum() == 2      # but the rest still fails the monitor's test: state
+    assert not concentrated(hit_hardest, outlier)
+    assert not concentrated(np.full(16, 3.0), outlier)  # the same poisoned text everywhere: a replay must tell
+    assert not concentrated(clean, outlier)              # nothing stands out (a spike by its grad norm alone)
+    few = np.r_[2.0, 2.01, 9.0, 2.02]
+    assert not concentrated(few, outlier)         # too few sequences to tell: not narrowed, not data
 
 
 def test_chunk_range_takes_the_chunks_with_a_prediction_inside():

@@ -294,3 +294,17 @@ def test_a_transient_in_the_region_neither_doubles_the_window_nor_backs_off_but_
     plan = plan_rewind(301, 301, batch_of([]), [transient], cfg, 1)
     assert plan.window == [300, 308] and plan.lr_scale_factor == 1.0 and not plan.escalate
     assert plan_rewind(301, 301, batch_of([]), [transient, transient], cfg, 1).escalate
+
+
+@pytest.mark.parametrize("detector", ["mad", "zscore"])
+def test_loss_outlier_is_the_monitors_own_test_of_a_loss_and_changes_nothing(detector):
+    """`loss_outlier` (what data.skips.concentrated asks of a batch without its offending
+    sequences) agrees with `judge` on the loss and leaves the monitor as it was."""
+    monitor = warmed_monitor(cfg=MonitorCfg(detector=detector))
+    before = monitor.state_dict()
+    median = sorted(before["losses"])[len(before["losses"]) // 2]
+    assert not monitor.loss_outlier(median) and monitor.loss_outlier(median + 1.0)
+    assert monitor.loss_outlier(float("nan")) and monitor.state_dict() == before
+    gnorm = sorted(before["gnorms"])[len(before["gnorms"]) // 2]
+    assert monitor.judge(1_000_000, median + 1.0, gnorm) is not Verdict.OK  # as judge says
+    assert not SpikeMonitor(MonitorCfg()).loss_outlier(100.0)  # no history yet: nothing is judged

@@ -173,3 +173,52 @@ def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_wind
     assert name == "triage" and fields["verdict"] == verdict and fields["window"] == [800, 928]
     assert "replay budget" in fields["fallback"] and "[800, 928]" in fields["fallback"]
     assert calls == [(53, 51, {"window": [800, 928], "skip_list": [[0, 16]], "lr_scale": 0.5, "verdict": verdict})]
+
+
+class _Forensics:
+    """The spike step's per-sequence losses, and the entries `data_entries` would name for it."""
+
+    def __init__(self, losses):
+        self.sequences = collections.OrderedDict({51: (np.arange(800, 816), np.asarray(losses, dtype=np.float64))})
+        self.recorded = []
+
+    def data_entries(self, steps, fed_of, skip_list):
+        assert list(steps) == [51]
+        return [{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}]
+
+    def record_decision(self, steps, decision):
+        self.recorded.append(decision)
+
+
+@pytest.mark.parametrize("shape, verdict", [("few", "data"), ("everywhere", "unknown")])
+def test_an_outlier_reproduced_in_place_is_data_only_where_a_few_sequences_carry_it(tmp_path, shape, verdict):
+    """A reproduced outlier whose excess sits in two sequences of sixteen is data: their entries
+    join the skip list and skip_list.json. One where every sequence rose (an LR burst) is not
+    committed as data: `unknown`, the skip list untouched. Both mark the streak reproduced in
+    place (the triage that may follow skips its same-data replay). (Before: data either way.)"""
+    from dsslm.recovery.monitor import SpikeMonitor
+    cfg = Config()
+    cfg.monitor.min_history, cfg.monitor.window = 10, 20
+    monitor = SpikeMonitor(cfg.monitor)
+    rng = np.random.default_rng(0)
+    for step in range(1, 51):  # clean steps 2.0 +- 0.1 (robust scale ~0.1)
+        assert monitor.judge(step, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
+    losses = 2.0 + 0.05 * rng.standard_normal(16)
+    if shape == "few":
+        losses[[3, 11]] += 8.0  # the batch's mean: 3.0, an outlier; without the two: 2.0, a normal step
+    else:
+        losses += 1.0           # the same mean, carried by every sequence
+    assert monitor.judge(51, float(losses.mean()), 1.0) is Verdict.SKIP
+    assert monitor.rejudge(51, float(losses.mean()), 1.0) is Verdict.SKIP  # the re-run reproduced it
+    rewinder = _Rewinder()
+    rewinder.run_dir, rewinder.fed_of = tmp_path, lambda step: (800, 816)
+    emitted, forensics = [], _Forensics(losses)
+    triage = Triage(cfg, _Engine(), rewinder, monitor, forensics, ReplayProgress(), lambda e, **f: emitted.append((e, f)))
+    state = TrainState(skip_list=[[0, 16]])
+    triage.note_rerun(state, 51, (float(losses.mean()), 1.0, "loss z=9"), (float(losses.mean()), 1.0), Verdict.SKIP)
+    (name, decision), = emitted
+    assert name == "triage" and decision["verdict"] == verdict and decision["scope"] == "step"
+    committed = [{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}] if verdict == "data" else []
+    assert decision["skip"] == committed and state.skip_list == [[0, 16]] + committed
+    assert (tmp_path / "skip_list.json").exists() == (verdict == "data")
+    assert triage.progress.streak == (51, [[0, 16]]) and [d["verdict"] for d in forensics.recorded] == [verdict]

@@ -102,7 +102,7 @@ def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: a
                       f"model.n_heads={args.heads}", f"model.seq_len={args.seq}", "model.vocab_size=256",
                       "train.precision=fp32", "train.device=cpu",
                       f"engine.kind={kind}", f"engine.zero_stage={stage}",
-                      f"train.micro_batch_size={args.batch // world_size}"])
+                      f"train.micro_batch_size={args.batch // world_size}", f"optim.name={args.optim}"])
     seed_everything(cfg.run.seed)
     engine = build_engine(cfg, build_model(cfg.model))
     gen = torch.Generator().manual_seed(0)
@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over ranks")
+    parser.add_argument("--optim", choices=["adamw", "muon"], default="adamw",
+                        help="muon: Muon's whole-matrix gathers (FSDP, ZeRO) show in the collectives")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tokens = args.batch * args.seq

@@ -25,6 +25,13 @@ and the data, with its own config file and the recipe's flags.
    training iteration (each trainer's own evaluations included) and steps x median step time
    (training only, the comparable figure).
 
+3. With `--muon-lr X`: a third time-to-loss run, dsslm with `optim.name=muon` (Muon at X for the
+   hidden matrices, AdamW at the recipe's rate for the rest).
+4. With `--sweep`: steps to the target for dsslm under AdamW and Muon at `--adamw-lrs` and
+   `--muon-lrs`, `--seeds` seeds each; a run stops at its first evaluation at or under the target
+   (steps do not depend on the machine's load, wall time does). `--pairs 0 --max-iters 0 --sweep`
+   runs the sweep alone.
+
 A benchmark, not a test: on a shared machine every figure moves with the load; the load
 average is printed before and after each run.
 """
@@ -90,14 +97,15 @@ def env(threads: int | None) -> dict:
     return out
 
 
-def run_streaming(cmd: list[str], cwd: Path, env_vars: dict, on_line, started=None) -> None:
-    """Run `cmd`, calling on_line(line, wall_time, pid) for each stdout line as it arrives."""
+def run_streaming(cmd: list[str], cwd: Path, env_vars: dict, on_line, started=None, stopped=None) -> None:
+    """Run `cmd`, calling on_line(line, wall_time, pid) for each stdout line as it arrives. A run
+    killed because `stopped()` says it reached what it ran for is not a failure."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env_vars, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if started is not None:
         started(proc.pid)
     for line in proc.stdout:
         on_line(line.rstrip("\n"), time.time(), proc.pid)
-    if proc.wait() != 0:
+    if proc.wait() != 0 and not (stopped and stopped()):
         raise SystemExit(f"{cmd[:3]} exited {proc.returncode}")
 
 
@@ -134,14 +142,15 @@ def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, thr
 
 
 def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: int | None,
-          compile_on: bool = False) -> dict:
+          compile_on: bool = False, extra: tuple[str, ...] = (), stop_at: float | None = None) -> dict:
+    """One dsslm run; `stop_at`: killed at its first validation loss at or under it (the sweep)."""
     overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", "model.d_model=128", "model.n_layers=4",
                  "model.n_heads=4", "model.seq_len=64", "train.micro_batch_size=12", "train.grad_accum=1",
                  "train.precision=fp32", "train.device=cpu", f"train.total_steps={iters}",
                  f"optim.peak_lr={RECIPE['lr']}", f"optim.min_lr={RECIPE['min_lr']}",
                  f"optim.warmup_steps={RECIPE['warmup']}", f"optim.beta2={RECIPE['beta2']}", "model.dropout=0.0",
                  f"run.val_every={eval_every}", "run.val_batches=20", f"ckpt.every={iters}",
-                 f"train.compile={str(compile_on).lower()}"]
+                 f"train.compile={str(compile_on).lower()}", *extra]
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of the last one
     evals: list[tuple[int, float, float]] = []
     seen: set[int] = set()
@@ -164,14 +173,19 @@ def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: i
                 if "val_loss" in record and record["step"] not in seen:
                     seen.add(record["step"])
                     evals.append((record["step"], record["val_loss"]["default"], time.time()))
+                    if stop_at is not None and record["val_loss"]["default"] <= stop_at and pids:
+                        os.kill(pids[0], 9)  # the sweep needs the step it got there, nothing after
+                        return
             stop.wait(0.02)
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
     watcher.start()
     run_streaming([sys.executable, "-m", "dsslm.train", *overrides], ROOT, env(threads),
-                  lambda line, now, pid: None, started=pids.append)
+                  lambda line, now, pid: None, started=pids.append, stopped=lambda: stop_at is not None)
     stop.set()
     watcher.join()
+    if stop_at is not None:
+        return {"evals": evals}
     events = {e["event"]: e["time"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())}
     steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step_time_s"' in line]
     if compile_on:  # the compilation is in the first steps: time the loop from step 10 on
@@ -199,6 +213,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--target", type=float, default=1.88)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
+    parser.add_argument("--muon-lr", type=float, default=None, help="also time dsslm with Muon at this rate")
+    parser.add_argument("--sweep", action="store_true", help="steps to the target over learning rates and seeds")
+    parser.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3")
+    parser.add_argument("--muon-lrs", default="0.01,0.02,0.04")
+    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--compile", action="store_true",
                         help="both compiled (nanoGPT --compile=True, dsslm train.compile=true); the recipe is eager")
     args = parser.parse_args()
@@ -208,6 +227,8 @@ def main() -> None:
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
     print(f"text {args.text} ({args.text.stat().st_size:,} bytes), {tokens} tokens/iteration, threads "
           f"{args.threads or 'default'}, {'compiled' if args.compile else 'eager (the recipe)'}")
+    if args.sweep:
+        sweep(data_dir, args)
     pairs = []
     for i in range(args.pairs):
         before = load()
@@ -218,6 +239,8 @@ def main() -> None:
               f"{ng['cpu_ms']:.2f}), dsslm {ds['loop_ms']:.2f} ms/iter wall (median step {ds['median_ms']:.2f}, CPU "
               f"{ds['cpu_ms']:.2f}); ratio wall {ng['loop_ms'] / ds['loop_ms']:.3f}, CPU "
               f"{ng['cpu_ms'] / ds['cpu_ms']:.3f}; load {before} -> {load()}", flush=True)
+    if not pairs:
+        return to_loss(data_dir, args)
     ng_ms = statistics.median(p[0]["loop_ms"] for p in pairs)
     ds_ms = statistics.median(p[1]["loop_ms"] for p in pairs)
     ratios = [p[0]["loop_ms"] / p[1]["loop_ms"] for p in pairs]
@@ -229,12 +252,20 @@ def main() -> None:
           f"{statistics.median(cpu_ratios):.3f} (per pair {', '.join(f'{r:.3f}' for r in cpu_ratios)}); nanoGPT "
           f"{statistics.median(p[0]['cpu_ms'] for p in pairs):.2f} ms, dsslm "
           f"{statistics.median(p[1]['cpu_ms'] for p in pairs):.2f} ms of CPU per iteration")
+    to_loss(data_dir, args)
+
+
+def to_loss(data_dir: Path, args: argparse.Namespace) -> None:
     if not args.max_iters:
         return
-    for name, result in (("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads,
-                                                     args.compile)),
-                         ("dsslm", lambda: dsslm(data_dir, OUT / "runs" / "to-loss", args.max_iters, args.eval_every,
-                                                 args.threads, args.compile))):
+    arms = [("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads, args.compile)),
+            ("dsslm", lambda: dsslm(data_dir, OUT / "runs" / "to-loss", args.max_iters, args.eval_every,
+                                    args.threads, args.compile))]
+    if args.muon_lr is not None:
+        arms.append((f"dsslm Muon {args.muon_lr:g}", lambda: dsslm(
+            data_dir, OUT / "runs" / "to-loss-muon", args.max_iters, args.eval_every, args.threads, args.compile,
+            ("optim.name=muon", f"optim.muon_lr={args.muon_lr}"))))
+    for name, result in arms:
         before = load()
         run = result()
         hit = first_under(run["evals"], args.target)
@@ -246,6 +277,35 @@ def main() -> None:
         print(f"{name}: val loss {hit[1]:.4f} <= {args.target} at step {hit[0]}: {hit[2]:.1f} s wall (own evals "
               f"included), {hit[0] * run['median_ms'] / 1000:.1f} s of training steps; final val {final[1]:.4f} at "
               f"{final[0]}; load {before} -> {load()}", flush=True)
+
+
+def sweep(data_dir: Path, args: argparse.Namespace) -> None:
+    """Steps to the target per optimizer and rate: each run stops at its first evaluation at or
+    under it. The best rate is the one with the fewest mean steps over seeds (a run that never
+    gets there counts as max-iters)."""
+    arms = [("adamw", float(lr), ("optim.name=adamw", f"optim.peak_lr={lr}")) for lr in args.adamw_lrs.split(",")]
+    arms += [("muon", float(lr), ("optim.name=muon", f"optim.muon_lr={lr}")) for lr in args.muon_lrs.split(",")]
+    table: dict[tuple[str, float], list[int | None]] = {}
+    for name, lr, extra in arms:
+        for seed in range(args.seeds):
+            run = dsslm(data_dir, OUT / "runs" / f"sweep-{name}-{lr:g}-{seed}", args.max_iters or 2000,
+                        args.eval_every, args.threads, False, (*extra, f"run.seed={seed}"), stop_at=args.target)
+            hit = first_under(run["evals"], args.target)
+            table.setdefault((name, lr), []).append(hit[0] if hit else None)
+            print(f"sweep {name} lr {lr:g} seed {seed}: "
+                  f"{f'step {hit[0]} (val {hit[1]:.4f})' if hit else 'never'} <= {args.target}", flush=True)
+    tokens = SHAPE["batch_size"] * SHAPE["block_size"]
+    cap = args.max_iters or 2000
+    best = {}
+    for (name, lr), steps in table.items():
+        mean = statistics.mean(s if s is not None else cap for s in steps)
+        print(f"{name} lr {lr:g}: steps to {args.target} {steps}, mean {mean:.0f} ({mean * tokens:,.0f} tokens)")
+        if name not in best or mean < best[name][1]:
+            best[name] = (lr, mean)
+    if {"adamw", "muon"} <= set(best):
+        (a_lr, a), (m_lr, m) = best["adamw"], best["muon"]
+        print(f"best: AdamW lr {a_lr:g} {a:.0f} steps, Muon lr {m_lr:g} {m:.0f} steps: Muon needs {m / a:.2f}x "
+              f"AdamW's tokens to {args.target}", flush=True)
 
 
 if __name__ == "__main__":

@@ -287,6 +287,10 @@ class Checkpointer:
             _check_values(tensors["model"], optim)
 
     # --- restore ----------------------------------------------------------------------------
+    def leave_after(self, step: int) -> None:
+        """A rewind to `step`: rank 0 sets the left trajectory's newer checkpoints aside (store)."""
+        self.engine.decide(lambda: self.store.leave_after(step))
+
     def restore(self, ckpt: Checkpoint) -> None:
         """Load weights, optimizer and every part from an accepted checkpoint, on every rank: each
         rank reads only the spans it holds (engine.load_local_state), and its own random streams."""

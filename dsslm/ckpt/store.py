@@ -327,6 +327,29 @@ class CheckpointStore:
                     self._pass_over(path.name, str(exc))
         return None
 
+    def leave_after(self, step: int) -> list[str]:
+        """A rewind to `step`: the checkpoints after it belong to the trajectory the run left. Each
+        is renamed `left-step-XXXXXXXX-<time>-<hex>` (a name no reader, resume or retention looks
+        at), not deleted: kept for a person, and no resume after a preemption mid-replay can pick
+        a newer step of the left trajectory over the replay's own checkpoint. The save in flight
+        finishes first (it may be one of them). Returns the new names."""
+        self.wait()
+        moved = []
+        with self._lock:
+            for s, paths in sorted(self._scan().items()):
+                for path in paths if s > step else ():
+                    stamp = time.strftime("%Y%m%dT%H%M%S")
+                    target = path.with_name(f"left-{path.name}-{stamp}-{secrets.token_hex(2)}")
+                    _rename(path, target)
+                    self._verified.pop(path.name, None)
+                    self._refused.discard(path.name)
+                    moved.append(target.name)
+            if moved:
+                fsync_dir(self.ckpt_dir)
+                self._emit("left_trajectory", rewound_to=step, checkpoints=moved)
+        self._flush_events()
+        return moved
+
     def pin(self, steps: Iterable[int]) -> None:
         """Set the steps retention must keep besides its policy (pending rewind targets, the WSD
         decay start). Replaces the previous set, so a target the run has moved past is let go."""

@@ -313,6 +313,7 @@ class Rewinder:
             ckpt = self.ring.checkpoint(ckpt)  # a collective: the ranks' shares gathered back
         self.checkpointer.restore(ckpt)
         self.ring.drop_after(state.step)  # the points after it belong to the trajectory left
+        self.checkpointer.leave_after(state.step)  # ...and so do the durable checkpoints after it
         state.skip_list = merge_skip_list(state.skip_list + skip_list)
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
         state.skipped_steps, state.clipped_steps = counters

@@ -294,8 +294,6 @@ def test_preempted_mid_replay_resumes_the_triage_to_the_bit(clean, data_run, tmp
     assert final_state(tmp_path)["skip_list"] == final_state(ref)["skip_list"]
 
 
-@pytest.mark.xfail(strict=True, reason="known, not fixed: a resume takes the newest checkpoint by step, and the "
-                   "original pass's checkpoint at 50 (left by the rewind to 45) is newer than the preemption's at 46")
 def test_a_resume_mid_replay_passes_over_the_left_trajectorys_checkpoints(tmp_path, monkeypatch):
     """Checkpoints every 5 steps: the original pass saved 50 before the spike over 51..53; the
     triage rewinds to 45 and is preempted at 46. The requeued run must resume the replay from
@@ -315,6 +313,10 @@ def test_a_resume_mid_replay_passes_over_the_left_trajectorys_checkpoints(tmp_pa
     assert train(cfg(tmp_path, DATA)) == 0
     assert events(tmp_path, "resume")[-1]["step"] == preempted[0]["step"] == 46
     assert triages(tmp_path, "window")[-1]["verdict"] == "data"
+    # The left trajectory's 50 was set aside by the rewind to 45, kept for a person, not deleted.
+    left = events(tmp_path, "left_trajectory")[0]
+    assert left["rewound_to"] == 45 and [n[:len("left-step-00000050")] for n in left["checkpoints"]] == ["left-step-00000050"]
+    assert (tmp_path / "checkpoints" / left["checkpoints"][0] / "MANIFEST").exists()
 
 
 def test_spike_forensics_hold_the_batch_and_the_report_decodes_the_worst_sequences(data_run):

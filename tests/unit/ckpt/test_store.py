@@ -214,6 +214,19 @@ def test_extra_and_missing_files_invalidate(tmp_path):
     assert invalid_reason(other) == "file optim.safetensors is missing"
 
 
+def test_a_rewind_sets_the_left_trajectorys_checkpoints_aside_and_resumes_from_the_replay(tmp_path):
+    events = []
+    mgr = CheckpointStore(tmp_path, keep_last=1, on_event=lambda e, **f: events.append((e, f)))
+    for step in (2, 4, 6):
+        mgr.save(step, make_tensors(step), state_for(step))
+    moved = mgr.leave_after(3)  # keep_last=1: retention left 6 alone, and 6 is after the rewind
+    assert [n.split("-")[1:3] for n in moved] == [["step", "00000006"]]
+    mgr.save(3, make_tensors(3), state_for(3))  # the replay's own checkpoint, older by step
+    assert mgr.load_latest().step == 3 and mgr.valid_steps() == [3]
+    assert (tmp_path / "checkpoints" / moved[0] / "MANIFEST").exists()  # kept for a person
+    assert ("left_trajectory", {"rewound_to": 3, "checkpoints": moved}) in events
+
+
 def test_latest_before(tmp_path):
     mgr = CheckpointStore(tmp_path, keep_last=10)
     for step in (2, 4, 6):

@@ -239,14 +239,16 @@ def as_float(x) -> float:
     return float(x) if not isinstance(x, str) else float("nan")
 
 
-def attribution(result: dict, drilled: list[tuple[str, int, int]]) -> list[bool]:
-    """For each drilled event: is the last triage decision touching its steps of its cause?"""
-    out = []
+def attribution(result: dict, drilled: list[tuple[str, int, int]]) -> list[bool | None]:
+    """For each drilled event: is the last triage decision touching its steps of its cause? None
+    where no decision touches it: the drill never raised a spike, so nothing was attributed (a
+    detection miss, reported apart; its cost shows in the val loss). `unknown` counts as wrong."""
+    out: list[bool | None] = []
     for cause, first, last in drilled:
         touching = [d for d in result["decisions"] if d["spike_start"] <= last and d["target"] >= first]
         windows = [d for d in touching if d["scope"] == "window"]
         final = (windows or touching or [None])[-1]
-        out.append(final is not None and final["verdict"] == cause)
+        out.append(None if final is None else final["verdict"] == cause)
     return out
 
 
@@ -263,7 +265,9 @@ def summarize(results: dict, steps: int) -> list[dict]:
                 ref = math.nan if cell in SMALL_CELLS else results[ref_arm][ref_cell][seed]["val"]
                 rel.append(100 * (r["val"] / ref - 1) if math.isfinite(r["val"]) and math.isfinite(ref) else math.nan)
             triaged = arm in ("triage", "ramp")
-            correct = [ok for r in per_seed.values() for ok in attribution(r, drilled)] if triaged else []
+            judged = [ok for r in per_seed.values() for ok in attribution(r, drilled)] if triaged else []
+            correct = [ok for ok in judged if ok is not None]
+            undetected = len(judged) - len(correct)
             rs = list(per_seed.values())
             after = [r["fed_after"] for r in rs if r["fed_after"] is not None]
             rows.append({
@@ -275,7 +279,8 @@ def summarize(results: dict, steps: int) -> list[dict]:
                 "batches_skipped": statistics.fmean(r["batches_skipped"] for r in rs),
                 "diverged": sum((not math.isfinite(r["val"])) or x > 50 for r, x in zip(rs, rel)),
                 "escalated": sum(r["escalated"] for r in rs), "seeds": len(rs),
-                "attribution": f"{sum(correct)}/{len(correct)}" if correct else "-",
+                "attribution": (f"{sum(correct)}/{len(correct)}" + (f" ({undetected} never spiked)" if undetected else ""))
+                if judged else "-",
                 "poisoned_fed": (f"{statistics.fmean(r['fed_before'] for r in rs):.1f} / "
                                  + (f"{statistics.fmean(after):.1f}" if after else "no spike")
                                  + (f" ({len(rs) - len(after)} no spike)" if after and len(after) < len(rs) else ""))
@@ -312,7 +317,14 @@ def main() -> None:
     parser.add_argument("--rewind-every", type=int, default=50, help="in-memory rewind points (0: none)")
     parser.add_argument("--out", type=Path, default=None, help="keep the run folders here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    parser.add_argument("--summarize", type=Path, default=None, help="print the table of a --json file; run nothing")
     args = parser.parse_args()
+    if args.summarize:
+        saved = json.loads(args.summarize.read_text())["runs"]
+        rows = [r for r in summarize(saved, args.steps) if r["cell"] in args.cells.split(",")
+                and r["arm"] in args.arms.split(",")]
+        print(table(rows))
+        return
     torch.set_num_threads(1)  # small runs: a second thread only waits on a shared 2-core machine
     arms, wanted = args.arms.split(","), args.cells.split(",")
     SPACING[:] = [f"ckpt.every={args.ckpt_every}", f"monitor.rewind_every={args.rewind_every}"]

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 ENGINES = [("ddp", 1, 1), ("ddp", 1, 2), ("zero", 1, 2), ("zero", 2, 2), ("zero", 3, 2), ("fsdp", 1, 2)]
 COLLECTIVE = re.compile(r"^(all_reduce|all_gather|reduce_scatter|broadcast|barrier|all_to_all|reduce|gather|scatter|"
                         r"send|recv|isend|irecv)(_.*)?$")
-FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_reduce_coalesced")
+FUNCTIONAL = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+              "all_reduce_coalesced")
 
 
 class CollectiveCounter:

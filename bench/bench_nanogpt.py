@@ -283,8 +283,8 @@ def sweep(data_dir: Path, args: argparse.Namespace) -> None:
     """Steps to the target per optimizer and rate: each run stops at its first evaluation at or
     under it. The best rate is the one with the fewest mean steps over seeds (a run that never
     gets there counts as max-iters)."""
-    arms = [("adamw", float(lr), ("optim.name=adamw", f"optim.peak_lr={lr}")) for lr in args.adamw_lrs.split(",")]
-    arms += [("muon", float(lr), ("optim.name=muon", f"optim.muon_lr={lr}")) for lr in args.muon_lrs.split(",")]
+    arms = [("adamw", float(lr), ("optim.name=adamw", f"optim.peak_lr={lr}")) for lr in args.adamw_lrs.split(",") if lr]
+    arms += [("muon", float(lr), ("optim.name=muon", f"optim.muon_lr={lr}")) for lr in args.muon_lrs.split(",") if lr]
     table: dict[tuple[str, float], list[int | None]] = {}
     for name, lr, extra in arms:
         for seed in range(args.seeds):

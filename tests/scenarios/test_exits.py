@@ -179,6 +179,16 @@ def test_sigterm_while_the_finished_process_shuts_down_exits_0(tmp_path):
     assert events(run_dir, "end")[0]["step"] == 6
 
 
+@pytest.fixture
+def ctrl_c_is_keyboard_interrupt():
+    """The caller of these tests is one whose Ctrl-C is KeyboardInterrupt (a script, a notebook).
+    A pytest started as a shell's background job inherits SIGINT ignored, and then the loop
+    rightly leaves Ctrl-C alone (save_on_signal): set the caller's handler, give back what was."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _signal_during_step(monkeypatch, step: int, *signals: int) -> None:
     """Send `signals` to this process during the forward/backward of step `step` (its 1-based
     call of accumulate), after the step has started: where a long step spends its time."""
@@ -199,7 +209,7 @@ def _signal_during_step(monkeypatch, step: int, *signals: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, EXIT_INTERRUPTED)])
 def test_a_stop_signal_or_ctrl_c_during_a_step_saves_at_the_end_of_that_step(tmp_path, monkeypatch, capsys,
-                                                                                 sig, code):
+                                                                                 sig, code, ctrl_c_is_keyboard_interrupt):
     from dsslm.train import main
     run_dir = tmp_path / "run"
     _signal_during_step(monkeypatch, 5, sig)
@@ -213,7 +223,7 @@ def test_a_stop_signal_or_ctrl_c_during_a_step_saves_at_the_end_of_that_step(tmp
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_stops_at_once_and_exits_130(tmp_path, monkeypatch, capsys):
+def test_a_second_ctrl_c_stops_at_once_and_exits_130(tmp_path, monkeypatch, capsys, ctrl_c_is_keyboard_interrupt):
     from dsslm.train import main
     run_dir = tmp_path / "run"
     _signal_during_step(monkeypatch, 5, signal.SIGINT, signal.SIGINT)

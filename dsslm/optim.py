@@ -3,6 +3,7 @@ learning rate as a pure function of the step."""
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -196,6 +197,7 @@ class MuonAdamW(torch.optim.AdamW):
 
     def __init__(self, groups: list[dict], whole: Callable = _same, part: Callable = _same, **adamw):
         self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
+        self.matrices = [n for g in groups if g.get("muon") for n in g["names"]]  # Muon's, by name
         super().__init__([{k: v for k, v in g.items() if k != "names"} for g in groups], **adamw)
         self.whole, self.part = whole, part
         self.orthogonalised: collections.Counter = collections.Counter()
@@ -215,7 +217,7 @@ class MuonAdamW(torch.optim.AdamW):
         update = muon_momentum(flat.grad, self._state_of(flat)["momentum_buffer"], group["momentum"])
         for bucket in _buckets(self.fragments[id(flat)]):
             sizes = [math.prod(f.shape) for f in bucket]
-            offsets = [sum(sizes[:i]) for i in range(len(bucket))]
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
             buffer = torch.zeros(sum(sizes), dtype=update.dtype, device=update.device)
             for f, at in zip(bucket, offsets):
                 buffer[at + f.start:at + f.start + f.numel] = update[f.flat_start:f.flat_start + f.numel]

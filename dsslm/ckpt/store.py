@@ -87,6 +87,11 @@ def _checkpoint_file(path: Path) -> bool:
             or (name.startswith(("shard-", "rank-")) and "-of-" in name))
 
 
+def _stamp() -> str:
+    """A unique suffix for a folder set aside (time, then random: two in one second differ)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}"
+
+
 def _rename(src: Path, dst: Path) -> None:
     """Every rename of a checkpoint folder goes through here, so a test can crash between two."""
     os.rename(src, dst)
@@ -338,8 +343,7 @@ class CheckpointStore:
         with self._lock:
             for s, paths in sorted(self._scan().items()):
                 for path in paths if s > step else ():
-                    stamp = time.strftime("%Y%m%dT%H%M%S")
-                    target = path.with_name(f"left-{path.name}-{stamp}-{secrets.token_hex(2)}")
+                    target = path.with_name(f"left-{path.name}-{_stamp()}")
                     _rename(path, target)
                     self._verified.pop(path.name, None)
                     self._refused.discard(path.name)
@@ -495,8 +499,7 @@ class CheckpointStore:
             if reason is None and final.name not in self._refused:
                 _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
             else:
-                stamp = time.strftime("%Y%m%dT%H%M%S")
-                _rename(final, final.with_name(f"{final.name}.invalid-{stamp}-{secrets.token_hex(2)}"))
+                _rename(final, final.with_name(f"{final.name}.invalid-{_stamp()}"))
             fsync_dir(self.ckpt_dir)
         _rename(tmp, final)
         fsync_dir(self.ckpt_dir)

@@ -156,14 +156,13 @@ class ZeroEngine(Engine):
         # hidden matrix's part lies, so it makes every matrix whole before orthogonalising
         # (DeepSpeed issue 8441: Muon that never sees a matrix silently trains as SGD).
         optimizer = build_optimizer(model, cfg.optim, self.device)
-        hidden = sorted(self._muon_names(optimizer))  # before DeepSpeed swaps the groups' params for partitions
         if self.is_main:
             say_if_building(self.device)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
         self.layout = self._layout()
         if isinstance(optimizer, MuonAdamW):
-            self._feed_muon(optimizer, hidden)
+            self._feed_muon(optimizer)
         self.scaler = DeepSpeedLossScale(self.optimizer) if cfg.train.precision == "fp16" else None
         self._in_no_sync = False
         self._micro_counted = 0  # micro_steps this step's no_sync backwards added (drop_gradients undoes them)
@@ -184,13 +183,7 @@ class ZeroEngine(Engine):
         raise ConfigError(f"the DeepSpeed config made a {type(self.optimizer).__name__}, which dsslm does "
                           f"not drive; remove offload settings from it")
 
-    @staticmethod
-    def _muon_names(optimizer: torch.optim.Optimizer) -> list[str]:
-        if not isinstance(optimizer, MuonAdamW):
-            return []
-        return [optimizer.names[id(p)] for g in optimizer.param_groups if g.get("muon") for p in g["params"]]
-
-    def _feed_muon(self, muon: MuonAdamW, hidden: list[str]) -> None:
+    def _feed_muon(self, muon: MuonAdamW) -> None:
         """Register, for every flat partition DeepSpeed made of Muon's group, where each hidden
         matrix's part lies in it; the same list (every matrix of the partition, held or not) on
         every rank, so all ranks run the same collectives in the same order."""
@@ -215,7 +208,7 @@ class ZeroEngine(Engine):
                     flat_start = mapping.hp_fragment_address.start if mapping is not None else 0
                 fragments.append(Fragment(name, tuple(self.param_shapes[name]), flat_start, span[0], span[1] - span[0]))
             muon.fragments[id(flat)] = fragments
-        if sorted(f.name for fs in muon.fragments.values() for f in fs) != hidden:
+        if sorted(f.name for fs in muon.fragments.values() for f in fs) != sorted(muon.matrices):
             raise AssertionError("Muon's matrices and DeepSpeed's partitions of them do not match")
         muon.sum_ranks = lambda t: dist.all_reduce(t)  # looked up per call: a wrapper (a profiler) sees it
 

@@ -103,7 +103,7 @@ def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: a
                       f"model.n_heads={args.heads}", f"model.seq_len={args.seq}", "model.vocab_size=256",
                       "train.precision=fp32", "train.device=cpu",
                       f"engine.kind={kind}", f"engine.zero_stage={stage}",
-                      f"train.micro_batch_size={args.batch // world_size}", f"optim.name={args.optim}"])
+                      f"train.micro_batch_size={args.batch // world_size}", f"optim.name={args.optim}", *args.set])
     seed_everything(cfg.run.seed)
     engine = build_engine(cfg, build_model(cfg.model))
     gen = torch.Generator().manual_seed(0)
@@ -158,13 +158,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over ranks")
     parser.add_argument("--optim", choices=["adamw", "muon"], default="adamw",
                         help="muon: Muon's whole-matrix gathers (FSDP, ZeRO) show in the collectives")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every engine (e.g. optim.muon_distribute=false)")
+    parser.add_argument("--engines", default="", help="comma-separated names to run (e.g. ddp1,ddp2,fsdp2); default all")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tokens = args.batch * args.seq
     header = (f"{'engine':<8} {'ranks':>5} {'step ms':>8} {'tok/s':>8} {'RSS base':>9} {'RSS peak':>9} "
               f"{'params':>9} {'master':>9} {'grads':>9} {'optim':>9}   (MiB; per rank, rank 0)")
     rows, calls = [], []
+    chosen = set(filter(None, args.engines.split(",")))
     for kind, stage, world_size in ENGINES:
+        if chosen and f"{f'zero{stage}' if kind == 'zero' else kind}{world_size}" not in chosen:
+            continue
         ranks = run(kind, stage, world_size, args)
         r0 = ranks[0]
         name = f"zero{stage}" if kind == "zero" else kind

@@ -116,6 +116,8 @@ class OptimCfg:
     name: str = "adamw"         # adamw | muon (Muon for the hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02       # muon: Muon's peak rate (scheduled like peak_lr), before torch's shape scaling
     muon_momentum: float = 0.95  # muon: its Nesterov momentum
+    muon_ns_dtype: str = "auto"  # muon: Newton-Schulz's dtype, bfloat16 | float32 | auto (bf16 on CUDA, fp32 on CPU)
+    muon_distribute: bool = True  # muon: each matrix orthogonalised by one rank, results all-gathered (DDP, FSDP, ZeRO-3)
 
 
 @dataclass
@@ -342,6 +344,7 @@ def validate_optim(cfg: Config) -> None:
     _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
     _check_choice("optim.impl", o.impl, ("auto", "single", "foreach", "fused"))
     _check_choice("optim.name", o.name, ("adamw", "muon"))
+    _check_choice("optim.muon_ns_dtype", o.muon_ns_dtype, ("auto", "bfloat16", "float32"))
     _check(o.muon_lr > 0 and 0 <= o.muon_momentum < 1, f"optim.muon_lr={o.muon_lr} must be > 0 and optim.muon_momentum={o.muon_momentum} in [0, 1)")
     _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
     _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")

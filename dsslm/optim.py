@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch import distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
-from torch.optim._muon import _zeropower_via_newtonschulz
 
 from dsslm.config import Config, OptimCfg
 
@@ -140,10 +140,50 @@ def muon_momentum(grad: torch.Tensor, buf: torch.Tensor, momentum: float) -> tor
     return grad.lerp(buf, momentum)
 
 
-def orthogonalise(update: torch.Tensor) -> torch.Tensor:
-    """Muon's matrix half, on a WHOLE matrix: torch's quintic Newton-Schulz (5 steps, bf16), the
-    one definition every engine feeds (a shard's orthogonalisation is not the matrix's)."""
-    return _zeropower_via_newtonschulz(update, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+def orthogonalise(update: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Muon's matrix half, on a WHOLE matrix: the quintic Newton-Schulz torch.optim.Muon runs (its
+    coefficients, 5 steps, the same operations, so bf16 gives its bits), in `dtype`. The one
+    definition every engine feeds (a shard's orthogonalisation is not the matrix's)."""
+    a, b, c = DEFAULT_A, DEFAULT_B, DEFAULT_C
+    x = update.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:  # iterate on the wide side: the Gram matrix is then the smaller one
+        x = x.T
+    x = x / x.norm().clamp(min=EPS)  # spectral norm <= Frobenius norm <= 1: inside NS's basin
+    for _ in range(DEFAULT_NS_STEPS):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """optim.muon_ns_dtype. auto: bf16 on CUDA (tensor cores; what torch and modded-nanogpt run),
+    fp32 elsewhere: a CPU without bf16 units runs bf16 matmuls 14-40x slower than fp32 (measured
+    on this project's 2-core VM, one thread: Newton-Schulz on 768x768, 8.7 s against 0.25 s)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return NS_DTYPES[name]
+
+
+def owners(shapes: list[tuple[int, ...]], world: int) -> list[int]:
+    """Which rank orthogonalises each matrix when the work is shared: largest first (NS costs
+    about rows x cols x min(rows, cols)), each to the least-loaded rank, lowest rank on ties.
+    A pure function of the shapes, so every rank computes the same assignment."""
+    load = [0] * world
+    out = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i]) * min(shapes[i])):
+        out[i] = min(range(world), key=lambda r: (load[r], r))
+        load[out[i]] += math.prod(shapes[i]) * min(shapes[i])
+    return out
+
+
+def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
 
 
 def _same(t: torch.Tensor, *_) -> torch.Tensor:
@@ -187,22 +227,30 @@ class MuonAdamW(torch.optim.AdamW):
     rank's part of a full update; the engine supplies them (FSDP2: DTensor gather and local slice;
     DDP: identity), so the orthogonalisation always sees whole matrices. The update is torch's:
     p <- p (1 - lr wd) - lr sqrt(max(1, rows / cols)) NS(nesterov momentum) (`_adjust_lr`,
-    adjust_lr_fn=None). `orthogonalised` counts the orthogonalisations per matrix name.
+    adjust_lr_fn=None). `orthogonalised` counts the orthogonalisations per matrix name, this rank's.
 
     ZeRO hands the optimizer flat partitions that cut through matrices, never a matrix: the engine
     registers each partition's `fragments` and a `sum_ranks` (an all-reduce), and the step runs the
     same two halves on them: the momentum on the partition (elementwise), then each matrix made
     whole (every rank writes its fragment into a zero buffer, the sum over ranks is the matrix),
-    orthogonalised by every rank that holds part of it, and each rank applies its own part."""
+    orthogonalised by every rank that holds part of it, and each rank applies its own part.
 
-    def __init__(self, groups: list[dict], whole: Callable = _same, part: Callable = _same, **adamw):
+    `share` (optim.muon_distribute, where every rank holds every whole matrix: DDP, FSDP2, ZeRO-3)
+    gives each matrix to one rank (`owners`), which orthogonalises it; one all-gather per bucket
+    hands every rank the results (torchtitan's DistMuon, modded-nanogpt's split). NS is a pure
+    function of the matrix, so the bits are those every rank would have computed alone."""
+
+    def __init__(self, groups: list[dict], whole: Callable = _same, part: Callable = _same,
+                 ns: torch.dtype = torch.bfloat16, share: bool = False, **adamw):
         self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
         self.matrices = [n for g in groups if g.get("muon") for n in g["names"]]  # Muon's, by name
         super().__init__([{k: v for k, v in g.items() if k != "names"} for g in groups], **adamw)
-        self.whole, self.part = whole, part
+        self.whole, self.part, self.ns = whole, part, ns
         self.orthogonalised: collections.Counter = collections.Counter()
         self.fragments: dict[int, list[Fragment]] = {}  # id(flat partition) -> its matrices' parts
         self.sum_ranks: Callable[[torch.Tensor], None] = lambda t: None
+        self.share = share and dist.is_initialized() and dist.get_world_size() > 1
+        self.gather_ranks: Callable[[torch.Tensor], list[torch.Tensor]] = _all_gather
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -211,6 +259,28 @@ class MuonAdamW(torch.optim.AdamW):
             state["momentum_buffer"] = torch.zeros_like(p.grad)
         state["step"] += 1
         return state
+
+    def _orthogonalise_all(self, names: list[str], fulls: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """NS of each whole matrix (None: this rank holds none of it and does not share, skip it):
+        computed here, or, sharing, by its owner and all-gathered (every rank passes the same list)."""
+        if not self.share or not fulls:
+            self.orthogonalised.update(n for n, f in zip(names, fulls) if f is not None)
+            return [None if f is None else orthogonalise(f, self.ns) for f in fulls]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        owner = owners([tuple(f.shape) for f in fulls], world)
+        mine = [orthogonalise(f, self.ns).reshape(-1) for f, o in zip(fulls, owner) if o == rank]
+        self.orthogonalised.update(n for n, o in zip(names, owner) if o == rank)
+        sizes = [sum(f.numel() for f, o in zip(fulls, owner) if o == r) for r in range(world)]
+        send = torch.zeros(max(sizes), dtype=self.ns, device=fulls[0].device)  # all_gather: equal sizes
+        if mine:
+            torch.cat(mine, out=send[:sizes[rank]])
+        received = self.gather_ranks(send)
+        at = [0] * world
+        out = []
+        for f, o in zip(fulls, owner):
+            out.append(received[o][at[o]:at[o] + f.numel()].view(f.shape))
+            at[o] += f.numel()
+        return out
 
     def _step_partition(self, flat: torch.Tensor, group: dict) -> None:
         """Muon on a ZeRO flat partition, through its registered fragments (see the class)."""
@@ -222,11 +292,11 @@ class MuonAdamW(torch.optim.AdamW):
             for f, at in zip(bucket, offsets):
                 buffer[at + f.start:at + f.start + f.numel] = update[f.flat_start:f.flat_start + f.numel]
             self.sum_ranks(buffer)  # disjoint parts over zeros: the sum is each matrix, exactly
-            for f, at, size in zip(bucket, offsets, sizes):
+            fulls = [buffer[at:at + size].view(f.shape) if f.numel or self.share else None
+                     for f, at, size in zip(bucket, offsets, sizes)]
+            for f, full in zip(bucket, self._orthogonalise_all([f.name for f in bucket], fulls)):
                 if not f.numel:
                     continue
-                full = orthogonalise(buffer[at:at + size].view(f.shape))
-                self.orthogonalised[f.name] += 1
                 mine = flat[f.flat_start:f.flat_start + f.numel]
                 mine.mul_(1 - group["lr"] * group["weight_decay"])
                 mine.add_(full.reshape(-1)[f.start:f.start + f.numel], alpha=-_adjust_lr(group["lr"], None, full.shape))
@@ -235,15 +305,18 @@ class MuonAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         everything = self.param_groups
         for group in (g for g in everything if g.get("muon")):
-            for p in (p for p in group["params"] if p.grad is not None):
-                if id(p) in self.fragments:
-                    self._step_partition(p, group)
-                    continue
-                state = self._state_of(p)
-                full = orthogonalise(self.whole(muon_momentum(p.grad, state["momentum_buffer"], group["momentum"])))
-                self.orthogonalised[self.names[id(p)]] += 1
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(self.part(full, p), alpha=-_adjust_lr(group["lr"], None, full.shape))
+            params = [p for p in group["params"] if p.grad is not None]
+            for flat in (p for p in params if id(p) in self.fragments):
+                self._step_partition(flat, group)
+            whole = [p for p in params if id(p) not in self.fragments]
+            # A bucket of whole matrices at a time (DDP, FSDP2): the transient copies stay bounded.
+            for bucket in _buckets([Fragment(self.names[id(p)], tuple(p.shape), 0, 0, 0) for p in whole]):
+                these, whole = whole[:len(bucket)], whole[len(bucket):]
+                fulls = [self.whole(muon_momentum(p.grad, self._state_of(p)["momentum_buffer"], group["momentum"]))
+                         for p in these]
+                for p, full in zip(these, self._orthogonalise_all([f.name for f in bucket], fulls)):
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(self.part(full, p), alpha=-_adjust_lr(group["lr"], None, full.shape))
         self.param_groups = [g for g in everything if not g.get("muon")]
         try:
             return super().step(closure)
@@ -258,5 +331,6 @@ def build_optimizer(model: nn.Module, cfg: OptimCfg, device: torch.device, whole
         return build_adamw(model, cfg, device)
     impl = adamw_impl(cfg.impl, device)
     kernel = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
-    return MuonAdamW(muon_groups(model, cfg), whole, part, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2),
+    return MuonAdamW(muon_groups(model, cfg), whole, part, ns=ns_dtype(cfg.muon_ns_dtype, device),
+                     share=cfg.muon_distribute, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2),
                      eps=cfg.eps, weight_decay=cfg.weight_decay, **kernel)

@@ -120,6 +120,9 @@ RESUME_MUTABLE_KEYS = (
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
     "optim.impl", "eval",
+    # Muon: who orthogonalises changes no bit; NS's dtype is rounding, and `auto` already resolves
+    # differently when a CPU run resumes on a GPU (train.device may change).
+    "optim.muon_distribute", "optim.muon_ns_dtype",
 )
 
 

@@ -211,6 +211,10 @@ class ZeroEngine(Engine):
         if sorted(f.name for fs in muon.fragments.values() for f in fs) != sorted(muon.matrices):
             raise AssertionError("Muon's matrices and DeepSpeed's partitions of them do not match")
         muon.sum_ranks = lambda t: dist.all_reduce(t)  # looked up per call: a wrapper (a profiler) sees it
+        # Stages 1-2 already share the work: a matrix is orthogonalised only by the ranks holding
+        # part of it (one, or two across a partition boundary); an all-gather would cost more than
+        # it saves. Stage 3 cuts every matrix across every rank, so each would run NS on all of them.
+        muon.share = muon.share and self.layout == "zero3"
 
     def _check_stage(self) -> None:
         if self.cfg.train.precision == "fp16" and not deepspeed.get_accelerator().is_fp16_supported():

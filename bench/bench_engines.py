@@ -160,7 +160,7 @@ def main() -> None:
                         help="muon: Muon's whole-matrix gathers (FSDP, ZeRO) show in the collectives")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every engine (e.g. optim.muon_distribute=false)")
-    parser.add_argument("--engines", default="", help="comma-separated names to run (e.g. ddp1,ddp2,fsdp2); default all")
+    parser.add_argument("--engines", default="", help="comma-separated engine x ranks to run (e.g. ddpx2,zero3x2,fsdpx2); default all")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tokens = args.batch * args.seq
@@ -169,7 +169,7 @@ def main() -> None:
     rows, calls = [], []
     chosen = set(filter(None, args.engines.split(",")))
     for kind, stage, world_size in ENGINES:
-        if chosen and f"{f'zero{stage}' if kind == 'zero' else kind}{world_size}" not in chosen:
+        if chosen and f"{f'zero{stage}' if kind == 'zero' else kind}x{world_size}" not in chosen:
             continue
         ranks = run(kind, stage, world_size, args)
         r0 = ranks[0]

@@ -23,7 +23,9 @@ and the data, with its own config file and the recipe's flags.
    (nanoGPT: its own estimate on 20 random batches of train and val; dsslm: its first 20 val
    batches). Reported: the first evaluation at or under the target, its wall time from the first
    training iteration (each trainer's own evaluations included) and steps x median step time
-   (training only, the comparable figure).
+   (training only, the comparable figure). `--ds-max-iters N` gives dsslm a horizon of its own:
+   its cosine reaches min_lr at N and the run ends there (nanoGPT keeps `--max-iters`; run
+   nanoGPT at a shorter `--max-iters` too to see what the horizon alone buys it).
 
 3. With `--muon-lr X`: a third time-to-loss run, dsslm with `optim.name=muon` (Muon at X for the
    hidden matrices, AdamW at the recipe's rate for the rest).
@@ -141,10 +143,10 @@ def nanogpt(nanogpt_dir: Path, iters: int, eval_every: int, eval_iters: int, thr
             "evals": [(s, v, t - first[0]) for s, v, t in evals if s > 0]}
 
 
-def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: int | None,
+def dsslm(data_dir: Path | str, run_dir: Path, iters: int, eval_every: int, threads: int | None,
           compile_on: bool = False, extra: tuple[str, ...] = (), stop_at: float | None = None) -> dict:
     """One dsslm run; `stop_at`: killed at its first validation loss at or under it (the sweep)."""
-    overrides = [f"run.dir={run_dir}", f"data.dir={data_dir}", "model.d_model=128", "model.n_layers=4",
+    overrides = [f"run.dir={run_dir}", "data.dir=" + (str(data_dir) or "''"), "model.d_model=128", "model.n_layers=4",
                  "model.n_heads=4", "model.seq_len=64", "train.micro_batch_size=12", "train.grad_accum=1",
                  "train.precision=fp32", "train.device=cpu", f"train.total_steps={iters}",
                  f"optim.peak_lr={RECIPE['lr']}", f"optim.min_lr={RECIPE['min_lr']}",
@@ -172,8 +174,9 @@ def dsslm(data_dir: Path, run_dir: Path, iters: int, eval_every: int, threads: i
                 record = json.loads(line) if line.strip().endswith("}") else {}
                 if "val_loss" in record and record["step"] not in seen:
                     seen.add(record["step"])
-                    evals.append((record["step"], record["val_loss"]["default"], time.time()))
-                    if stop_at is not None and record["val_loss"]["default"] <= stop_at and pids:
+                    val = record["val_loss"]  # per domain; the embedded corpus has two (code, tests)
+                    evals.append((record["step"], val.get("default", statistics.fmean(val.values())), time.time()))
+                    if stop_at is not None and evals[-1][1] <= stop_at and pids:
                         os.kill(pids[0], 9)  # the sweep needs the step it got there, nothing after
                         return
             stop.wait(0.02)
@@ -210,6 +213,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--iters", type=int, default=300, help="iterations per throughput run")
     parser.add_argument("--max-iters", type=int, default=2000, help="the time-to-loss run (0: skip it)")
+    parser.add_argument("--ds-max-iters", type=int, default=None,
+                        help="dsslm's own horizon in the time-to-loss runs (its cosine ends there); default --max-iters")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--target", type=float, default=1.88)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
@@ -218,6 +223,8 @@ def main() -> None:
     parser.add_argument("--adamw-lrs", default="5e-4,1e-3,2e-3")
     parser.add_argument("--muon-lrs", default="0.01,0.02,0.04")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--corpus", choices=["text", "embedded"], default="text",
+                        help="the sweep's data: --text, or dsslm's embedded stdlib corpus (val: the mean of its domains)")
     parser.add_argument("--compile", action="store_true",
                         help="both compiled (nanoGPT --compile=True, dsslm train.compile=true); the recipe is eager")
     args = parser.parse_args()
@@ -228,7 +235,7 @@ def main() -> None:
     print(f"text {args.text} ({args.text.stat().st_size:,} bytes), {tokens} tokens/iteration, threads "
           f"{args.threads or 'default'}, {'compiled' if args.compile else 'eager (the recipe)'}")
     if args.sweep:
-        sweep(data_dir, args)
+        sweep(data_dir if args.corpus == "text" else "", args)
     pairs = []
     for i in range(args.pairs):
         before = load()
@@ -258,12 +265,13 @@ def main() -> None:
 def to_loss(data_dir: Path, args: argparse.Namespace) -> None:
     if not args.max_iters:
         return
+    ds_iters = args.ds_max_iters or args.max_iters
     arms = [("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads, args.compile)),
-            ("dsslm", lambda: dsslm(data_dir, OUT / "runs" / "to-loss", args.max_iters, args.eval_every,
+            ("dsslm", lambda: dsslm(data_dir, OUT / "runs" / "to-loss", ds_iters, args.eval_every,
                                     args.threads, args.compile))]
     if args.muon_lr is not None:
         arms.append((f"dsslm Muon {args.muon_lr:g}", lambda: dsslm(
-            data_dir, OUT / "runs" / "to-loss-muon", args.max_iters, args.eval_every, args.threads, args.compile,
+            data_dir, OUT / "runs" / "to-loss-muon", ds_iters, args.eval_every, args.threads, args.compile,
             ("optim.name=muon", f"optim.muon_lr={args.muon_lr}"))))
     for name, result in arms:
         before = load()
@@ -271,7 +279,7 @@ def to_loss(data_dir: Path, args: argparse.Namespace) -> None:
         hit = first_under(run["evals"], args.target)
         final = run["evals"][-1]
         if hit is None:
-            print(f"{name}: val loss never <= {args.target} in {args.max_iters} iterations (last {final[1]:.4f} at "
+            print(f"{name}: val loss never <= {args.target} in {final[0]} iterations (last {final[1]:.4f} at "
                   f"{final[0]}); load {before} -> {load()}")
             continue
         print(f"{name}: val loss {hit[1]:.4f} <= {args.target} at step {hit[0]}: {hit[2]:.1f} s wall (own evals "
@@ -279,23 +287,23 @@ def to_loss(data_dir: Path, args: argparse.Namespace) -> None:
               f"{final[0]}; load {before} -> {load()}", flush=True)
 
 
-def sweep(data_dir: Path, args: argparse.Namespace) -> None:
+def sweep(data_dir: Path | str, args: argparse.Namespace) -> None:
     """Steps to the target per optimizer and rate: each run stops at its first evaluation at or
     under it. The best rate is the one with the fewest mean steps over seeds (a run that never
     gets there counts as max-iters)."""
     arms = [("adamw", float(lr), ("optim.name=adamw", f"optim.peak_lr={lr}")) for lr in args.adamw_lrs.split(",") if lr]
     arms += [("muon", float(lr), ("optim.name=muon", f"optim.muon_lr={lr}")) for lr in args.muon_lrs.split(",") if lr]
     table: dict[tuple[str, float], list[int | None]] = {}
+    cap = args.ds_max_iters or args.max_iters or 2000  # dsslm's horizon: its cosine reaches min_lr there
     for name, lr, extra in arms:
         for seed in range(args.seeds):
-            run = dsslm(data_dir, OUT / "runs" / f"sweep-{name}-{lr:g}-{seed}", args.max_iters or 2000,
+            run = dsslm(data_dir, OUT / "runs" / f"sweep-{name}-{lr:g}-{seed}", cap,
                         args.eval_every, args.threads, False, (*extra, f"run.seed={seed}"), stop_at=args.target)
             hit = first_under(run["evals"], args.target)
             table.setdefault((name, lr), []).append(hit[0] if hit else None)
             print(f"sweep {name} lr {lr:g} seed {seed}: "
                   f"{f'step {hit[0]} (val {hit[1]:.4f})' if hit else 'never'} <= {args.target}", flush=True)
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
-    cap = args.max_iters or 2000
     best = {}
     for (name, lr), steps in table.items():
         mean = statistics.mean(s if s is not None else cap for s in steps)

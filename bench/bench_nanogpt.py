@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--max-iters", type=int, default=2000, help="the time-to-loss run (0: skip it)")
     parser.add_argument("--ds-max-iters", type=int, default=None,
                         help="dsslm's own horizon in the time-to-loss runs (its cosine ends there); default --max-iters")
+    parser.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dsslm override for the time-to-loss runs (e.g. optim.peak_lr=2e-3)")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--target", type=float, default=1.88)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
@@ -268,11 +270,11 @@ def to_loss(data_dir: Path, args: argparse.Namespace) -> None:
     ds_iters = args.ds_max_iters or args.max_iters
     arms = [("nanoGPT", lambda: nanogpt(args.nanogpt, args.max_iters, args.eval_every, 20, args.threads, args.compile)),
             ("dsslm", lambda: dsslm(data_dir, OUT / "runs" / "to-loss", ds_iters, args.eval_every,
-                                    args.threads, args.compile))]
+                                    args.threads, args.compile, tuple(args.ds_set)))]
     if args.muon_lr is not None:
         arms.append((f"dsslm Muon {args.muon_lr:g}", lambda: dsslm(
             data_dir, OUT / "runs" / "to-loss-muon", ds_iters, args.eval_every, args.threads, args.compile,
-            ("optim.name=muon", f"optim.muon_lr={args.muon_lr}"))))
+            (*args.ds_set, "optim.name=muon", f"optim.muon_lr={args.muon_lr}"))))
     for name, result in arms:
         before = load()
         run = result()
@@ -297,7 +299,7 @@ def sweep(data_dir: Path | str, args: argparse.Namespace) -> None:
     cap = args.ds_max_iters or args.max_iters or 2000  # dsslm's horizon: its cosine reaches min_lr there
     for name, lr, extra in arms:
         for seed in range(args.seeds):
-            run = dsslm(data_dir, OUT / "runs" / f"sweep-{name}-{lr:g}-{seed}", cap,
+            run = dsslm(data_dir, OUT / "runs" / f"sweep-{args.corpus}-{cap}-{name}-{lr:g}-{seed}", cap,
                         args.eval_every, args.threads, False, (*extra, f"run.seed={seed}"), stop_at=args.target)
             hit = first_under(run["evals"], args.target)
             table.setdefault((name, lr), []).append(hit[0] if hit else None)

@@ -162,16 +162,25 @@ def dsslm(data_dir: Path | str, run_dir: Path, iters: int, eval_every: int, thre
     pids: list[int] = []
 
     def watch(stop: threading.Event) -> None:
-        """dsslm prints no per-step line: read metrics.jsonl as it is written (every 20 ms), for the
-        val losses and the process's CPU time after steps `skip` and `iters`."""
+        """dsslm prints no per-step line: follow metrics.jsonl as it is written (every 20 ms), for
+        the val losses and the process's CPU time after steps `skip` and `iters`. Only the new
+        complete lines are parsed: this thread shares the machine with the run it measures."""
+        pos, partial = 0, ""
         while not stop.is_set():
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
-            steps = [json.loads(x)["step"] for x in lines if '"step_time_s"' in x and x.endswith("}")]
-            for mark in (skip, iters):
-                if mark not in cpu and mark in steps and pids:
-                    cpu[mark] = cpu_s(pids[0])
+            if metrics.exists():
+                with open(metrics) as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+                *lines, partial = (partial + chunk).split("\n")
+            else:
+                lines = []
             for line in lines:
-                record = json.loads(line) if line.strip().endswith("}") else {}
+                record = json.loads(line) if line.strip() else {}
+                if "step_time_s" in record:
+                    for mark in (skip, iters):
+                        if mark not in cpu and record["step"] == mark and pids:
+                            cpu[mark] = cpu_s(pids[0])
                 if "val_loss" in record and record["step"] not in seen:
                     seen.add(record["step"])
                     val = record["val_loss"]  # per domain; the embedded corpus has two (code, tests)

@@ -10,7 +10,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch import distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 
 from dsslm.config import Config, OptimCfg
@@ -180,12 +179,6 @@ def owners(shapes: list[tuple[int, ...]], world: int) -> list[int]:
     return out
 
 
-def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return out
-
-
 def _same(t: torch.Tensor, *_) -> torch.Tensor:
     return t
 
@@ -235,13 +228,14 @@ class MuonAdamW(torch.optim.AdamW):
     whole (every rank writes its fragment into a zero buffer, the sum over ranks is the matrix),
     orthogonalised by every rank that holds part of it, and each rank applies its own part.
 
-    `share` (optim.muon_distribute, where every rank holds every whole matrix: DDP, FSDP2, ZeRO-3)
-    gives each matrix to one rank (`owners`), which orthogonalises it; one all-gather per bucket
-    hands every rank the results (torchtitan's DistMuon, modded-nanogpt's split). NS is a pure
-    function of the matrix, so the bits are those every rank would have computed alone."""
+    `share` (rank, world, all-gather), set by the engine under optim.muon_distribute where every
+    rank holds every whole matrix (DDP, FSDP2, ZeRO-3), gives each matrix to one rank (`owners`),
+    which orthogonalises it; one all-gather per bucket hands every rank the results (torchtitan's
+    DistMuon, modded-nanogpt's split). NS is a pure function of the matrix, so the bits are those
+    every rank would have computed alone."""
 
     def __init__(self, groups: list[dict], whole: Callable = _same, part: Callable = _same,
-                 ns: torch.dtype = torch.bfloat16, share: bool = False, **adamw):
+                 ns: torch.dtype = torch.bfloat16, **adamw):
         self.names = {id(p): n for g in groups for p, n in zip(g["params"], g["names"])}
         self.matrices = [n for g in groups if g.get("muon") for n in g["names"]]  # Muon's, by name
         super().__init__([{k: v for k, v in g.items() if k != "names"} for g in groups], **adamw)
@@ -249,8 +243,7 @@ class MuonAdamW(torch.optim.AdamW):
         self.orthogonalised: collections.Counter = collections.Counter()
         self.fragments: dict[int, list[Fragment]] = {}  # id(flat partition) -> its matrices' parts
         self.sum_ranks: Callable[[torch.Tensor], None] = lambda t: None
-        self.share = share and dist.is_initialized() and dist.get_world_size() > 1
-        self.gather_ranks: Callable[[torch.Tensor], list[torch.Tensor]] = _all_gather
+        self.share: tuple[int, int, Callable[[torch.Tensor], list[torch.Tensor]]] | None = None
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -263,10 +256,10 @@ class MuonAdamW(torch.optim.AdamW):
     def _orthogonalise_all(self, names: list[str], fulls: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """NS of each whole matrix (None: this rank holds none of it and does not share, skip it):
         computed here, or, sharing, by its owner and all-gathered (every rank passes the same list)."""
-        if not self.share or not fulls:
+        if self.share is None or not fulls:
             self.orthogonalised.update(n for n, f in zip(names, fulls) if f is not None)
             return [None if f is None else orthogonalise(f, self.ns) for f in fulls]
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world, gather = self.share
         owner = owners([tuple(f.shape) for f in fulls], world)
         mine = [orthogonalise(f, self.ns).reshape(-1) for f, o in zip(fulls, owner) if o == rank]
         self.orthogonalised.update(n for n, o in zip(names, owner) if o == rank)
@@ -274,7 +267,7 @@ class MuonAdamW(torch.optim.AdamW):
         send = torch.zeros(max(sizes), dtype=self.ns, device=fulls[0].device)  # all_gather: equal sizes
         if mine:
             torch.cat(mine, out=send[:sizes[rank]])
-        received = self.gather_ranks(send)
+        received = gather(send)
         at = [0] * world
         out = []
         for f, o in zip(fulls, owner):
@@ -292,7 +285,7 @@ class MuonAdamW(torch.optim.AdamW):
             for f, at in zip(bucket, offsets):
                 buffer[at + f.start:at + f.start + f.numel] = update[f.flat_start:f.flat_start + f.numel]
             self.sum_ranks(buffer)  # disjoint parts over zeros: the sum is each matrix, exactly
-            fulls = [buffer[at:at + size].view(f.shape) if f.numel or self.share else None
+            fulls = [buffer[at:at + size].view(f.shape) if f.numel or self.share is not None else None
                      for f, at, size in zip(bucket, offsets, sizes)]
             for f, full in zip(bucket, self._orthogonalise_all([f.name for f in bucket], fulls)):
                 if not f.numel:
@@ -331,6 +324,6 @@ def build_optimizer(model: nn.Module, cfg: OptimCfg, device: torch.device, whole
         return build_adamw(model, cfg, device)
     impl = adamw_impl(cfg.impl, device)
     kernel = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
-    return MuonAdamW(muon_groups(model, cfg), whole, part, ns=ns_dtype(cfg.muon_ns_dtype, device),
-                     share=cfg.muon_distribute, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2),
+    return MuonAdamW(muon_groups(model, cfg), whole, part, ns=ns_dtype(cfg.muon_ns_dtype, device), lr=cfg.peak_lr,
+                     betas=(cfg.beta1, cfg.beta2),
                      eps=cfg.eps, weight_decay=cfg.weight_decay, **kernel)

@@ -25,7 +25,7 @@ from torch import nn
 from dsslm.clip import ClipBound
 from dsslm.config import Config, ConfigError
 from dsslm.engine.blocks import set_matmul_precision
-from dsslm.optim import adamw_impl, set_lr
+from dsslm.optim import MuonAdamW, adamw_impl, set_lr
 from dsslm.precision import LossScaler
 
 T = TypeVar("T")
@@ -158,6 +158,20 @@ def derive_grad_accum(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
                           f"{t.micro_batch_size} x world size {world_size} = {per_pass}; change one of them")
     t.grad_accum = t.global_batch_size // per_pass
+
+
+def share_orthogonalisations(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
+    """optim.muon_distribute, on an engine where every rank holds every whole matrix (DDP, FSDP2,
+    ZeRO-3): Muon gives each matrix to one rank and all-gathers the results (`MuonAdamW.share`)."""
+    if not (isinstance(optimizer, MuonAdamW) and cfg.optim.muon_distribute and dist.is_initialized()
+            and dist.get_world_size() > 1):
+        return
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t)  # looked up per call: a wrapper (a profiler) sees it
+        return out
+    optimizer.share = (dist.get_rank(), dist.get_world_size(), gather)
 
 
 def pick_device(cfg: Config) -> torch.device:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dsslm.clip import ClipBound
 from dsslm.config import Config
 from dsslm.engine.base import (OptimState, Shard, StateReader, TorchAdamWEngine, adam_state_by_name, check_names,
-                               load_adam_state, load_replica_state, replica_local_state)
+                               load_adam_state, load_replica_state, replica_local_state, share_orthogonalisations)
 from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_optimizer
 
@@ -24,6 +24,7 @@ class DDPEngine(TorchAdamWEngine):
         model.to(self.device)
         prepare_model(model, cfg.train, whole_model=True)
         self.optimizer = build_optimizer(model, cfg.optim, self.device)  # DDP: whole matrices as they are
+        share_orthogonalisations(self.optimizer, cfg)
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
         if self.distributed:

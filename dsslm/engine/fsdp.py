@@ -36,8 +36,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from dsslm.clip import ClipBound
 from dsslm.config import Config
 from dsslm.engine.base import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,
-                               TorchAdamWEngine, adam_step_tensor, check_names, group_of, optim_kinds, storage_bytes,
-                               whole)
+                               TorchAdamWEngine, adam_step_tensor, check_names, group_of, optim_kinds,
+                               share_orthogonalisations, storage_bytes, whole)
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_optimizer
@@ -74,6 +74,7 @@ class FSDPEngine(TorchAdamWEngine):
         # Muon orthogonalises whole matrices: each rank gathers the momentum-updated matrix (one
         # all-gather per matrix), orthogonalises it and keeps its own rows of the result.
         self.optimizer = build_optimizer(model, cfg.optim, self.device, whole=_full_matrix, part=_my_rows)
+        share_orthogonalisations(self.optimizer, cfg)
         self._grad_bytes = 0
 
     # --- the training step -------------------------------------------------------------------

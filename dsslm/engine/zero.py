@@ -57,7 +57,8 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # no
 from dsslm.clip import ClipBound  # noqa: E402
 from dsslm.config import Config, ConfigError  # noqa: E402
 from dsslm.engine.base import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, Engine, OptimState, Shard,  # noqa: E402
-                               StateReader, adam_step_tensor, check_names, optim_kinds, storage_bytes)
+                               StateReader, adam_step_tensor, check_names, optim_kinds, share_orthogonalisations,
+                               storage_bytes)
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.engine.blocks import prepare_model  # noqa: E402
@@ -214,7 +215,8 @@ class ZeroEngine(Engine):
         # Stages 1-2 already share the work: a matrix is orthogonalised only by the ranks holding
         # part of it (one, or two across a partition boundary); an all-gather would cost more than
         # it saves. Stage 3 cuts every matrix across every rank, so each would run NS on all of them.
-        muon.share = muon.share and self.layout == "zero3"
+        if self.layout == "zero3":
+            share_orthogonalisations(muon, self.cfg)
 
     def _check_stage(self) -> None:
         if self.cfg.train.precision == "fp16" and not deepspeed.get_accelerator().is_fp16_supported():

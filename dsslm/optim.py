@@ -200,15 +200,17 @@ class Fragment:
 WHOLE_BUCKET_ELEMENTS = 1 << 25
 
 
-def _buckets(fragments: list[Fragment]) -> list[list[Fragment]]:
-    out: list[list[Fragment]] = [[]]
+def _buckets(items: list) -> list[list]:
+    """Consecutive runs of matrices (fragments or parameters: anything with the matrix's full
+    `shape`) of at most WHOLE_BUCKET_ELEMENTS elements together (a larger matrix alone)."""
+    out: list[list] = [[]]
     size = 0
-    for f in fragments:
-        if out[-1] and size + math.prod(f.shape) > WHOLE_BUCKET_ELEMENTS:
+    for item in items:
+        if out[-1] and size + math.prod(item.shape) > WHOLE_BUCKET_ELEMENTS:
             out.append([])
             size = 0
-        out[-1].append(f)
-        size += math.prod(f.shape)
+        out[-1].append(item)
+        size += math.prod(item.shape)
     return out
 
 
@@ -301,13 +303,12 @@ class MuonAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             for flat in (p for p in params if id(p) in self.fragments):
                 self._step_partition(flat, group)
-            whole = [p for p in params if id(p) not in self.fragments]
-            # A bucket of whole matrices at a time (DDP, FSDP2): the transient copies stay bounded.
-            for bucket in _buckets([Fragment(self.names[id(p)], tuple(p.shape), 0, 0, 0) for p in whole]):
-                these, whole = whole[:len(bucket)], whole[len(bucket):]
+            # A bucket of whole matrices at a time (DDP, FSDP2, whose DTensor shape is the full
+            # matrix's): the transient copies stay bounded.
+            for these in _buckets([p for p in params if id(p) not in self.fragments]):
                 fulls = [self.whole(muon_momentum(p.grad, self._state_of(p)["momentum_buffer"], group["momentum"]))
                          for p in these]
-                for p, full in zip(these, self._orthogonalise_all([f.name for f in bucket], fulls)):
+                for p, full in zip(these, self._orthogonalise_all([self.names[id(p)] for p in these], fulls)):
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                     p.add_(self.part(full, p), alpha=-_adjust_lr(group["lr"], None, full.shape))
         self.param_groups = [g for g in everything if not g.get("muon")]

@@ -76,9 +76,20 @@ def _check_agrees(cfg: Config, env: dict) -> None:
         raise ConfigError(f"accelerate launch --mixed_precision {precision} but train.precision="
                           f"{cfg.train.precision}; set train.precision={want} or launch with --mixed_precision no")
     grad_accum = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
-    if grad_accum and not cfg.train.global_batch_size and int(grad_accum) != cfg.train.grad_accum:
+    t = cfg.train
+    if grad_accum and t.global_batch_size:
+        # The accumulation follows from the global batch at this world size (derive_grad_accum); a
+        # flag that says otherwise would be ignored in silence. A global batch that is no multiple
+        # of micro x world is refused later, by the engine, with the numbers.
+        world = int(env.get("WORLD_SIZE", "1"))
+        derived, rest = divmod(t.global_batch_size, t.micro_batch_size * world)
+        if not rest and int(grad_accum) != derived:
+            raise ConfigError(f"accelerate launch --gradient_accumulation_steps {grad_accum} but train.global_batch_size="
+                              f"{t.global_batch_size} / (train.micro_batch_size={t.micro_batch_size} x world size "
+                              f"{world}) gives train.grad_accum {derived}; drop the flag (the global batch sets it)")
+    elif grad_accum and int(grad_accum) != t.grad_accum:
         raise ConfigError(f"accelerate launch --gradient_accumulation_steps {grad_accum} but train.grad_accum="
-                          f"{cfg.train.grad_accum}; set train.grad_accum={grad_accum} or drop the flag")
+                          f"{t.grad_accum}; set train.grad_accum={grad_accum} or drop the flag")
     clip = env.get("ACCELERATE_GRADIENT_CLIPPING", "").strip().lower()
     if clip and clip != "none" and float(clip) != cfg.optim.clip:
         raise ConfigError(f"accelerate launch --gradient_clipping {clip} but optim.clip={cfg.optim.clip}; "

@@ -309,6 +309,18 @@ def test_launcher_disagreement_is_a_config_error(env, key):
         apply_launcher(make_cfg("ddp"), env)
 
 
+def test_accumulation_flag_must_agree_with_the_global_batch():
+    """With train.global_batch_size the accumulation is derived per world size: a flag that says
+    otherwise is refused (it was ignored), one that agrees passes."""
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}
+    cfg = make_cfg("ddp", 1, "train.micro_batch_size=4", "train.global_batch_size=16")  # micro 4 x world 2: grad_accum 2
+    with pytest.raises(ConfigError, match=r"global_batch_size=16 .* gives train\.grad_accum 2"):
+        apply_launcher(cfg, env)
+    cfg = make_cfg("ddp", 1, "train.micro_batch_size=4", "train.global_batch_size=32")  # 32 / (4 x 2) = 4: agrees
+    apply_launcher(cfg, env)
+    assert cfg.engine.kind == "zero"
+
+
 def test_ds_config_is_filled_from_dsslm_and_refuses_contradictions(tmp_path):
     from dsslm.engine.zero import ds_config
     cfg = make_cfg("zero", 2, "train.precision=bf16", "train.grad_accum=4", "optim.clip=0.5")

@@ -167,11 +167,14 @@ def ns_dtype(name: str, device: torch.device) -> torch.dtype:
     return NS_DTYPES[name]
 
 
-def owners(shapes: list[tuple[int, ...]], world: int) -> list[int]:
+def owners(shapes: list[tuple[int, ...]], world: int, load: list[int] | None = None) -> list[int]:
     """Which rank orthogonalises each matrix when the work is shared: largest first (NS costs
     about rows x cols x min(rows, cols)), each to the least-loaded rank, lowest rank on ties.
-    A pure function of the shapes, so every rank computes the same assignment."""
-    load = [0] * world
+    `load`: each rank's work already given out this step (updated in place), so a step's buckets
+    are spread together: alone, each bucket of one or two large matrices would go to rank 0 (and
+    1), every bucket, and the other ranks would wait for them. A pure function of the shapes and
+    the order of the calls, so every rank computes the same assignment."""
+    load = [0] * world if load is None else load
     out = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i]) * min(shapes[i])):
         out[i] = min(range(world), key=lambda r: (load[r], r))
@@ -246,6 +249,7 @@ class MuonAdamW(torch.optim.AdamW):
         self.fragments: dict[int, list[Fragment]] = {}  # id(flat partition) -> its matrices' parts
         self.sum_ranks: Callable[[torch.Tensor], None] = lambda t: None
         self.share: tuple[int, int, Callable[[torch.Tensor], list[torch.Tensor]]] | None = None
+        self.share_load: list[int] = []  # owners' running load per rank, over one step's buckets
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -262,7 +266,7 @@ class MuonAdamW(torch.optim.AdamW):
             self.orthogonalised.update(n for n, f in zip(names, fulls) if f is not None)
             return [None if f is None else orthogonalise(f, self.ns) for f in fulls]
         rank, world, gather = self.share
-        owner = owners([tuple(f.shape) for f in fulls], world)
+        owner = owners([tuple(f.shape) for f in fulls], world, self.share_load)
         mine = [orthogonalise(f, self.ns).reshape(-1) for f, o in zip(fulls, owner) if o == rank]
         self.orthogonalised.update(n for n, o in zip(names, owner) if o == rank)
         sizes = [sum(f.numel() for f, o in zip(fulls, owner) if o == r) for r in range(world)]
@@ -299,6 +303,7 @@ class MuonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         everything = self.param_groups
+        self.share_load = [0] * self.share[1] if self.share is not None else []
         for group in (g for g in everything if g.get("muon")):
             params = [p for p in group["params"] if p.grad is not None]
             for flat in (p for p in params if id(p) in self.fragments):

@@ -86,3 +86,27 @@ def test_muon_settings_are_checked():
         cfg_with("optim.muon_lr=0")
     with pytest.raises(ConfigError, match="optim.muon_ns_dtype"):
         cfg_with("optim.muon_ns_dtype=fp16")
+
+
+def test_shared_work_is_spread_over_the_ranks_across_buckets(monkeypatch):
+    """Sharing assigns a step's matrices to ranks by the load of the whole step, not bucket by bucket:
+    with one matrix per bucket (a large model's matrices each fill a bucket), every bucket's first
+    pick was rank 0, which then orthogonalised everything while the other ranks waited for it."""
+    import dsslm.optim as optim
+    monkeypatch.setattr(optim, "WHOLE_BUCKET_ELEMENTS", 1)  # every matrix its own bucket
+    cfg = cfg_with("optim.muon_ns_dtype=float32")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    idx = torch.randint(0, 64, (2, 16))
+    model(idx).logsumexp(-1).mean().backward()
+    held = []
+    for rank in range(2):
+        ours = build_optimizer(model, cfg.optim, torch.device("cpu"))
+        # A one-process stand-in for the all-gather: every rank's share sized like this one's.
+        ours.share = (rank, 2, lambda send: [send.clone(), send.clone()])
+        ours.step()
+        held.append(set(ours.orthogonalised))
+    matrices = sorted(n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks."))
+    assert sorted(held[0] | held[1]) == matrices and not held[0] & held[1]
+    # Largest first to the least-loaded rank: two layers' equal matrices go one to each rank.
+    assert len(held[0]) == len(held[1]) == len(matrices) // 2, held

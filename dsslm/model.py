@@ -308,11 +308,23 @@ class Transformer(nn.Module):
             self.tok_emb.weight[self.vocab_size:].zero_()
             self.lm_head.weight[self.vocab_size:].zero_()
 
+    def attention_compiled(self) -> bool:
+        """Whether the blocks run under torch.compile: the whole model traced (DDP), or each block
+        compiled in place by `nn.Module.compile` (FSDP2, ZeRO-3; dsslm.engine.blocks)."""
+        return torch.compiler.is_compiling() or self.blocks[0]._compiled_call_impl is not None
+
+    def flex_attention(self) -> bool:
+        """FlexAttention for the document mask (on CUDA): only where it is compiled, and without
+        attention dropout. Uncompiled, flex_attention falls back to an unfused implementation
+        that materialises every score (B x H x S^2 floats a layer), which SDPA's dense boolean mask
+        does not; and it has no dropout, so a run with model.dropout > 0 would lose it in silence."""
+        return _has_flex() and self.attention_compiled() and not (self.training and self.cfg.dropout > 0)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         rope, mask = self.rope[: idx.shape[1]], None
         if self.cfg.document_mask:
             doc = document_ids(idx, self.cfg.eos_id)
-            mask = document_mask(doc, flex=idx.is_cuda and _has_flex())
+            mask = document_mask(doc, flex=idx.is_cuda and self.flex_attention())
             if self.cfg.document_positions:  # per-token angles [batch, seq, 1, pairs]
                 rope = self.rope[document_positions(doc)]
         x = self.tok_emb(idx)

@@ -104,3 +104,18 @@ def test_attention_score_probe_reads_a_document_masked_forward():
     with torch.no_grad(), attention_score_probe(model) as probes:
         model(torch.cat(packed_documents())[None])
     assert len(probes) == 2 and all(torch.isfinite(torch.tensor(p.max_score)) for p in probes)
+
+
+def test_flex_attention_only_where_it_is_compiled_and_without_dropout():
+    """On CUDA the document mask takes FlexAttention only under train.compile (eager flex
+    materialises every score) and without attention dropout (flex has none); otherwise SDPA's
+    dense mask. The choice follows the blocks' compilation however the engine applied it."""
+    from dsslm.config import load as load_cfg
+    from dsslm.engine.blocks import prepare_model
+    model = build_model(cfg_with("model.document_mask=true"))
+    assert not model.attention_compiled() and not model.flex_attention()
+    prepare_model(model, load_cfg(None, ["train.compile=true"]).train)  # per block (FSDP2, ZeRO-3)
+    assert model.attention_compiled() and model.flex_attention()
+    dropping = build_model(cfg_with("model.document_mask=true", "model.dropout=0.1"))
+    prepare_model(dropping, load_cfg(None, ["train.compile=true"]).train)
+    assert not dropping.train().flex_attention() and dropping.eval().flex_attention()

@@ -529,7 +529,10 @@ class ZeroEngine(Engine):
         for group in self.optimizer.optimizer.param_groups:
             if any(p is flat for p in group["params"]):
                 return group
-        return {}
+        # DeepSpeed's stage 3 empties its inner groups' parameter lists between steps (it swaps
+        # the partitions in for step() only). The flags that place Adam's step, fused and
+        # capturable, are the same in every group: the optimizer's defaults.
+        return self.optimizer.optimizer.defaults
 
     # --- accounting --------------------------------------------------------------------------
     def _measure_grad_bytes(self) -> int:

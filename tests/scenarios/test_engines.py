@@ -209,6 +209,26 @@ def test_zero1_optimizer_bytes_are_half_of_ddp():
     assert zero3["param_bytes"] < 0.55 * ddp["param_bytes"]  # stage 3 also shards the weights
 
 
+def adam_flags_worker(rank: int, world_size: int) -> list:
+    torch.set_num_threads(1)
+    engine = build(make_cfg("zero", 3))
+    defaults = engine.optimizer.optimizer.defaults
+    flags = [(engine._inner_group(f).get("fused"), engine._inner_group(f).get("capturable"),
+              defaults.get("fused"), defaults.get("capturable")) for f in engine._flat_partitions()]
+    engine.close()
+    return flags
+
+
+@pytest.mark.slow
+def test_zero3_restores_adams_step_with_the_optimizers_fused_flag():
+    """A restore makes Adam's `step` where torch would: on the device for a fused or capturable
+    optimizer (CUDA's fused kernel reads it there). DeepSpeed's stage 3 empties its inner groups'
+    parameter lists between steps, so no group was found for a partition and the step went to
+    the CPU; the flags now come from the optimizer's defaults. (On a CPU both places are one.)"""
+    flags = run_distributed(adam_flags_worker, 1)[0]
+    assert flags and all(f[:2] == f[2:] for f in flags) and flags[0][0] is not None, flags
+
+
 @pytest.mark.slow
 def test_fsdp_state_loads_into_zero3_and_continues():
     """Engine-agnostic state, the hardest direction: DTensor shards in, ZeRO-3 partitions out.

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_nanogpt.py --nanogpt ~/src/nanoGPT [--text input.txt] [--pairs 3]
 
 Shape (nanoGPT's README, "I only have a macbook"): 4 layers, 4 heads, d 128, context 64, batch 12,
-fp32, one process, no compile, lr 1e-3 -> 1e-4 cosine over 2000 iterations, warmup 100, beta2
+fp32, one process, no compile, dsslm's SwiGLU as wide as makes nanoGPT's MLP parameter count (344), lr 1e-3 -> 1e-4 cosine over 2000 iterations, warmup 100, beta2
 0.99, dropout 0. Both trainers read the same tokens: the text as bytes, prepared once by
 `dsslm.data prepare` (byte tokenizer, 10% validation), and nanoGPT's train.bin / val.bin /
 meta.pkl written from those very shards (vocabulary 257 for both). Nothing of nanoGPT is
@@ -57,6 +57,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 12}
+# dsslm's SwiGLU at nanoGPT's MLP size: 3 x 128 x 344 = 132,096 weights a layer against nanoGPT's
+# 2 x 128 x 512 = 131,072. dsslm's default width rounds 8d/3 up to a multiple of 64 (384 here:
+# 12% more MLP weights and about 8% more FLOPs a step than nanoGPT's model). `--ds-set
+# model.ffn_hidden=384` runs the default.
+FFN_MATCHED = 344
 RECIPE = {"lr": 1e-3, "min_lr": 1e-4, "warmup": 100, "beta2": 0.99}
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
 NANOGPT_EVAL = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
@@ -147,7 +152,8 @@ def dsslm(data_dir: Path | str, run_dir: Path, iters: int, eval_every: int, thre
           compile_on: bool = False, extra: tuple[str, ...] = (), stop_at: float | None = None) -> dict:
     """One dsslm run; `stop_at`: killed at its first validation loss at or under it (the sweep)."""
     overrides = [f"run.dir={run_dir}", "data.dir=" + (str(data_dir) or "''"), "model.d_model=128", "model.n_layers=4",
-                 "model.n_heads=4", "model.seq_len=64", "train.micro_batch_size=12", "train.grad_accum=1",
+                 "model.n_heads=4", "model.seq_len=64", f"model.ffn_hidden={FFN_MATCHED}", "train.micro_batch_size=12",
+                 "train.grad_accum=1",
                  "train.precision=fp32", "train.device=cpu", f"train.total_steps={iters}",
                  f"optim.peak_lr={RECIPE['lr']}", f"optim.min_lr={RECIPE['min_lr']}",
                  f"optim.warmup_steps={RECIPE['warmup']}", f"optim.beta2={RECIPE['beta2']}", "model.dropout=0.0",
@@ -225,7 +231,7 @@ def main() -> None:
     parser.add_argument("--ds-max-iters", type=int, default=None,
                         help="dsslm's own horizon in the time-to-loss runs (its cosine ends there); default --max-iters")
     parser.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a dsslm override for the time-to-loss runs (e.g. optim.peak_lr=2e-3)")
+                        help="a dsslm override for the time-to-loss runs and the sweep (e.g. optim.peak_lr=2e-3)")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--target", type=float, default=1.88)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
@@ -308,8 +314,10 @@ def sweep(data_dir: Path | str, args: argparse.Namespace) -> None:
     cap = args.ds_max_iters or args.max_iters or 2000  # dsslm's horizon: its cosine reaches min_lr there
     for name, lr, extra in arms:
         for seed in range(args.seeds):
-            run = dsslm(data_dir, OUT / "runs" / f"sweep-{args.corpus}-{cap}-{name}-{lr:g}-{seed}", cap,
-                        args.eval_every, args.threads, False, (*extra, f"run.seed={seed}"), stop_at=args.target)
+            tag = "-".join(s.replace("=", "") for s in args.ds_set)  # runs under other settings keep their own folders
+            run = dsslm(data_dir, OUT / "runs" / f"sweep-{args.corpus}-{cap}-{name}-{lr:g}-{seed}{tag and '-' + tag}", cap,
+                        args.eval_every, args.threads, False, (*args.ds_set, *extra, f"run.seed={seed}"),
+                        stop_at=args.target)
             hit = first_under(run["evals"], args.target)
             table.setdefault((name, lr), []).append(hit[0] if hit else None)
             print(f"sweep {name} lr {lr:g} seed {seed}: "

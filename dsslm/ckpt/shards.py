@@ -95,7 +95,10 @@ def check_index(index: Any, files: dict, world_size: int) -> dict:
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise CheckpointError(f"{INDEX_FILE} is not format {INDEX_FORMAT}")
     w, save, tensors = index.get("world_size"), index.get("save"), index.get("tensors")
-    if not isinstance(w, int) or not 1 <= w <= 1 << 20 or not isinstance(save, str) or not isinstance(tensors, dict):
+    # A written index always names its save: "" marks a gathered folder's in-memory index, whose
+    # header checks check_headers skips, so on disk it would let a piece point at any tensor.
+    if (not isinstance(w, int) or not 1 <= w <= 1 << 20 or not isinstance(save, str) or not save
+            or not isinstance(tensors, dict)):
         raise CheckpointError(f"{INDEX_FILE}: world_size, save or tensors malformed")
     if w != world_size:
         raise CheckpointError(f"{INDEX_FILE} says {w} ranks wrote it, state.json says {world_size}")

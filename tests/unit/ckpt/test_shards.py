@@ -110,6 +110,10 @@ HOSTILE = {
                          "overlap"),
     "missing rows": (lambda ix: ix["tensors"]["model/w"]["pieces"].pop(), "cover"),
     "another world size": (lambda ix: ix.__setitem__("world_size", 3), "3 ranks"),
+    # "" is the save id of a gathered folder's in-memory index, whose header checks are skipped:
+    # on disk it would let a piece name another tensor's bytes
+    "no save id": (lambda ix: (ix.__setitem__("save", ""), piece(ix, "model/b", 0).__setitem__(1, "model/w")),
+                   "save"),
     "a piece in a file the folder lacks": (lambda ix: piece(ix, "model/b", 0).__setitem__(0, "shard-00007-of-00002.safetensors"),
                                            "malformed"),
 }

@@ -178,6 +178,13 @@ class Checkpointer:
         Upgrades an old state.json in place."""
         ckpt.state = upgrade_state(ckpt.state)
         self.check_state(ckpt.state)
+        if ckpt.state["step"] != ckpt.step:  # chosen by its name: restored, it would be another step
+            raise StateError(f"state.step: {ckpt.state['step']}, the folder name says {ckpt.step}")
+        sharded = ckpt.reader is not None and bool(ckpt.reader.index["save"])  # "": gathered (no rank files)
+        for name in self.parts:
+            value = ckpt.state[name]
+            if isinstance(value, dict) and set(value) == {"per_rank"} and not sharded:
+                raise StateError(f"state.{name}: kept in rank files, which a gathered checkpoint does not have")
         saved = ckpt.state["fingerprint"]
         allowed = self.allow_drift
         where = f"checkpoint {ckpt.path.name}"

@@ -106,6 +106,11 @@ CASES = {
     "monitor loss NaN": (edit_state(set_field("monitor.losses", ["nan"])), "state.monitor.losses[0]"),
     "rng of another size": (edit_state(set_field("rng", [])), "state.rng"),
     "copies disagree": (edit_state(lambda s: {**s, "step": 4}), "state.step"),
+    # both copies agree, but the folder is step-00000008: chosen as 8, it would restore step 12
+    "step not the folder's": (edit_state(lambda s: {**s, "step": 12, "train": {**s["train"], "step": 12}}),
+                              "state.step"),
+    # the sharded form of the streams in a gathered folder, which has no rank files to read them from
+    "rng per rank in a gathered folder": (edit_state(set_field("rng", {"per_rank": 1})), "state.rng"),
     "position negative": (edit_state(set_field("train.next_sequence", -1)), "state.train.next_sequence"),
     "domain tokens negative": (edit_state(set_field("train.domain_tokens", {"code": -3})),
                                "state.train.domain_tokens.code"),

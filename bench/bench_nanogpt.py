@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_nanogpt.py --nanogpt ~/src/nanoGPT [--text input.txt] [--pairs 3]
 
 Shape (nanoGPT's README, "I only have a macbook"): 4 layers, 4 heads, d 128, context 64, batch 12,
-fp32, one process, no compile, dsslm's SwiGLU as wide as makes nanoGPT's MLP parameter count (344), lr 1e-3 -> 1e-4 cosine over 2000 iterations, warmup 100, beta2
-0.99, dropout 0. Both trainers read the same tokens: the text as bytes, prepared once by
+fp32, one process, no compile, lr 1e-3 -> 1e-4 cosine over 2000 iterations, warmup 100, beta2
+0.99, dropout 0; dsslm's SwiGLU 344 wide, nanoGPT's MLP parameter count (FFN_MATCHED). Both trainers read the same tokens: the text as bytes, prepared once by
 `dsslm.data prepare` (byte tokenizer, 10% validation), and nanoGPT's train.bin / val.bin /
 meta.pkl written from those very shards (vocabulary 257 for both). Nothing of nanoGPT is
 modified: its train.py runs from a scratch folder (bench/out/nanogpt/) holding its configurator
@@ -312,9 +312,9 @@ def sweep(data_dir: Path | str, args: argparse.Namespace) -> None:
     arms += [("muon", float(lr), ("optim.name=muon", f"optim.muon_lr={lr}")) for lr in args.muon_lrs.split(",") if lr]
     table: dict[tuple[str, float], list[int | None]] = {}
     cap = args.ds_max_iters or args.max_iters or 2000  # dsslm's horizon: its cosine reaches min_lr there
+    tag = "-".join(s.replace("=", "") for s in args.ds_set)  # runs under other settings keep their own folders
     for name, lr, extra in arms:
         for seed in range(args.seeds):
-            tag = "-".join(s.replace("=", "") for s in args.ds_set)  # runs under other settings keep their own folders
             run = dsslm(data_dir, OUT / "runs" / f"sweep-{args.corpus}-{cap}-{name}-{lr:g}-{seed}{tag and '-' + tag}", cap,
                         args.eval_every, args.threads, False, (*args.ds_set, *extra, f"run.seed={seed}"),
                         stop_at=args.target)

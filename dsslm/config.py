@@ -227,6 +227,17 @@ class Config:
 
 
 
+def accumulation_for(t: TrainCfg, world_size: int) -> int:
+    """The micro-batches per step that make train.global_batch_size at this world size (the
+    engine's derive_grad_accum and the accelerate-flag check both ask); ConfigError, naming the
+    numbers, when the global batch is not a multiple of micro_batch_size x world size."""
+    per_pass = t.micro_batch_size * world_size
+    if t.global_batch_size % per_pass:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+                          f"{t.micro_batch_size} x world size {world_size} = {per_pass}; change one of them")
+    return t.global_batch_size // per_pass
+
+
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config at `path` (default configs/tiny.yaml) with `key=value` overrides applied."""
     schema = OmegaConf.structured(Config)

@@ -16,6 +16,7 @@ Shapes (the rule a checkpoint reader or exporter relies on):
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -340,6 +341,7 @@ class Transformer(nn.Module):
         return F.linear(x, self.lm_head.weight[: self.vocab_size]).float()
 
 
+@functools.cache  # asked on every forward of a document-masked model on CUDA
 def _has_flex() -> bool:
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401

@@ -100,6 +100,11 @@ class NotAccepted(CheckpointError):
     """A checkpoint that verified but was refused by its contents (config, shapes, fields)."""
 
 
+def kept_per_rank(value: Any) -> bool:
+    """A part's entry in state.json that says its state is in each rank's own file (a sharded save)."""
+    return isinstance(value, dict) and set(value) == {"per_rank"}
+
+
 class Checkpointer:
     """The loop's checkpoint verbs over the table of parts (every rank holds one)."""
 
@@ -183,7 +188,7 @@ class Checkpointer:
         sharded = ckpt.reader is not None and bool(ckpt.reader.index["save"])  # "": gathered (no rank files)
         for name in self.parts:
             value = ckpt.state[name]
-            if isinstance(value, dict) and set(value) == {"per_rank"} and not sharded:
+            if kept_per_rank(value) and not sharded:
                 raise StateError(f"state.{name}: kept in rank files, which a gathered checkpoint does not have")
         saved = ckpt.state["fingerprint"]
         allowed = self.allow_drift
@@ -307,7 +312,7 @@ class Checkpointer:
             self.engine.load_local_state(ckpt.reader)
         for name, part in self.parts.items():
             value = ckpt.state[name]
-            if isinstance(value, dict) and set(value) == {"per_rank"} and hasattr(part, "load_local_state_dict"):
+            if kept_per_rank(value) and hasattr(part, "load_local_state_dict"):
                 saved = value["per_rank"]
                 own = (read_rank_file(ckpt.path, self.engine.rank, saved)[name]
                        if saved == self.engine.world_size else None)

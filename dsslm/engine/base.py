@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.clip import ClipBound
-from dsslm.config import Config, ConfigError
+from dsslm.config import Config, accumulation_for
 from dsslm.engine.blocks import set_matmul_precision
 from dsslm.optim import MuonAdamW, adamw_impl, set_lr
 from dsslm.precision import LossScaler
@@ -150,14 +150,8 @@ def derive_grad_accum(cfg: Config, world_size: int) -> None:
     The global batch is the setting and the accumulation its consequence, as in torchtitan and
     Megatron: a resume on another GPU count keeps the global batch, so the fingerprint matches and
     the learning-rate plan, defined per optimizer step, stays the plan."""
-    t = cfg.train
-    if not t.global_batch_size:
-        return
-    per_pass = t.micro_batch_size * world_size
-    if t.global_batch_size % per_pass:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
-                          f"{t.micro_batch_size} x world size {world_size} = {per_pass}; change one of them")
-    t.grad_accum = t.global_batch_size // per_pass
+    if cfg.train.global_batch_size:
+        cfg.train.grad_accum = accumulation_for(cfg.train, world_size)
 
 
 def share_orthogonalisations(optimizer: torch.optim.Optimizer, cfg: Config) -> None:

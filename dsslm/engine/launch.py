@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dsslm.config import Config, ConfigError
+from dsslm.config import Config, ConfigError, accumulation_for
 
 TRUE = ("1", "true", "yes")
 
@@ -78,12 +78,11 @@ def _check_agrees(cfg: Config, env: dict) -> None:
     grad_accum = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
     t = cfg.train
     if grad_accum and t.global_batch_size:
-        # The accumulation follows from the global batch at this world size (derive_grad_accum); a
-        # flag that says otherwise would be ignored in silence. A global batch that is no multiple
-        # of micro x world is refused later, by the engine, with the numbers.
+        # The accumulation follows from the global batch at this world size; a flag that says
+        # otherwise would be ignored in silence.
         world = int(env.get("WORLD_SIZE", "1"))
-        derived, rest = divmod(t.global_batch_size, t.micro_batch_size * world)
-        if not rest and int(grad_accum) != derived:
+        derived = accumulation_for(t, world)
+        if int(grad_accum) != derived:
             raise ConfigError(f"accelerate launch --gradient_accumulation_steps {grad_accum} but train.global_batch_size="
                               f"{t.global_batch_size} / (train.micro_batch_size={t.micro_batch_size} x world size "
                               f"{world}) gives train.grad_accum {derived}; drop the flag (the global batch sets it)")

@@ -193,6 +193,8 @@ class Engine(abc.ABC):
     """Shared state and collectives; subclasses implement wrap / backward / clip / step / state."""
 
     name = "base"
+    # load_local_state reads every tensor whole (a replica on every rank), not only its own spans.
+    replica_reads = False
 
     def __init__(self, cfg: Config, model: nn.Module):
         self.cfg = cfg

@@ -18,6 +18,7 @@ from dsslm.optim import build_optimizer
 
 class DDPEngine(TorchAdamWEngine):
     name = "ddp"
+    replica_reads = True
 
     def __init__(self, cfg: Config, model: nn.Module):
         super().__init__(cfg, model)

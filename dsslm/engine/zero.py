@@ -522,8 +522,17 @@ class ZeroEngine(Engine):
         if self.layout != "zero3":
             self.optimizer.update_lp_params()  # a collective: every rank's working copy from the masters
         else:
+            # As DeepSpeed's own step does: release every gathered working copy first, then write
+            # the partitions from the masters, then gather the persistent parameters again (those
+            # under stage3_param_persistence_threshold, the norms at any size and everything in a
+            # small model, stay whole between steps). In a live engine (a rewind) they were whole
+            # with the values of the trajectory left, and the next forward used those.
+            self.optimizer._partition_all_parameters()
             for group in range(len(self.optimizer.fp16_partitioned_groups_flat)):
                 self.optimizer._reassign_or_swap_out_partitioned_parameters(group)
+            persistent = self.optimizer.persistent_parameters
+            if persistent:
+                persistent[0].all_gather(persistent)
 
     def _inner_group(self, flat: torch.Tensor) -> dict:
         for group in self.optimizer.optimizer.param_groups:

@@ -2,17 +2,20 @@
 a triage replay goes back a few dozen steps without a durable checkpoint close by.
 
 Every `monitor.rewind_every` steps (not while a triage replay is running: its base must stay)
-the ring takes the engine's full state (weights, AdamW moments and step counts, by parameter
-name) and every checkpoint part's `state_dict()` at the same place in the loop as a save, so a
-restore from a point and from a checkpoint of the same step give bitwise equal runs. The newest
-`monitor.rewind_points` points are kept.
+each rank copies to the host the part of the state a sharded checkpoint would have it write
+(`engine.local_state()`: its FSDP or ZeRO shard of the fp32 weights and optimizer tensors, a
+DDP replica's rows; the step counts on rank 0), and rank 0 every checkpoint part's `state_dict()`,
+at the same place in the loop as a save, so a restore from a point and from a checkpoint of the
+same step give bitwise equal runs. The newest `monitor.rewind_points` points are kept.
 
-Each rank keeps only its share: the parameters are dealt to the ranks by size (largest first, to
-the least loaded), so a point costs about 16 bytes x parameters / world size per rank (fp32
-weight and two moments; more with the parts' JSON, which only rank 0 keeps). Replicated engines
-(DDP) hand every rank the full state and each keeps its share; sharded ones gather to rank 0,
-which deals the shares out. A restore gathers the shares back on every rank and loads them as a
-checkpoint's full tensors are loaded.
+No rank ever holds or reads the whole state for a point: taking one is a device-to-host copy of
+what the rank holds, with no collective over tensors, so a point costs about 16 bytes x
+parameters / world size per rank (fp32 weight and two moments; more with the parts' JSON, which
+only rank 0 keeps). A restore loads the copy back through the engine's `load_local_state`, the
+path a sharded checkpoint of the same world size takes, reading each rank's own copy. A DDP
+replica reads every tensor whole; it is put together one tensor at a time from the ranks' rows
+by a sum over the process group of their bit patterns (disjoint rows, the rest zero: exact,
+including the sign of a zero), so a replica's restore holds one extra tensor at a time.
 
 A point belongs to the trajectory that made it: a restore to step s drops the points after s,
 and a point is never written to disk (after a restart a rewind loads a durable checkpoint).
@@ -20,6 +23,7 @@ and a point is never written to disk (after a restart a rewind loads a durable c
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,13 +31,16 @@ import torch
 
 from dsslm.ckpt.format import Checkpoint, step_name
 from dsslm.ckpt.resume import Checkpointer
-from dsslm.engine.base import MOMENTS, Engine, OptimState
+from dsslm.engine.base import MOMENTS, Engine, Shard
+
+# The integer type of the same width: a sum of bit patterns of which all but one are zero is exact.
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 @dataclass
 class RewindPoint:
     step: int
-    share: dict[str, torch.Tensor]      # this rank's tensors: "model/NAME", "exp_avg/NAME", ...
+    shards: list[Shard]                  # this rank's part of the state (engine.local_state()), on the host
     parts: dict | None                   # every part's state_dict() (rank 0 only)
     state: dict = field(default_factory=dict)   # {"step": step}: what planners read, on every rank
 
@@ -41,28 +48,55 @@ class RewindPoint:
     def path(self) -> Path:
         return Path(f"memory:{step_name(self.step)}")  # named in rewind events, never a folder
 
-
-def deal(shapes: dict[str, tuple], world_size: int) -> dict[str, int]:
-    """Parameter name -> the rank that keeps it: largest first, to the least loaded rank."""
-    load, owner = [0] * world_size, {}
-    for name, shape in sorted(shapes.items(), key=lambda item: (-_numel(item[1]), item[0])):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[name] = rank
-        load[rank] += _numel(shape)
-    return owner
+    def nbytes(self) -> int:
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.shards)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+class PointReader:
+    """A rewind point as the engine's StateReader. `keys()` and `shape()` are the whole state's
+    (every rank's keys, gathered once when the point is restored). Sharded engines read only
+    spans this rank holds (any other read is a bug, refused rather than answered with zeros);
+    a replica's reads are collectives, every rank asking for the same tensors in the same order
+    (load_replica_state's loop), each contributing the rows it keeps."""
+
+    def __init__(self, engine: Engine, shards: list[Shard], table: dict[str, tuple], replicated: bool):
+        self.engine, self.table, self.replicated = engine, table, replicated
+        self.pieces: dict[str, list[Shard]] = {}
+        for shard in shards:
+            self.pieces.setdefault(shard.key, []).append(shard)
+
+    def keys(self) -> list[str]:
+        return list(self.table)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.table[key][0]
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        shape, dtype = self.table[key]
+        end = math.prod(shape) if end is None else end
+        if self.replicated:
+            return self._assemble(key, dtype, math.prod(shape))[start:end]
+        out, at = [], start
+        for piece in sorted(self.pieces.get(key, []), key=lambda p: p.start):
+            a, b = max(at, piece.start), min(end, piece.end)
+            if a == at and a < b:
+                out.append(piece.tensor[a - piece.start:b - piece.start])
+                at = b
+        if at < end:
+            raise RuntimeError(f"rewind point: rank {self.engine.rank} does not hold elements [{at}, {end}) of {key}")
+        return torch.cat(out) if len(out) != 1 else out[0]
+
+    def _assemble(self, key: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        full = torch.zeros(numel, dtype=dtype)
+        for piece in self.pieces.get(key, []):
+            full[piece.start:piece.end] = piece.tensor
+        bits = self.engine.all_reduce_sum(full.view(_BITS[dtype]))
+        return bits.to("cpu").view(dtype)
 
 
 class RewindRing:
     def __init__(self, engine: Engine, checkpointer: Checkpointer, every: int, capacity: int):
         self.engine, self.checkpointer, self.every, self.capacity = engine, checkpointer, every, capacity
-        self.owner = deal(engine.param_shapes, engine.world_size)
         self.points: list[RewindPoint] = []  # oldest first; the same steps on every rank
 
     def due(self, step: int) -> bool:
@@ -71,22 +105,12 @@ class RewindRing:
     def take(self, step: int) -> None:
         """Every rank, at `step` (after its save, if any)."""
         self.drop_after(step - 1)  # a point at or after `step` belongs to an abandoned trajectory
-        model_sd, optim = self.engine.full_state()
-        parts = {name: copy.deepcopy(part.state_dict()) for name, part in self.checkpointer.parts.items()}
-        flat = {**{f"model/{k}": v for k, v in model_sd.items()}, **optim.to_tensors()}
-        replicated = all(self.engine.all_gather(bool(model_sd) or not self.engine.param_shapes))
-        if replicated:
-            share = self._share_of(flat, self.engine.rank)
-        else:  # rank 0 holds the gathered state: deal it out
-            shares = [self._share_of(flat, r) for r in range(self.engine.world_size)] if self.engine.is_main else None
-            share = self.engine.scatter(shares)
-        self.points.append(RewindPoint(step, share, parts if self.engine.is_main else None, {"step": step}))
-        del self.points[:-self.capacity]
-
-    def _share_of(self, flat: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         # Copies on the host: the live tensors change with the next step.
-        return {key: t.detach().to("cpu", copy=True) for key, t in flat.items()
-                if self.owner[key.partition("/")[2]] == rank}
+        shards = [Shard(s.key, s.shape, s.start, s.end, s.tensor.detach().to("cpu", copy=True).contiguous())
+                  for s in self.engine.local_state()]
+        parts = {name: copy.deepcopy(part.state_dict()) for name, part in self.checkpointer.parts.items()}
+        self.points.append(RewindPoint(step, shards, parts if self.engine.is_main else None, {"step": step}))
+        del self.points[:-self.capacity]
 
     def newest(self, at_or_before: int) -> RewindPoint | None:
         return next((p for p in reversed(self.points) if p.step <= at_or_before), None)
@@ -95,19 +119,24 @@ class RewindRing:
         self.points = [p for p in self.points if p.step <= step]
 
     def checkpoint(self, point: RewindPoint) -> Checkpoint:
-        """Every rank: the point as a checkpoint the Checkpointer restores (shares gathered back)."""
-        flat: dict[str, torch.Tensor] = {}
-        for share in self.engine.all_gather(point.share):
-            flat.update(share)
+        """Every rank: the point as a checkpoint the Checkpointer restores through its reader."""
+        mine = {s.key: (s.shape, s.tensor.dtype) for s in point.shards}
+        table: dict[str, tuple] = {}
+        for keys in self.engine.all_gather(mine):  # names and shapes only
+            table.update(keys)
+        shards = point.shards
+        replicated = self.engine.replica_reads and self.engine.world_size > 1
+        if not replicated:  # every rank needs the step counts, which rank 0 alone keeps
+            steps = self.engine.broadcast([s for s in shards if s.key.startswith("optim/step/")]
+                                          if self.engine.is_main else None)
+            shards = [s for s in shards if not s.key.startswith("optim/step/")] + steps
         parts = self.engine.broadcast(point.parts)
-        model = {k.partition("/")[2]: t for k, t in flat.items() if k.startswith("model/")}
-        optim = {k: t for k, t in flat.items() if not k.startswith("model/")}
-        OptimState.from_tensors(optim)  # the layout a checkpoint's optim table has
         state = {**copy.deepcopy(parts), "step": point.step}
-        return Checkpoint(point.step, point.path, {"model": model, "optim": optim}, state)
+        return Checkpoint(point.step, point.path, {}, state, PointReader(self.engine, shards, table, replicated))
 
     def memory(self) -> dict[str, int]:
-        """This rank's host bytes for one point (fp32 weight and moments, fp64 step) and the bound."""
-        mine = sum(_numel(shape) * 4 * (1 + len(MOMENTS)) + 8 for name, shape in self.engine.param_shapes.items()
-                   if self.owner[name] == self.engine.rank)
+        """This rank's host bytes for one point (fp32 weight and two moments per element it holds,
+        fp64 step counts on rank 0) and the bound for the ring."""
+        held = sum(s.end - s.start for s in self.engine.local_state() if s.key.startswith("model/"))
+        mine = held * 4 * (1 + len(MOMENTS)) + (8 * len(self.engine.param_shapes) if self.engine.is_main else 0)
         return {"rewind_point_bytes": mine, "rewind_bytes": mine * self.capacity if self.every else 0}

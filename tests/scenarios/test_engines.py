@@ -297,6 +297,78 @@ def test_an_in_place_rerun_after_dropped_gradients_is_the_clean_step_to_the_bit(
     assert ranks[0][False]["norms"] == ranks[1][False]["norms"]
 
 
+def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int) -> dict:
+    """Steps [0, 3), a rewind point at 3, steps [3, FIRST); the point restored and [3, FIRST)
+    again. The engine's whole-state verbs are disabled and every object the ring hands to an
+    object collective is recorded: a point is taken and restored from each rank's own part."""
+    import types
+
+    from dsslm.recovery.rewind_points import RewindRing
+    torch.set_num_threads(1)
+    cfg = make_cfg(kind, stage)
+    engine = build(cfg)
+
+    def whole_state(*args, **kwargs):
+        raise AssertionError("a rewind point used the whole state")
+
+    engine.full_state = engine.load_full_state = whole_state
+    sent, gather, broadcast = [], engine.all_gather, engine.broadcast
+    engine.all_gather = lambda obj: sent.append(obj) or gather(obj)
+    engine.broadcast = lambda obj: sent.append(obj) or broadcast(obj)
+
+    def own() -> list[tuple]:
+        return [(s.key, s.start, s.end, s.tensor.detach().clone()) for s in engine.local_state()]
+
+    def same(a: list[tuple], b: list[tuple]) -> bool:
+        return len(a) == len(b) and all(x[:3] == y[:3] and torch.equal(x[3], y[3]) for x, y in zip(a, b))
+
+    ring = RewindRing(engine, types.SimpleNamespace(parts={}), every=3, capacity=2)
+    run_steps(engine, cfg, range(3), grad_accum=1)
+    ring.take(3)
+    at_point = own()
+    first = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
+    final = own()
+    engine.load_local_state(ring.checkpoint(ring.newest(3)).reader)
+    restored = same(own(), at_point)
+    again = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
+    out = {"first": first, "again": again, "restored": restored, "final": same(own(), final),
+           "held": sum(s.end - s.start for s in ring.points[0].shards if s.key.startswith("model/")),
+           "total": sum(math.prod(shape) for shape in engine.param_shapes.values()),
+           "largest_sent": max(_tensor_elements(obj) for obj in sent)}
+    engine.close()
+    return out
+
+
+def _tensor_elements(obj) -> int:
+    """Elements of the largest tensor anywhere in `obj`."""
+    if torch.is_tensor(obj):
+        return obj.numel()
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        return max((_tensor_elements(v) for v in obj), default=0)
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage", [("ddp", 1), ("zero", 3), ("fsdp", 1)], ids=["ddp", "zero3", "fsdp"])
+def test_a_rewind_point_is_each_ranks_own_part_and_restores_to_the_bit(kind, stage):
+    """No rank gathers or reads the whole state for a rewind point (a 1B model's 16 GB would
+    land on rank 0 at every point and on every rank at a restore): each keeps what it holds,
+    about half at 2 ranks; only names, shapes and step counts go through object collectives
+    (a replica's restore sums the ranks' rows tensor by tensor). The restored state is the
+    state at the point, and the steps after it come again to the bit."""
+    ranks = run_distributed(rewind_point_worker, 2, (kind, stage))
+    for result in ranks:
+        assert result["restored"] and result["final"]
+        assert result["again"] == result["first"]
+        assert 0.4 < result["held"] / result["total"] < 0.6, result
+        assert result["largest_sent"] <= 1, result  # step counts (one element), never a weight
+    assert ranks[0]["first"] == ranks[1]["first"]
+
+
 # --- launcher and DeepSpeed config: fast, no processes ---------------------------------------
 
 def test_accelerate_use_deepspeed_selects_zero_with_its_stage():

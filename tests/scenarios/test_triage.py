@@ -452,13 +452,17 @@ def test_a_rewind_point_in_memory_is_the_checkpoint_of_its_step_to_the_bit(tmp_p
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_split_the_rewind_points_and_restore_them_to_the_bit(tmp_path):
-    """2 gloo ranks: each keeps about half of every point; the restore gathers both halves."""
+@pytest.mark.parametrize("engine", [["engine.kind=ddp"], ["engine.kind=zero", "engine.zero_stage=3"]],
+                         ids=["ddp", "zero3"])
+def test_two_ranks_split_the_rewind_points_and_restore_them_to_the_bit(tmp_path, engine):
+    """2 gloo ranks: each keeps about half of every point, and a restore reads each rank's own
+    part in the live engine (as a sharded checkpoint's rewind does), while the durable run loads
+    whole gathered checkpoints: the same run to the bit, on a replicated and a sharded engine."""
     from helpers import run_train
-    two = ["train.micro_batch_size=8", "engine.kind=ddp"]
+    two = ["train.micro_batch_size=8", *engine]
     ring, durable = tmp_path / "ring", tmp_path / "durable"
     run_train(ring, *RUN, DATA, *RING, *two, nproc=2, timeout_s=500)
-    run_train(durable, *RUN, DATA, *DURABLE, *two, nproc=2, timeout_s=500)
+    run_train(durable, *RUN, DATA, *DURABLE, *two, "ckpt.format=gathered", nproc=2, timeout_s=500)
     assert [e["checkpoint"] for e in events(ring, "rewind")] == ["memory:step-00000045"]
     assert_same_run(ring, durable)
     shares = [r["rewind_point_bytes"] for r in events(ring, "memory")[0]["per_rank"]]

@@ -12,6 +12,7 @@ from dsslm.config import Config
 from dsslm.fields import StateError
 from dsslm.recovery.monitor import Verdict
 from dsslm.recovery.rewind import merge_history, merge_recovery
+from dsslm.data.skips import merge_skip_list
 from dsslm.recovery.triage import Replay, ReplayProgress, Triage
 
 
@@ -222,3 +223,70 @@ def test_an_outlier_reproduced_in_place_is_data_only_where_a_few_sequences_carry
     assert decision["skip"] == committed and state.skip_list == [[0, 16]] + committed
     assert (tmp_path / "skip_list.json").exists() == (verdict == "data")
     assert triage.progress.streak == (51, [[0, 16]]) and [d["verdict"] for d in forensics.recorded] == [verdict]
+
+
+def test_data_a_streaks_rerun_committed_leaves_the_run_file_while_its_triage_replays_it(tmp_path):
+    """Step 51, re-run in place, is carried by two sequences: data, committed to the skip list and
+    skip_list.json. The streak goes on to rewind: its triage replays without that data, then (if
+    the spike comes back without it) with it at a lower learning rate, and its verdict decides.
+    Until then the run file holds the list from before the re-run, so a resume in the middle of a
+    backoff replay (which merges the run file into the checkpoint's list) feeds what the
+    uninterrupted replay feeds. (Before: the run file kept the entry, and such a resume skipped
+    data the uninterrupted run trained on.)"""
+    from dsslm.recovery.monitor import SpikeMonitor
+    from dsslm.recovery.rewind import RewindPlan, read_recovery
+    cfg = Config()
+    cfg.monitor.min_history, cfg.monitor.window = 10, 20
+    monitor = SpikeMonitor(cfg.monitor)
+    rng = np.random.default_rng(0)
+    for step in range(1, 51):
+        assert monitor.judge(step, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
+    losses = 2.0 + 0.05 * rng.standard_normal(16)
+    losses[[3, 11]] += 8.0
+    assert monitor.judge(51, float(losses.mean()), 1.0) is Verdict.SKIP
+    assert monitor.rejudge(51, float(losses.mean()), 1.0) is Verdict.SKIP
+    entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
+    restored = []
+
+    class Ckpt:
+        state = {"step": 45}
+        path = "memory:step-00000045"
+
+    class Rewinder(_Rewinder):
+        run_dir = tmp_path
+        fed_of = staticmethod(lambda step: (800 + 16 * (step - 51), 816 + 16 * (step - 51)))
+
+        def plan(self, state, spike_start, target):
+            return RewindPlan(to_step=48, window=[800, 848], lr_scale_factor=1.0, escalate=False)
+
+        def checkpoint_before(self, target, to_step, spike_start):
+            return Ckpt()
+
+        def restore(self, state, ckpt, skip_list, lr_scale, record):
+            # The base (step 45) holds the list from before the streak; the replay's skips join it.
+            state.step, state.skip_list = 45, merge_skip_list([[0, 16]] + skip_list)
+            restored.append(list(state.skip_list))
+
+    class Forensics(_Forensics):
+        def data_entries(self, steps, fed_of, skip_list):
+            return [entry]
+
+    emitted = []
+    triage = Triage(cfg, _Engine(), Rewinder(), monitor, Forensics(losses), ReplayProgress(),
+                    lambda e, **f: emitted.append((e, f)))
+    state = TrainState(step=51, skip_list=[[0, 16]])
+    triage.note_rerun(state, 51, (float(losses.mean()), 1.0, "loss z=9"), (float(losses.mean()), 1.0), Verdict.SKIP)
+    assert state.skip_list == [[0, 16], entry] == read_recovery(tmp_path, 16)["skip_list"]
+    for step in (52, 53):  # the streak goes on (its next outliers' re-runs are not data)
+        monitor.judge(step, float(losses.mean()), 1.0)
+    state.step = 53
+    triage._start(state, 53)
+    assert triage.replay.phase == "skip_window" and restored == [[[0, 16], entry]]  # without the data
+    assert read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
+    withdrawn = [f for e, f in emitted if e == "skip_withdrawn"]
+    assert withdrawn == [{"step": 53, "spike_start": 51, "skip": [entry], "reason": withdrawn[0]["reason"]}]
+    # The backoff replay feeds the data again; a checkpoint saved during it holds the base's list
+    # and the resume merges the run file into it: the same data as the uninterrupted replay.
+    resumed = TrainState(skip_list=[[0, 16]])
+    merge_recovery(resumed, read_recovery(tmp_path, 16))
+    assert resumed.skip_list == [[0, 16]]

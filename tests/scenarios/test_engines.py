@@ -297,7 +297,7 @@ def test_an_in_place_rerun_after_dropped_gradients_is_the_clean_step_to_the_bit(
     assert ranks[0][False]["norms"] == ranks[1][False]["norms"]
 
 
-def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int) -> dict:
+def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int, extra: tuple = ()) -> dict:
     """Steps [0, 3), a rewind point at 3, steps [3, FIRST); the point restored and [3, FIRST)
     again. The engine's whole-state verbs are disabled and every object the ring hands to an
     object collective is recorded: a point is taken and restored from each rank's own part."""
@@ -305,7 +305,7 @@ def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int) -> di
 
     from dsslm.recovery.rewind_points import RewindRing
     torch.set_num_threads(1)
-    cfg = make_cfg(kind, stage)
+    cfg = make_cfg(kind, stage, *extra)
     engine = build(cfg)
 
     def whole_state(*args, **kwargs):
@@ -352,15 +352,20 @@ def _tensor_elements(obj) -> int:
     return 0
 
 
+MUON = ("optim.name=muon", "optim.muon_lr=0.02")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,stage", [("ddp", 1), ("zero", 3), ("fsdp", 1)], ids=["ddp", "zero3", "fsdp"])
-def test_a_rewind_point_is_each_ranks_own_part_and_restores_to_the_bit(kind, stage):
+@pytest.mark.parametrize("kind,stage,extra", [("ddp", 1, ()), ("zero", 2, ()), ("zero", 3, ()), ("fsdp", 1, ()),
+                                              ("zero", 3, MUON), ("fsdp", 1, MUON)],
+                         ids=["ddp", "zero2", "zero3", "fsdp", "zero3-muon", "fsdp-muon"])
+def test_a_rewind_point_is_each_ranks_own_part_and_restores_to_the_bit(kind, stage, extra):
     """No rank gathers or reads the whole state for a rewind point (a 1B model's 16 GB would
     land on rank 0 at every point and on every rank at a restore): each keeps what it holds,
     about half at 2 ranks; only names, shapes and step counts go through object collectives
     (a replica's restore sums the ranks' rows tensor by tensor). The restored state is the
     state at the point, and the steps after it come again to the bit."""
-    ranks = run_distributed(rewind_point_worker, 2, (kind, stage))
+    ranks = run_distributed(rewind_point_worker, 2, (kind, stage, extra))
     for result in ranks:
         assert result["restored"] and result["final"]
         assert result["again"] == result["first"]

@@ -300,7 +300,8 @@ def test_an_in_place_rerun_after_dropped_gradients_is_the_clean_step_to_the_bit(
 def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int, extra: tuple = ()) -> dict:
     """Steps [0, 3), a rewind point at 3, steps [3, FIRST); the point restored and [3, FIRST)
     again. The engine's whole-state verbs are disabled and every object the ring hands to an
-    object collective is recorded: a point is taken and restored from each rank's own part."""
+    object collective is recorded: a point is taken and restored from each rank's own part
+    (weights with AdamW's moments, or Muon's momentum for the hidden matrices)."""
     import types
 
     from dsslm.recovery.rewind_points import RewindRing

@@ -142,7 +142,7 @@ def start(job: Job) -> str:
             job.sinks.emit("data_verified", **job.verified)
         job.sinks.emit("finished", step=job.state.step, total_steps=cfg.train.total_steps)
         return "finished"
-    job.rewinder.merge_run_file(job.state)
+    job.rewinder.merge_run_file(job.state, job.triage.replay.withdrawn if job.triage.replay else [])
     env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
                   cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything

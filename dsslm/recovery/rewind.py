@@ -133,9 +133,10 @@ def write_recovery(run_dir: Path, state: TrainState) -> None:
                                                "rewinds": state.rewinds, "lr_scale": state.lr_scale})
 
 
-def merge_recovery(state: TrainState, recovery: dict) -> None:
-    """Fold the run-level record into a state just restored from a checkpoint (or fresh)."""
-    state.skip_list = merge_skip_list(state.skip_list + recovery["skip_list"])
+def merge_recovery(state: TrainState, recovery: dict, withheld: list = ()) -> None:
+    """Fold the run-level record into a state just restored from a checkpoint (or fresh), but
+    for the file's entries in `withheld` (the data a triage replay in progress tries again)."""
+    state.skip_list = merge_skip_list(state.skip_list + [e for e in recovery["skip_list"] if e not in withheld])
     state.rewinds = merge_history(state.rewinds, recovery["rewinds"])
     if recovery["lr_scale"] is not None:
         state.lr_scale = min(state.lr_scale, recovery["lr_scale"])
@@ -188,9 +189,10 @@ class Rewinder:
         while len(self._fed) > max(8, 2 * (self.cfg.monitor.max_skips + 2)):
             self._fed.popitem(last=False)
 
-    def merge_run_file(self, state: TrainState) -> None:
-        """After a resume or at a fresh start: never replay a window this run already skipped."""
-        merge_recovery(state, self.engine.decide(lambda: self._read_or_rebuild(state.step)))
+    def merge_run_file(self, state: TrainState, withheld: list = ()) -> None:
+        """After a resume or at a fresh start: never replay a window this run already skipped,
+        but for what a triage replay the resume continues tries again (`Replay.withdrawn`)."""
+        merge_recovery(state, self.engine.decide(lambda: self._read_or_rebuild(state.step)), withheld)
 
     def _read_or_rebuild(self, step: int) -> dict:
         """skip_list.json, or, when it is unreadable or malformed (a torn write, an edit), the

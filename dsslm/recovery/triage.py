@@ -115,6 +115,9 @@ class Replay:
     entries: list = field(default_factory=list)
     # The skip_window replay leaves out all the data of `window` (entries widened to it).
     wide: bool = False
+    # Data the streak's re-runs in place committed (`note_rerun`) that this triage tries again:
+    # skip_list.json keeps it, and a resume of this replay does not merge it from there.
+    withdrawn: list = field(default_factory=list)
 
 
 class ReplayProgress:
@@ -362,26 +365,26 @@ class Triage:
         # half way would act on a verdict no replay has shown.
         if not self._affordable(replay, phases=(2 if in_place else 3) + self.cfg.monitor.max_backoffs):
             return self._fall_back(state, replay, ckpt)
-        if in_place and merge_skip_list(before) != merge_skip_list(state.skip_list):
-            self._withdraw(state, replay)
+        if in_place:
+            self._withhold(state, replay)
         # The first phase's replay: same_data feeds the original data; skip_window leaves out the
         # spike's data as the same_data phase's successor does (_next_phase).
         self._replay_from(state, ckpt, replay, window=replay.window if in_place else None, lr_scale=replay.lr_scale)
 
-    def _withdraw(self, state: TrainState, r: Replay) -> None:
+    def _withhold(self, state: TrainState, r: Replay) -> None:
         """The streak's re-runs in place committed data (`note_rerun`) that its triage now tries
         again: its backoff replays feed that data, and its verdict decides what is skipped (a
         data verdict commits the spike's entries, which name it again; a state verdict or an
-        escalation keeps the list from before the triage). skip_list.json goes back to the list
-        from before the re-runs until then: a resume merges that file into the checkpoint it
-        loads, and a resume in the middle of a backoff replay would otherwise skip data the
-        uninterrupted replay feeds, and a restart from before the streak would skip it at once."""
+        escalation keeps the list from before the triage). skip_list.json keeps it until then
+        (a restart from a checkpoint before the streak, after a crash that saved nothing of the
+        triage, still never feeds it); the replay in progress names it (`withdrawn`), so that a
+        resume of the replay does not merge it from the file: that resume feeds what the
+        uninterrupted replay feeds."""
         before = merge_skip_list(r.skip_list)
-        withdrawn = [e for e in state.skip_list if e not in before]
-        self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, TrainState(
-            skip_list=before, rewinds=state.rewinds, lr_scale=state.lr_scale)))
-        self.emit("skip_withdrawn", step=r.target, spike_start=r.spike_start, skip=withdrawn,
-                  reason="the streak's re-runs in place committed this data; its triage replays it and decides")
+        r.withdrawn = [e for e in state.skip_list if e not in before]
+        if r.withdrawn:
+            self.emit("skip_withheld", step=r.target, spike_start=r.spike_start, skip=r.withdrawn,
+                      reason="the streak's re-runs in place committed this data; its triage replays it and decides")
 
     def _next_phase(self, state: TrainState, step: int) -> None:
         r = self.replay
@@ -497,7 +500,8 @@ class _TriageState(Spec):
                     window=Window(), skip_list=ListOf(SkipEntry(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
                     evidence=ListOf(Json(), max_len=10_000), entries=ListOf(SkipEntry(), max_len=100_000),
-                    wide=Bool(), optional=("entries", "wide"))
+                    wide=Bool(), withdrawn=ListOf(SkipEntry(), max_len=100_000),
+                    optional=("entries", "wide", "withdrawn"))
 
     fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
     recent = ListOf(ListOf(Json(), length=4), max_len=1000)

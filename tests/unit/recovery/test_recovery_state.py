@@ -225,14 +225,15 @@ def test_an_outlier_reproduced_in_place_is_data_only_where_a_few_sequences_carry
     assert triage.progress.streak == (51, [[0, 16]]) and [d["verdict"] for d in forensics.recorded] == [verdict]
 
 
-def test_data_a_streaks_rerun_committed_leaves_the_run_file_while_its_triage_replays_it(tmp_path):
+def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triage_replay(tmp_path):
     """Step 51, re-run in place, is carried by two sequences: data, committed to the skip list and
     skip_list.json. The streak goes on to rewind: its triage replays without that data, then (if
     the spike comes back without it) with it at a lower learning rate, and its verdict decides.
-    Until then the run file holds the list from before the re-run, so a resume in the middle of a
-    backoff replay (which merges the run file into the checkpoint's list) feeds what the
-    uninterrupted replay feeds. (Before: the run file kept the entry, and such a resume skipped
-    data the uninterrupted run trained on.)"""
+    The replay in progress names it (`withdrawn`, in the checkpoint part), so a resume of a
+    backoff replay, which merges the run file into the checkpoint's list, feeds what the
+    uninterrupted replay feeds; the run file keeps it, so a restart from a checkpoint before the
+    streak (a crash that saved nothing of the triage) still never feeds it. (Before: a resume of
+    the backoff replay skipped data the uninterrupted run trained on.)"""
     from dsslm.recovery.monitor import SpikeMonitor
     from dsslm.recovery.rewind import RewindPlan, read_recovery
     cfg = Config()
@@ -272,7 +273,8 @@ def test_data_a_streaks_rerun_committed_leaves_the_run_file_while_its_triage_rep
             return [entry]
 
     emitted = []
-    triage = Triage(cfg, _Engine(), Rewinder(), monitor, Forensics(losses), ReplayProgress(),
+    progress = ReplayProgress()
+    triage = Triage(cfg, _Engine(), Rewinder(), monitor, Forensics(losses), progress,
                     lambda e, **f: emitted.append((e, f)))
     state = TrainState(step=51, skip_list=[[0, 16]])
     triage.note_rerun(state, 51, (float(losses.mean()), 1.0, "loss z=9"), (float(losses.mean()), 1.0), Verdict.SKIP)
@@ -282,11 +284,20 @@ def test_data_a_streaks_rerun_committed_leaves_the_run_file_while_its_triage_rep
     state.step = 53
     triage._start(state, 53)
     assert triage.replay.phase == "skip_window" and restored == [[[0, 16], entry]]  # without the data
-    assert read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
-    withdrawn = [f for e, f in emitted if e == "skip_withdrawn"]
-    assert withdrawn == [{"step": 53, "spike_start": 51, "skip": [entry], "reason": withdrawn[0]["reason"]}]
-    # The backoff replay feeds the data again; a checkpoint saved during it holds the base's list
-    # and the resume merges the run file into it: the same data as the uninterrupted replay.
+    assert read_recovery(tmp_path, 16)["skip_list"] == [[0, 16], entry]  # the file keeps it
+    assert [f["skip"] for e, f in emitted if e == "skip_withheld"] == [[entry]]
+    # The checkpoint part carries what the replay withholds.
+    saved = json.loads(json.dumps(progress.state_dict()))
+    progress.state_spec.validate(saved, "state.triage")
+    again = ReplayProgress()
+    again.load_state_dict(saved)
+    assert again.replay.withdrawn == [entry]
+    # A checkpoint saved during the backoff replay holds the base's list; its resume merges the
+    # run file without the withheld data: the same data as the uninterrupted replay.
     resumed = TrainState(skip_list=[[0, 16]])
-    merge_recovery(resumed, read_recovery(tmp_path, 16))
+    merge_recovery(resumed, read_recovery(tmp_path, 16), again.replay.withdrawn)
     assert resumed.skip_list == [[0, 16]]
+    # A restart from before the streak, with no replay in progress, skips it.
+    restarted = TrainState(skip_list=[[0, 16]])
+    merge_recovery(restarted, read_recovery(tmp_path, 16))
+    assert restarted.skip_list == [[0, 16], entry]

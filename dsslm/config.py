@@ -161,7 +161,7 @@ class MonitorCfg:
     lr_recover_steps: int = 0   # a state backoff ramps back to the full lr over this many steps (0: it stays)
     forensics: bool = True      # write run.dir/spikes/step-XXXXXXXX/ for every spike
     rewind_every: int = 50      # steps between in-memory rewind points (0 = off: rewinds load checkpoints)
-    rewind_points: int = 2      # rewind points kept (host memory: ~16 B x params / world size per rank each)
+    rewind_points: int = 2      # rewind points kept (host memory: ~12 B x params / world size per rank each)
 
 
 @dataclass

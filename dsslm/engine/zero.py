@@ -492,7 +492,8 @@ class ZeroEngine(Engine):
     def load_local_state(self, reader: StateReader) -> None:
         """Only this rank's fp32 master and moment fragments are read; the working copies follow
         from the masters as after a step (stages 1 and 2: DeepSpeed's copy-and-all-gather; stage
-        3: each rank copies its master partitions into its working partitions, no gather)."""
+        3: each rank copies its master partitions into its working partitions, and the
+        persistent parameters are gathered again, as at the end of DeepSpeed's step)."""
         kinds = optim_kinds(reader)
         steps = {name: float(reader.read(f"optim/step/{name}")[0]) for name in kinds.get("step", ())}
         inner = self.optimizer.optimizer.state
@@ -533,6 +534,7 @@ class ZeroEngine(Engine):
             persistent = self.optimizer.persistent_parameters
             if persistent:
                 persistent[0].all_gather(persistent)
+            self.optimizer.invalidate_secondary_tensor()  # hpZ's copies (zero_hpz_partition_size > 1)
 
     def _inner_group(self, flat: torch.Tensor) -> dict:
         for group in self.optimizer.optimizer.param_groups:

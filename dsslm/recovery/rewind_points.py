@@ -9,9 +9,9 @@ at the same place in the loop as a save, so a restore from a point and from a ch
 same step give bitwise equal runs. The newest `monitor.rewind_points` points are kept.
 
 No rank ever holds or reads the whole state for a point: taking one is a device-to-host copy of
-what the rank holds, with no collective over tensors, so a point costs about 16 bytes x
-parameters / world size per rank (fp32 weight and two moments; more with the parts' JSON, which
-only rank 0 keeps). A restore loads the copy back through the engine's `load_local_state`, the
+what the rank holds, with no collective over tensors, so a point costs about 12 bytes x
+parameters / world size per rank (fp32 weight and two moments, Muon's hidden matrices one
+momentum; more with the parts' JSON, which only rank 0 keeps). A restore loads the copy back through the engine's `load_local_state`, the
 path a sharded checkpoint of the same world size takes, reading each rank's own copy. A DDP
 replica reads every tensor whole; it is put together one tensor at a time from the ranks' rows
 by a sum over the process group of their bit patterns (disjoint rows, the rest zero: exact,
@@ -74,6 +74,8 @@ class PointReader:
     def read(self, key: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         shape, dtype = self.table[key]
         end = math.prod(shape) if end is None else end
+        if start == end:
+            return torch.empty(0, dtype=dtype)
         if self.replicated:
             return self._assemble(key, dtype, math.prod(shape))[start:end]
         out, at = [], start
@@ -82,7 +84,7 @@ class PointReader:
             if a == at and a < b:
                 out.append(piece.tensor[a - piece.start:b - piece.start])
                 at = b
-        if at < end:
+        if at < end:  # a bug in an engine's read plan (the other ranks then wait in its next collective)
             raise RuntimeError(f"rewind point: rank {self.engine.rank} does not hold elements [{at}, {end}) of {key}")
         return torch.cat(out) if len(out) != 1 else out[0]
 
@@ -135,8 +137,9 @@ class RewindRing:
         return Checkpoint(point.step, point.path, {}, state, PointReader(self.engine, shards, table, replicated))
 
     def memory(self) -> dict[str, int]:
-        """This rank's host bytes for one point (fp32 weight and two moments per element it holds,
-        fp64 step counts on rank 0) and the bound for the ring."""
+        """This rank's host bytes for one point, a bound (fp32 weight and two moments per element
+        it holds, fp64 step counts on rank 0; Muon's hidden matrices hold one momentum), and the
+        bound for the ring."""
         held = sum(s.end - s.start for s in self.engine.local_state() if s.key.startswith("model/"))
         mine = held * 4 * (1 + len(MOMENTS)) + (8 * len(self.engine.param_shapes) if self.engine.is_main else 0)
         return {"rewind_point_bytes": mine, "rewind_bytes": mine * self.capacity if self.every else 0}

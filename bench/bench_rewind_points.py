@@ -6,8 +6,9 @@ it and restoring it, per rank, for a sharded engine (FSDP) and a replicated one 
 Each rank builds the model, trains one step (so AdamW's moments exist), then takes a point and
 restores it through the Checkpointer as a rewind does. Peak RSS (ru_maxrss) is read before the
 point, after taking it and after restoring it: the growth is what the point and its restore
-cost on top of training. The point itself stays held (as in the ring), so `take` includes it;
-`restore` is the extra peak of the restore. Run it from another checkout (PYTHONPATH) to compare
+cost on top of training's own peak (a point can fit in memory the step freed). `held_mb` is the
+resident memory the point keeps (RSS after minus before). `restore` is the extra peak of the
+restore over that. Run it from another checkout (PYTHONPATH) to compare
 versions. Figures include allocator slack; other work on the machine skews the times.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import queue
 import resource
 import sys
 import tempfile
@@ -30,6 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def worker(rank: int, world: int, port: int, engine_kind: str, d_model: int, layers: int, run: str, out) -> None:
@@ -47,7 +54,7 @@ def worker(rank: int, world: int, port: int, engine_kind: str, d_model: int, lay
     from dsslm.rng import seed_everything
     cfg = load(None, [f"model.d_model={d_model}", f"model.n_layers={layers}", "model.n_heads=8", "model.seq_len=64",
                       "train.precision=fp32", "train.device=cpu", f"engine.kind={engine_kind}",
-                      "train.micro_batch_size=2", "train.total_steps=10"])
+                      "train.micro_batch_size=2", "train.total_steps=200"])
     cfg.model.vocab_size = 256
     seed_everything(0)
     engine = build_engine(cfg, build_model(cfg.model))
@@ -58,16 +65,16 @@ def worker(rank: int, world: int, port: int, engine_kind: str, d_model: int, lay
                                 cfg, lambda *a, **k: None)
     ring = RewindRing(engine, checkpointer, every=1, capacity=1)
     torch.distributed.barrier()
-    base = peak_mb()
+    base, held = peak_mb(), rss_mb()
     t0 = time.perf_counter()
     ring.take(1)
-    take_s, after_take = time.perf_counter() - t0, peak_mb()
+    take_s, after_take, held = time.perf_counter() - t0, peak_mb(), rss_mb() - held
     torch.distributed.barrier()
     t0 = time.perf_counter()
     checkpointer.restore(ring.checkpoint(ring.newest(1)))
     restore_s, after_restore = time.perf_counter() - t0, peak_mb()
     out.put({"rank": rank, "params_m": round(sum(math.prod(s) for s in engine.param_shapes.values()) / 1e6, 1),
-             "take_peak_mb": round(after_take - base), "restore_peak_mb": round(after_restore - after_take),
+             "held_mb": round(held), "take_peak_mb": round(after_take - base), "restore_peak_mb": round(after_restore - after_take),
              "take_s": round(take_s, 3), "restore_s": round(restore_s, 3)})
     engine.close()
 
@@ -83,7 +90,15 @@ def launch(world: int, engine_kind: str, d_model: int, layers: int, run: str) ->
              for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted((out.get(timeout=1800) for _ in range(world)), key=lambda r: r["rank"])
+    results = []
+    while len(results) < world:
+        try:
+            results.append(out.get(timeout=5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"a rank exited with code {dead[0]}; its traceback is above")
+    results.sort(key=lambda r: r["rank"])
     for p in procs:
         p.join()
     return results
@@ -104,6 +119,7 @@ def main() -> None:
             ranks = launch(args.ranks, kind, args.d_model, args.layers, run)
         print(json.dumps({"engine": kind, "world": args.ranks, "params_m": ranks[0]["params_m"],
                           "state_mb": round(ranks[0]["params_m"] * 12e6 / 2**20),
+                          "held_mb": [r["held_mb"] for r in ranks],
                           "take_peak_mb": [r["take_peak_mb"] for r in ranks],
                           "restore_peak_mb": [r["restore_peak_mb"] for r in ranks],
                           "take_s": [r["take_s"] for r in ranks], "restore_s": [r["restore_s"] for r in ranks]}),

@@ -46,3 +46,22 @@ def test_compiled_bf16_engines_train_on_two_gpus(tmp_path, engine):
     losses = losses_by_step(tmp_path)
     assert losses[20] < losses[1]
     assert any("mfu" in r for r in read_jsonl(tmp_path / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("kind,gpus", [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)],
+                         ids=["ddp-1", "fsdp-1", "ddp-2", "fsdp-2"])
+def test_a_rewind_point_restores_the_state_it_took_on_cuda(kind, gpus):
+    """The rewind point taken from each rank's own part of the state, on CUDA (device-to-host
+    copies, and on 2 GPUs a DDP replica's tensors summed over NCCL as int bit patterns): the
+    restored state is the point's to the bit. The steps after it are compared within 1e-3
+    (CUDA kernels need not repeat bitwise), which a restore of the wrong state would not meet."""
+    import math
+
+    from helpers import run_distributed
+    from test_engines import rewind_point_worker
+    if torch.cuda.device_count() < gpus:
+        pytest.skip("needs 2 GPUs")
+    for result in run_distributed(rewind_point_worker, gpus, (kind, 1, ("train.device=cuda",))):
+        assert result["restored"]
+        assert all(math.isclose(a[0], b[0], rel_tol=1e-3) for a, b in zip(result["again"], result["first"]))
+        assert result["largest_sent"] <= 1

@@ -145,9 +145,20 @@ class FSDPEngine(TorchAdamWEngine):
                     getattr(optim, key)[name] = state[TORCH_KEYS[key]].detach().float()
         return {n: t.detach().float() for n, t in model_sd.items() if n in self.params}, optim
 
+    def _reshard(self) -> None:
+        """Drop every gathered copy before a restore writes the shards. The root is wrapped with
+        reshard_after_forward=False, so after a forward with no backward (a validation, a probe,
+        a downstream eval) it stays gathered and its module attributes are the gathered copies:
+        the next forward's unshard() is then a no-op and used the abandoned trajectory's
+        embedding, head and final norm (load_local_state), or set_model_state_dict mixed plain
+        and DTensor copies and raised (load_full_state). reshard() does not recurse."""
+        for module in self.fsdp_modules:
+            module.reshard()
+
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:
         """Every rank passes the full tensors (each loads the checkpoint); each keeps its shard."""
         check_names(self.params, model_sd)
+        self._reshard()
         options = StateDictOptions(full_state_dict=True)
         full = {alias: model_sd[name].float() for alias, name in self.aliases.items()}
         set_model_state_dict(self.module, full, options=options)
@@ -191,6 +202,7 @@ class FSDPEngine(TorchAdamWEngine):
 
     def load_local_state(self, reader: StateReader) -> None:
         """Each rank reads the rows of its own shard, whatever wrote the checkpoint."""
+        self._reshard()
         kinds = optim_kinds(reader)
         groups = group_of(self.optimizer)
         self.optimizer.state.clear()

@@ -298,12 +298,13 @@ def test_an_in_place_rerun_after_dropped_gradients_is_the_clean_step_to_the_bit(
 
 
 def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int, extra: tuple = ()) -> dict:
-    """Steps [0, 3), a rewind point at 3, steps [3, FIRST); the point restored and [3, FIRST)
-    again. The engine's whole-state verbs are disabled and every object the ring hands to an
+    """Steps [0, 3), a rewind point at 3, steps [3, FIRST), an evaluation's forward; the point
+    restored and [3, FIRST) again. The engine's whole-state verbs are disabled and every object the ring hands to an
     object collective is recorded: a point is taken and restored from each rank's own part
     (weights with AdamW's moments, or Muon's momentum for the hidden matrices)."""
     import types
 
+    from dsslm.loss import validation_sums
     from dsslm.recovery.rewind_points import RewindRing
     torch.set_num_threads(1)
     cfg = make_cfg(kind, stage, *extra)
@@ -329,6 +330,11 @@ def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int, extra
     at_point = own()
     first = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
     final = own()
+    # An evaluation's forward before the rewind: FSDP's root (reshard_after_forward=False) then
+    # stays gathered, and a restore that wrote only the shards left the next step on stale weights.
+    engine.train_mode(False)
+    validation_sums(engine.forward, micro_batches(0, rank, world_size, 1), "fp32", engine.device)
+    engine.train_mode(True)
     engine.load_local_state(ring.checkpoint(ring.newest(3)).reader)
     restored = same(own(), at_point)
     again = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
@@ -373,6 +379,35 @@ def test_a_rewind_point_is_each_ranks_own_part_and_restores_to_the_bit(kind, sta
         assert 0.4 < result["held"] / result["total"] < 0.6, result
         assert result["largest_sent"] <= 1, result  # step counts (one element), never a weight
     assert ranks[0]["first"] == ranks[1]["first"]
+
+
+def whole_state_worker(rank: int, world_size: int, kind: str, stage: int) -> bool:
+    """Steps [0, 3), the whole state copied, steps [3, FIRST), an evaluation's forward; the copy
+    loaded with load_full_state and [3, FIRST) again: the same losses and norms?"""
+    from dsslm.loss import validation_sums
+    torch.set_num_threads(1)
+    cfg = make_cfg(kind, stage)
+    engine = build(cfg)
+    run_steps(engine, cfg, range(3), grad_accum=1)
+    # Copies (some engines hand out live tensors), from rank 0 (sharded engines gather to it) to all.
+    model_sd, optim = tensors(engine.broadcast(plain(engine.full_state())))
+    first = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
+    engine.train_mode(False)
+    validation_sums(engine.forward, micro_batches(0, rank, world_size, 1), "fp32", engine.device)
+    engine.train_mode(True)
+    engine.load_full_state(model_sd, OptimState(**optim))
+    again = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
+    engine.close()
+    return again == first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage", [("zero", 3), ("fsdp", 1)], ids=["zero3", "fsdp"])
+def test_the_whole_state_loads_into_a_live_engine_after_an_evaluation(kind, stage):
+    """FSDP's root stays gathered after a forward with no backward; loading the whole state then
+    raised (set_model_state_dict mixed gathered tensors and DTensors). ZeRO-3's persistent
+    parameters are gathered too; GatheredParameters re-partitions them with the new values."""
+    assert run_distributed(whole_state_worker, 2, (kind, stage)) == [True, True]
 
 
 # --- launcher and DeepSpeed config: fast, no processes ---------------------------------------

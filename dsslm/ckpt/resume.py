@@ -135,6 +135,11 @@ class Checkpointer:
     def save(self, sync: bool = False, async_save: bool = True) -> None:
         """Snapshot on every rank; gathered: sharded engines gather, RNG is gathered, rank 0
         writes; sharded: every rank writes its own shard and random streams, rank 0 the rest."""
+        # The previous save's failure reaches every rank here. Its writer can fail after the last
+        # step-boundary check (a write longer than ckpt.every steps; ckpt.every=1), and the next
+        # save then raised it on rank 0 alone, inside save_async's own wait: the other ranks went
+        # on into the next step's collectives and waited there for the collective timeout.
+        self.engine.decide(self.store.wait)
         if self.format == "sharded":
             self._save_sharded(sync or not async_save)
             return

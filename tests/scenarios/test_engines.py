@@ -410,6 +410,47 @@ def test_the_whole_state_loads_into_a_live_engine_after_an_evaluation(kind, stag
     assert run_distributed(whole_state_worker, 2, (kind, stage)) == [True, True]
 
 
+def failed_save_worker(rank: int, world_size: int, fmt: str, run_dir: str) -> str:
+    """A save whose background write fails (rank 0's write, gathered; rank 1's shard, sharded),
+    found by nobody before the next save: how does the next save end on this rank?"""
+    from pathlib import Path
+
+    from dsslm.ckpt.format import CheckpointError
+    from dsslm.ckpt.resume import Checkpointer
+    from dsslm.ckpt.store import CheckpointStore
+    from dsslm.ckpt.train_state import TrainState
+    torch.set_num_threads(1)
+    cfg = make_cfg("ddp", 1, f"ckpt.format={fmt}")
+    engine = build(cfg)
+    store = CheckpointStore(Path(run_dir))
+    checkpointer = Checkpointer(engine, store, {"train": TrainState()}, {}, cfg, lambda *a, **k: None)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if rank == (0 if fmt == "gathered" else 1):
+        setattr(store, "_write" if fmt == "gathered" else "_write_one", full_disk)
+    checkpointer.save()
+    store._idle.wait()  # every rank's writer has finished (failed); nobody has looked
+    engine.barrier()
+    checkpointer.train.step = 1
+    try:
+        checkpointer.save()
+        outcome = "saved"
+    except CheckpointError as exc:
+        outcome = "raised" if "No space left" in str(exc) else f"raised {exc}"
+    engine.close()
+    return outcome
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["gathered", "sharded"])
+def test_a_failed_background_save_is_raised_on_every_rank_at_the_next_save(tmp_path, fmt):
+    """Before, the next save raised it on rank 0 alone (inside the store's own wait), and the
+    other ranks went on to wait in the next step's collectives for the collective timeout."""
+    assert run_distributed(failed_save_worker, 2, (fmt, str(tmp_path))) == ["raised", "raised"]
+
+
 # --- launcher and DeepSpeed config: fast, no processes ---------------------------------------
 
 def test_accelerate_use_deepspeed_selects_zero_with_its_stage():

@@ -110,7 +110,9 @@ class Forensics:
                  "tokenizer": self.tokenizer}
         try:
             self._write(step, batch, spike)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - OSError, and safetensors' SafetensorError for an I/O error
+            # Rank 0 alone writes: an exception here would leave it and the other ranks in
+            # different places (they are already in the re-run's or the verdict's collectives).
             self.emit("forensics_failed", step=step, reason=repr(exc))
 
     def data_entries(self, steps: Any, fed_of: Callable[[int], tuple[int, int]], skip_list: list) -> list[dict]:

@@ -123,6 +123,12 @@ def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, sinks, state = job.cfg, job.sinks, job.state
     if start(job) == "finished":
         return EXIT_OK  # said so; nothing to train
+    # Setup ends in one collective, and every rank records signals only after it. Rank 0 does
+    # work of its own after setup's other collectives (events, the audit, the start checkpoint's
+    # snapshot): a signal then made it leave with Preempted while the others, already recording,
+    # waited for it in step 1 (gloo: exit 1; NCCL: the collective timeout). Now a signal before
+    # this barrier ends setup on every rank, and one after it is agreed at step 1's all-reduce.
+    job.engine.barrier()
     stop.save_on_signal()  # from the first step on, a stop signal (or Ctrl-C) saves at the end of its step
     diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
     first_step = state.step

@@ -108,6 +108,41 @@ def test_a_write_failure_on_rank_0_stops_both_ranks_with_exit_4(tmp_path, what):
     assert invalid_reason(tmp_path / "run" / "checkpoints" / "step-00000003") is None  # what was saved is intact
 
 
+def _signal_as_the_loop_begins(rank: int, world_size: int, run_dir: str) -> tuple[int, float]:
+    """A SIGTERM reaching both ranks as setup ends: rank 0 is still on its own work after setup's
+    collectives (events, the audit, the start checkpoint's host snapshot: here 1 s), rank 1 is
+    already past them and gets it at 0.5 s."""
+    import threading
+
+    import dsslm.train as train_module
+    real_start = train_module.start
+
+    def start(job):
+        out = real_start(job)
+        if rank == 0:
+            time.sleep(1.0)
+            signal.raise_signal(signal.SIGTERM)
+        else:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return out
+
+    started = time.monotonic()
+    with mock.patch.object(train_module, "start", start):
+        rc = train_module.main([f"run.dir={run_dir}", *TINY, "train.micro_batch_size=2", "train.total_steps=40"])
+    return rc, time.monotonic() - started
+
+
+def test_a_stop_signal_as_setup_ends_exits_0_on_every_rank(tmp_path):
+    """Rank 0 left with Preempted (nothing trained) while rank 1, already recording signals for
+    the loop, went into step 1's all-reduce: under gloo that raised on rank 1 (exit 1), under
+    NCCL it waited for the collective timeout. Setup now ends in a barrier before any rank
+    records instead of raising, so the signal ends setup on both ranks."""
+    results = run_distributed(_signal_as_the_loop_begins, world_size=2, args=(str(tmp_path / "run"),), timeout_s=120)
+    assert [rc for rc, _ in results] == [0, 0]
+    assert max(seconds for _, seconds in results) < 60
+    assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]  # nothing trained
+
+
 def sigcgt_has(pid: int, sig: int) -> bool:
     """/proc says the process has a handler for `sig` (it has caught up to that point)."""
     try:

@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import queue
 import resource
 import sys
 import tempfile
@@ -25,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _ranks import run_ranks  # noqa: E402
 
 
 def peak_mb() -> float:
@@ -80,28 +79,7 @@ def worker(rank: int, world: int, port: int, engine_kind: str, d_model: int, lay
 
 
 def launch(world: int, engine_kind: str, d_model: int, layers: int, run: str) -> list[dict]:
-    import socket
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, world, port, engine_kind, d_model, layers, run, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < world:
-        try:
-            results.append(out.get(timeout=5))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(f"a rank exited with code {dead[0]}; its traceback is above")
-    results.sort(key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-    return results
+    return run_ranks(worker, world, (engine_kind, d_model, layers, run), timeout_s=1800)
 
 
 def main() -> None:

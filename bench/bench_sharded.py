@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _ranks import run_ranks  # noqa: E402
 from dsslm.ckpt.format import invalid_reason, load_verified, read_manifest  # noqa: E402
 from dsslm.ckpt.shards import open_folder, split_files, verify_share  # noqa: E402
 from dsslm.ckpt.store import CheckpointStore  # noqa: E402
@@ -122,19 +122,7 @@ def worker(rank: int, world: int, port: int, phase: str, fmt: str, params_m: flo
 
 
 def launch(world: int, phase: str, fmt: str, params_m: float, run: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, world, port, phase, fmt, params_m, run, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = sorted((out.get(timeout=3600) for _ in range(world)), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-    return results
+    return run_ranks(worker, world, (phase, fmt, params_m, run))
 
 
 def main() -> None:

@@ -11,8 +11,9 @@ same step give bitwise equal runs. The newest `monitor.rewind_points` points are
 No rank ever holds or reads the whole state for a point: taking one is a device-to-host copy of
 what the rank holds, with no collective over tensors, so a point costs about 12 bytes x
 parameters / world size per rank (fp32 weight and two moments, Muon's hidden matrices one
-momentum; more with the parts' JSON, which only rank 0 keeps). A restore loads the copy back through the engine's `load_local_state`, the
-path a sharded checkpoint of the same world size takes, reading each rank's own copy. A DDP
+momentum; more with the parts' JSON, which only rank 0 keeps). A restore loads the copy back
+through the engine's `load_local_state`, the path a sharded checkpoint of the same world size
+takes, reading each rank's own copy. A DDP
 replica reads every tensor whole; it is put together one tensor at a time from the ranks' rows
 by a sum over the process group of their bit patterns (disjoint rows, the rest zero: exact,
 including the sign of a zero), so a replica's restore holds one extra tensor at a time.
@@ -48,9 +49,6 @@ class RewindPoint:
     def path(self) -> Path:
         return Path(f"memory:{step_name(self.step)}")  # named in rewind events, never a folder
 
-    def nbytes(self) -> int:
-        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.shards)
-
 
 class PointReader:
     """A rewind point as the engine's StateReader. `keys()` and `shape()` are the whole state's
@@ -62,7 +60,7 @@ class PointReader:
     def __init__(self, engine: Engine, shards: list[Shard], table: dict[str, tuple], replicated: bool):
         self.engine, self.table, self.replicated = engine, table, replicated
         self.pieces: dict[str, list[Shard]] = {}
-        for shard in shards:
+        for shard in sorted(shards, key=lambda s: s.start):  # each key's pieces in order, once
             self.pieces.setdefault(shard.key, []).append(shard)
 
     def keys(self) -> list[str]:
@@ -79,7 +77,7 @@ class PointReader:
         if self.replicated:
             return self._assemble(key, dtype, math.prod(shape))[start:end]
         out, at = [], start
-        for piece in sorted(self.pieces.get(key, []), key=lambda p: p.start):
+        for piece in self.pieces.get(key, []):
             a, b = max(at, piece.start), min(end, piece.end)
             if a == at and a < b:
                 out.append(piece.tensor[a - piece.start:b - piece.start])

@@ -268,26 +268,39 @@ class Triage:
         batch that is bad everywhere) nothing in the step tells data from state: the verdict
         is `unknown`, nothing is committed, and a streak it opens is attributed by the triage
         if it goes on to rewind. Either way the streak is marked reproduced in place, so that
-        triage needs no same-data replay (`_start`)."""
+        triage needs no same-data replay (`_start`).
+
+        During a triage's replay (an outlier on a step before the spike it replays: a backoff
+        replay's lower learning rate, or a skip that shifted the stream, makes a new one) nothing
+        is committed and no streak is marked: the pass is tentative, and a next phase restores the
+        base's skip list while skip_list.json would keep the entry, so a resume would skip data
+        the uninterrupted run feeds. The event says `deferred`; the data stays in the stream, and
+        an outlier it causes after the triage is re-run and committed then."""
         name = "transient" if verdict is Verdict.OK else "data"
-        skip = []
+        skip, deferred = [], {}
         if name == "data":
             start, is_data, entries = self.engine.decide(lambda: (
                 self.monitor.spike_start or step, self._concentrated(step),
                 self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list)))
-            if self._streak is None or self._streak[0] != start:
-                self._streak = (start, list(state.skip_list))
-            if is_data:
-                skip = entries
-                state.skip_list = merge_skip_list(state.skip_list + skip)
-                self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+            if self.replay is not None:
+                r = self.replay
+                deferred = {"deferred": f"in the {r.phase} replay of the spike at steps [{r.spike_start}, {r.target}]: "
+                                        f"only the triage's verdict commits data"}
+                name = name if is_data else "unknown"
             else:
-                name = "unknown"
+                if self._streak is None or self._streak[0] != start:
+                    self._streak = (start, list(state.skip_list))
+                if is_data:
+                    skip = entries
+                    state.skip_list = merge_skip_list(state.skip_list + skip)
+                    self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+                else:
+                    name = "unknown"
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
                      "reason": first[2]},
                     {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
         decision = {"verdict": name, "scope": "step", "spike_start": step, "target": step, "replay_steps": 1,
-                    "skip": skip, "evidence": evidence}
+                    "skip": skip, "evidence": evidence, **deferred}
         self.emit("triage", step=step, **decision)
         self.forensics.record_decision([step], decision)
 

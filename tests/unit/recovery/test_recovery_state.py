@@ -225,6 +225,48 @@ def test_an_outlier_reproduced_in_place_is_data_only_where_a_few_sequences_carry
     assert triage.progress.streak == (51, [[0, 16]]) and [d["verdict"] for d in forensics.recorded] == [verdict]
 
 
+def test_an_outlier_reproduced_in_place_during_a_replay_commits_nothing(tmp_path):
+    """A backoff replay of the spike at steps [51, 53] from step 45 trains steps 46-50 at a lower
+    learning rate: an outlier there, carried by two sequences and reproduced in place, is found
+    in a tentative pass. Committing it wrote skip_list.json, while the next phase's restore put
+    back the base's list: a resume then skipped data the uninterrupted run fed. Now the pass
+    commits nothing and marks no streak; the event says `deferred`. (Before: committed.)"""
+    from dsslm.recovery.monitor import SpikeMonitor
+    cfg = Config()
+    cfg.monitor.min_history, cfg.monitor.window = 10, 20
+    monitor = SpikeMonitor(cfg.monitor)
+    rng = np.random.default_rng(0)
+    for step in range(1, 48):
+        assert monitor.judge(step, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
+    losses = 2.0 + 0.05 * rng.standard_normal(16)
+    losses[[3, 11]] += 8.0
+    assert monitor.judge(48, float(losses.mean()), 1.0) is Verdict.SKIP
+    assert monitor.rejudge(48, float(losses.mean()), 1.0) is Verdict.SKIP
+    rewinder = _Rewinder()
+    rewinder.run_dir, rewinder.fed_of = tmp_path, lambda step: (768, 784)
+
+    class Forensics(_Forensics):
+        def __init__(self, losses):
+            super().__init__(losses)
+            self.sequences = collections.OrderedDict({48: (np.arange(768, 784), np.asarray(losses))})
+
+        def data_entries(self, steps, fed_of, skip_list):
+            return [{"shard": "web/train-00000.bin", "tokens": [900, 933]}]
+
+    emitted, forensics, progress = [], Forensics(losses), ReplayProgress()
+    progress.replay = Replay(phase="backoff", spike_start=51, target=53, base_step=45, window=[800, 848],
+                             skip_list=[[0, 16]], lr_scale=1.0, backoffs=1)
+    triage = Triage(cfg, _Engine(), rewinder, monitor, forensics, progress, lambda e, **f: emitted.append((e, f)))
+    assert triage.may_rerun(48) and not triage.may_rerun(51)
+    state = TrainState(step=47, skip_list=[[0, 16]])
+    triage.note_rerun(state, 48, (float(losses.mean()), 1.0, "loss z=9"), (float(losses.mean()), 1.0), Verdict.SKIP)
+    (name, decision), = emitted
+    assert name == "triage" and decision["verdict"] == "data" and decision["skip"] == []
+    assert "backoff replay" in decision["deferred"]
+    assert state.skip_list == [[0, 16]] and not (tmp_path / "skip_list.json").exists()
+    assert progress.streak is None
+
+
 def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triage_replay(tmp_path):
     """Step 51, re-run in place, is carried by two sequences: data, committed to the skip list and
     skip_list.json. The streak goes on to rewind: its triage replays without that data, then (if

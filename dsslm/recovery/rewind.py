@@ -234,9 +234,11 @@ class Rewinder:
         checkpointer's train part) is restored in place.
 
         `fallback`: a triage that cannot replay hands over what it planned before any replay
-        overwrote the feed record, {"window", "skip_list", "lr_scale", "verdict"}: that window is
-        skipped, on top of the skip list and lr_scale from before the triage (a tentative
-        window or a backoff a replay tried is not kept), and the record carries the verdict."""
+        overwrote the feed record, {"window", "skip_list", "lr_scale", "verdict", "entries"}: that
+        window's data is skipped, and so are `entries` (the documents of the sequences that stood
+        out in the spike's batches: they reach beyond the window, into chunks fed later, in this
+        epoch or the next), on top of the skip list and lr_scale from before the triage (a
+        tentative window or a backoff a replay tried is not kept); the record carries the verdict."""
         def plan() -> tuple[RewindPlan, dict, str]:
             start = spike_start or self.monitor.spike_start or spike_step
             p = plan_rewind(start, spike_step, self._sequences_of, state.rewinds, self.cfg.monitor, self.batch_size)
@@ -254,6 +256,8 @@ class Rewinder:
             base_skips, old_scale = fallback["skip_list"], fallback["lr_scale"]
             record["verdict"] = fallback["verdict"]
         skipped = self.engine.decide(lambda: self.data_of(rewind_plan.window, base_skips))
+        if fallback is not None and fallback.get("entries"):
+            skipped = merge_skip_list(skipped + fallback["entries"])
         skip_list = merge_skip_list(base_skips + skipped)
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)

@@ -479,7 +479,8 @@ class Triage:
         """Over the replay budget: the plain rewind policy with the window planned before any
         replay (the feed record now holds what the replays fed), recording what the replays
         showed: `state` when the spike came back without its window's data, else `unknown` (a
-        skip_window replay without the narrowed data alone shows nothing: more of it may follow)."""
+        skip_window replay without the narrowed data alone shows nothing: more of it may follow),
+        which also skips the spike's named documents (`entries`)."""
         self.replay = None
         # Every phase replayed so far came back.
         shown = any(e["phase"] == Phase.BACKOFF.value or (e["phase"] == Phase.SKIP_WINDOW.value and e.get("wide", True))
@@ -490,9 +491,14 @@ class Triage:
                   target=r.target, from_step=ckpt.state["step"], replay_steps=r.replay_steps, window=r.window,
                   fallback=f"replay budget: monitor.triage_max_replay_steps={budget} does not cover the triage's "
                   f"replays of {r.target - ckpt.state['step']} steps each from step {ckpt.state['step']}; the plain "
-                  f"rewind policy skips the planned window {r.window} untested", evidence=r.evidence)
+                  f"rewind policy skips the planned window {r.window}"
+                  f"{' and the documents its outlying sequences read' if verdict == 'unknown' and r.entries else ''}"
+                  f" untested", evidence=r.evidence)
+        # Where no replay showed the data innocent, its named documents go with the window: the
+        # plain policy's best guess at the culprit, whose other chunks the window does not hold.
         self.rewinder.rewind(state, r.target, r.spike_start, fallback={
-            "window": r.window, "skip_list": r.skip_list, "lr_scale": r.lr_scale, "verdict": verdict})
+            "window": r.window, "skip_list": r.skip_list, "lr_scale": r.lr_scale, "verdict": verdict,
+            "entries": r.entries if verdict == "unknown" else []})
 
 
 def _relative(a: float, b: float) -> float:

@@ -166,14 +166,53 @@ def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_wind
     progress = ReplayProgress()
     triage = Triage(Config(), _Engine(), Rewinder(), None, None, progress, lambda e, **f: emitted.append((e, f)))
     evidence = [{"phase": "original", "steps": []}] + [{"phase": p, "steps": []} for p in replayed]
+    entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
     r = Replay(phase="backoff", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[[0, 16]],
-               lr_scale=0.5, backoffs=1, evidence=evidence)
+               lr_scale=0.5, backoffs=1, evidence=evidence, entries=[entry])
     triage._fall_back(TrainState(), r, Ckpt())
     assert triage.replay is None
     (name, fields), = emitted
     assert name == "triage" and fields["verdict"] == verdict and fields["window"] == [800, 928]
     assert "replay budget" in fields["fallback"] and "[800, 928]" in fields["fallback"]
-    assert calls == [(53, 51, {"window": [800, 928], "skip_list": [[0, 16]], "lr_scale": 0.5, "verdict": verdict})]
+    # The named documents go too, unless a replay without the window's data came back (state).
+    named = [entry] if verdict == "unknown" else []
+    assert ("documents" in fields["fallback"]) == bool(named)
+    assert calls == [(53, 51, {"window": [800, 928], "skip_list": [[0, 16]], "lr_scale": 0.5, "verdict": verdict,
+                               "entries": named})]
+
+
+def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_path):
+    """The over-budget fallback skips the planned window's data and the documents of the
+    sequences that stood out in the spike's batches: a document whose other chunks lie outside
+    the window (fed later in the epoch, or in the next) is not fed again. (Before: the window
+    alone, so the rest of the document spiked again later.)"""
+    from dsslm.recovery.rewind import Rewinder, read_recovery
+    entry = {"shard": "web/train-00000.bin", "tokens": [9000, 9400]}
+    emitted, restored = [], []
+
+    class Monitor:
+        spike_start, last_reason = 51, "loss z=9"
+
+    class Ckpt:
+        state, path = {"step": 45}, "memory:step-00000045"
+
+    class Probe(Rewinder):
+        def checkpoint_before(self, spike_step, to_step, spike_start):
+            return Ckpt()
+
+        def restore(self, state, ckpt, skip_list, lr_scale, record):
+            state.step, state.skip_list, state.rewinds = 45, merge_skip_list(skip_list), [record]
+            restored.append(skip_list)
+
+    rewinder = Probe(Config(), _Engine(), None, Monitor(), 16, tmp_path, lambda e, **f: emitted.append((e, f)))
+    for step in (51, 52, 53):
+        rewinder.note(step, 800 + 16 * (step - 51), 816 + 16 * (step - 51))
+    state = TrainState(step=53, skip_list=[[0, 16], entry])  # what a replay had tried: not kept
+    rewinder.rewind(state, 53, 51, fallback={"window": [800, 864], "skip_list": [[0, 16]], "lr_scale": 1.0,
+                                             "verdict": "unknown", "entries": [entry]})
+    assert state.skip_list == [[0, 16], [800, 864], entry] == read_recovery(tmp_path, 16)["skip_list"]
+    (name, fields), = [(e, f) for e, f in emitted if e == "rewind"]
+    assert fields["skip"] == [[800, 864], entry] and fields["verdict"] == "unknown"
 
 
 class _Forensics:

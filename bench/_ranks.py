@@ -4,12 +4,19 @@ a clean peak RSS). `target(rank, world, port, *args, out)` puts one dict with it
 wait out the timeout."""
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import time
 from typing import Callable
 
 import torch.multiprocessing as mp
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """The environment a launcher gives rank `rank` of `world` on this host (CPU, gloo)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
 
 
 def run_ranks(target: Callable, world: int, args: tuple, timeout_s: float = 3600) -> list[dict]:

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from _ranks import rank_env, run_ranks  # noqa: E402  (bench/ is the script's own folder)
 
 ENGINES = [("ddp", 1, 1), ("ddp", 1, 2), ("zero", 1, 2), ("zero", 2, 2), ("zero", 3, 2), ("fsdp", 1, 2)]
 COLLECTIVE = re.compile(r"^(all_reduce|all_gather|reduce_scatter|broadcast|barrier|all_to_all|reduce|gather|scatter|"
@@ -88,8 +88,7 @@ def rss_mib() -> float:
 
 
 def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: argparse.Namespace, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
+    rank_env(rank, world_size, port)
     torch.set_num_threads(1)
     from dsslm.config import load
     from dsslm.engine import build_engine
@@ -126,25 +125,12 @@ def worker(rank: int, world_size: int, port: int, kind: str, stage: int, args: a
     memory = engine.memory_report()
     per_step = {k: v / args.steps for k, v in counter.counts.items()} if counter is not None else {}
     engine.close()
-    out.put((rank, {"step_s": statistics.median(times), "base_rss": base_rss, "peak_rss": rss_mib(),
-                    "memory": memory, "n_params": engine.n_params, "collectives": per_step}))
+    out.put({"rank": rank, "step_s": statistics.median(times), "base_rss": base_rss, "peak_rss": rss_mib(),
+             "memory": memory, "n_params": engine.n_params, "collectives": per_step})
 
 
 def run(kind: str, stage: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world_size, port, kind, stage, args, out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(world_size)]
+    return run_ranks(worker, world_size, (kind, stage, args), timeout_s=1800)
 
 
 def main() -> None:

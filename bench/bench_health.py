@@ -15,36 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from _ranks import rank_env, run_ranks  # noqa: E402  (bench/ is the script's own folder)
+
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32", "train.micro_batch_size=2",
         "train.precision=fp32", "run.val_every=0", "run.tensorboard=false", "optim.warmup_steps=5",
         "train.device=cpu", "observe.every=0"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setenv(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-
-
 def collectives(rank: int, world_size: int, port: int, calls: int, out) -> None:
-    setenv(rank, world_size, port)
+    rank_env(rank, world_size, port)
+    os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     from dsslm.config import load
     from dsslm.engine import build_engine
@@ -64,12 +52,12 @@ def collectives(rank: int, world_size: int, port: int, calls: int, out) -> None:
         engine.all_reduce_sum(torch.zeros(1))
         timings["all_reduce"].append(time.perf_counter() - started)
     engine.close()
-    if rank == 0:
-        out.put({k: statistics.median(v) * 1e6 for k, v in timings.items()})
+    out.put({"rank": rank, **{k: statistics.median(v) * 1e6 for k, v in timings.items()}})
 
 
 def training(rank: int, world_size: int, port: int, run_dir: str, steps: int, variant: str, out) -> None:
-    setenv(rank, world_size, port)
+    rank_env(rank, world_size, port)
+    os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     from dsslm import train as train_module
     torch.set_num_threads(1)
@@ -85,30 +73,7 @@ def training(rank: int, world_size: int, port: int, run_dir: str, steps: int, va
     train_module.account = account
     cfg = train_module.load(None, [f"run.dir={run_dir}", *TINY, f"train.total_steps={steps}", "ckpt.every=100000"])
     assert train_module.train(cfg) == 0
-    if rank == 0:
-        out.put(statistics.median(b - a for a, b in zip(marks[1:], marks[2:])))
-
-
-def spawn(target, *args) -> object:
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, 2, port, *args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            result = out.get(timeout=1.0)
-            break
-        except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"a rank failed (exit codes {failed}) or timed out; see its traceback above")
-    for p in procs:
-        p.join(timeout=120)
-    return result
+    out.put({"rank": rank, "step_s": statistics.median(b - a for a, b in zip(marks[1:], marks[2:]))})
 
 
 def main() -> None:
@@ -118,7 +83,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()}")
-    us = spawn(collectives, args.calls)
+    us = run_ranks(collectives, 2, (args.calls,), timeout_s=600)[0]
     print(f"(1) 2 gloo ranks, median of {args.calls}: engine.raise_together {us['raise_together']:.0f} us, "
           f"engine.decide {us['decide']:.0f} us, all_reduce of one float {us['all_reduce']:.0f} us")
     per_step: dict[str, list[float]] = {"A": [], "B": []}
@@ -126,7 +91,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             for variant in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
                 run_dir = Path(tmp) / f"{variant}{round_}"
-                per_step[variant].append(spawn(training, str(run_dir), args.steps, variant))
+                ranks = run_ranks(training, 2, (str(run_dir), args.steps, variant), timeout_s=600)
+                per_step[variant].append(ranks[0]["step_s"])
     a, b = statistics.median(per_step["A"]), statistics.median(per_step["B"])
     print(f"(2) train(), 2 ranks, tiny shape, {args.steps} steps, median ms/step over {args.rounds} rounds:")
     print(f"    A check_health          {a * 1e3:.2f} ms  rounds {json.dumps([round(x * 1e3, 2) for x in per_step['A']])}")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _ranks import run_ranks  # noqa: E402
+from _ranks import rank_env, run_ranks  # noqa: E402
 
 
 def peak_mb() -> float:
@@ -39,8 +39,7 @@ def rss_mb() -> float:
 
 
 def worker(rank: int, world: int, port: int, engine_kind: str, d_model: int, layers: int, run: str, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank_env(rank, world, port)
     torch.set_num_threads(1)
     from dsslm.ckpt.resume import Checkpointer
     from dsslm.ckpt.store import CheckpointStore

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _ranks import run_ranks  # noqa: E402
+from _ranks import rank_env, run_ranks  # noqa: E402
 from dsslm.ckpt.format import invalid_reason, load_verified, read_manifest  # noqa: E402
 from dsslm.ckpt.shards import open_folder, split_files, verify_share  # noqa: E402
 from dsslm.ckpt.store import CheckpointStore  # noqa: E402
@@ -56,7 +56,7 @@ def my_rows(key: str, rank: int, world: int) -> torch.Tensor:
 
 
 def worker(rank: int, world: int, port: int, phase: str, fmt: str, params_m: float, run: str, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_env(rank, world, port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
     run_dir = Path(run)
     store = CheckpointStore(run_dir, keep_last=1)

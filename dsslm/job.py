@@ -28,6 +28,7 @@ from dsslm.config import Config, ConfigError, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
+from dsslm.data.manifest import verify_tokenizer
 from dsslm.data.prefetch import Prefetcher
 from dsslm.data.stream import batch_size_at
 from dsslm.data.tokenizer import load_tokenizer
@@ -79,6 +80,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
+    verify_tokenizer(data_dir, manifest)  # before anything is built or written: eos_id splits documents
     if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
         apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]

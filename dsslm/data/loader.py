@@ -22,6 +22,7 @@ the caches below are replaced whole, never mutated in place.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from pathlib import Path
@@ -34,6 +35,8 @@ from dsslm.data.mixture import Mixture, domain_key, weight_units
 from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, skip_key, windows_of
 from dsslm.data.sources import DataError
 from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice, take
+
+MAX_OPEN_SHARDS = 256
 
 __all__ = ["Batch", "Loader", "merge_windows"]
 
@@ -67,7 +70,10 @@ class Loader:
         self._domain_first = self._first_chunk[shards_per_domain]
         self.domain_chunks = np.diff(self._domain_first)
         self.mixture = self._mixture(mix) if mix else None
-        self._maps: dict[str, np.memmap] = {}
+        # At most MAX_OPEN_SHARDS maps, least recently read first out: each holds a file descriptor,
+        # and a shuffled epoch reads every shard (1,024 shards met the usual soft limit).
+        self._maps: collections.OrderedDict[str, np.memmap] = collections.OrderedDict()
+        self._maps_lock = threading.Lock()  # the prefetcher's thread reads beside the loop's
         self._perm = (-1, np.empty(0, dtype=np.int64))          # (epoch, permutation of all chunks)
         self._domain_perm: dict[int, tuple[int, np.ndarray]] = {}  # domain -> (epoch, its permutation)
         self._shard_index = {path: i for i, (path, _) in enumerate(self._train)}
@@ -214,6 +220,8 @@ class Loader:
         wanted = n_batches * batch_size
         rows: list[np.ndarray] = []
         for entry in self.manifest["domains"][domain]["val"]:
+            if self._n_chunks(entry["tokens"]) == 0:
+                continue  # nothing to read (an empty file cannot even be mapped)
             tokens = self._shard(entry["path"])
             for i in range(min(self._n_chunks(entry["tokens"]), wanted - len(rows))):
                 rows.append(np.asarray(tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]))
@@ -303,9 +311,14 @@ class Loader:
         return np.asarray(self._shard(self._train[shard][0])[start : start + self.seq_len + 1])
 
     def _shard(self, path: str) -> np.memmap:
-        if path not in self._maps:  # opened once, lazily: a rank touches only the shards it reads
-            self._maps[path] = np.memmap(self.data_dir / path, dtype=self._dtype, mode="r")
-        return self._maps[path]
+        with self._maps_lock:  # opened lazily: a rank touches only the shards it reads
+            shard = self._maps.get(path)
+            if shard is None:
+                shard = self._maps[path] = np.memmap(self.data_dir / path, dtype=self._dtype, mode="r")
+                if len(self._maps) > MAX_OPEN_SHARDS:  # closed once the last view of it is gone
+                    self._maps.popitem(last=False)
+            self._maps.move_to_end(path)
+            return shard
 
 
 def _as_batch(rows: np.ndarray) -> Batch:

@@ -28,7 +28,7 @@ def load_manifest(data_dir: str | Path, verify: bool = True) -> dict:
                         f"`python -m dsslm.data prepare --input PATH --out {data_dir}`")
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nesting json cannot parse
         raise DataError(f"{path} is unreadable ({e}); rebuild {data_dir} with prepare") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
@@ -52,7 +52,8 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
     """Every field a reader relies on, before anything is read or allocated by it: a manifest may
     come from another machine or tool. DataError naming the field. Shard paths must stay inside
     DATA_DIR (relative, no `..`, no link leading out): a manifest cannot make a run read, or hash,
-    a file elsewhere."""
+    a file elsewhere, and each names a different file: a skip entry names a shard by its path, so a
+    file listed twice (to upweight it, or in two domains) would be skipped under one listing only."""
     where = data_dir / MANIFEST_FILE
 
     def bad(field: str, value, want: str) -> DataError:
@@ -76,7 +77,7 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
     domains = manifest.get("domains")
     if not isinstance(domains, dict) or not domains:
         raise bad("domains", domains, "an object with at least one domain")
-    root = data_dir.resolve()
+    root, seen = data_dir.resolve(), {}
     for name, domain in domains.items():
         if not isinstance(domain, dict) or not all(isinstance(domain.get(s), list) for s in ("train", "val")):
             raise bad(f"domains.{name}", domain, "an object with train and val lists")
@@ -86,9 +87,16 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
                 if not isinstance(entry, dict):
                     raise bad(field, entry, "an object")
                 rel = entry.get("path")
-                if (not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts
-                        or not (data_dir / rel).resolve().is_relative_to(root)):
+                try:  # a NUL, a lone surrogate or an over-long name is a bad path, not a crash
+                    resolved = (data_dir / rel).resolve() if isinstance(rel, str) and rel else None
+                except (OSError, ValueError):
+                    resolved = None
+                if (resolved is None or Path(rel).is_absolute() or ".." in Path(rel).parts
+                        or not resolved.is_relative_to(root)):
                     raise bad(f"{field}.path", rel, "a path inside DATA_DIR")
+                if resolved in seen:
+                    raise bad(f"{field}.path", rel, f"a file no other entry names ({seen[resolved]} names it too)")
+                seen[resolved] = field
                 if not _is_int(entry.get("tokens")) or not 0 <= entry["tokens"] <= _MAX_TOKENS:
                     raise bad(f"{field}.tokens", entry.get("tokens"), "a token count")
                 if not isinstance(entry.get("sha256"), str) or not _HEX64.fullmatch(entry["sha256"]):
@@ -100,12 +108,12 @@ def _is_int(value) -> bool:
 
 
 def verify_tokenizer(data_dir: Path, manifest: dict) -> None:
-    """DataError unless the tokenizer file in `data_dir` is the one the manifest pins."""
-    if manifest["tokenizer"]["kind"] == "bpe":
-        try:
-            load_tokenizer(data_dir, manifest)
-        except ValueError as e:
-            raise DataError(str(e)) from e
+    """DataError unless the tokenizer in `data_dir` is the one the manifest pins (every kind: a byte
+    manifest's sha256 and eos_id are checked as well)."""
+    try:
+        load_tokenizer(data_dir, manifest)
+    except ValueError as e:
+        raise DataError(str(e)) from e
 
 
 def verify_split(data_dir: str | Path, manifest: dict, split: str) -> None:
@@ -119,7 +127,11 @@ def verify_split(data_dir: str | Path, manifest: dict, split: str) -> None:
 
 def _check_shard(data_dir: Path, entry: dict, itemsize: int, verify: bool) -> None:
     path = data_dir / entry["path"]
-    if not path.is_file():
+    try:
+        present = path.is_file()
+    except (OSError, ValueError):  # a name the file system refuses (a component over 255 bytes)
+        present = False
+    if not present:
         raise DataError(f"shard {path} is missing; rebuild {data_dir} with prepare")
     count = entry.get("bytes", 0)
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:

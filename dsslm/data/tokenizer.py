@@ -197,9 +197,10 @@ def load_tokenizer(data_dir: str | Path, manifest: dict) -> ByteTokenizer | BPET
         tok = BPETokenizer.from_file(path, spec["kind"], eos)
     else:
         raise ValueError(f"unknown tokenizer kind {spec['kind']!r} in {data_dir}/manifest.json")
-    if tok.sha256 != spec["sha256"] or tok.vocab_size != spec["vocab_size"]:
+    # eos_id too: the document mask and the skip list's document bounds split on it.
+    if tok.sha256 != spec["sha256"] or tok.vocab_size != spec["vocab_size"] or tok.eos_id != spec["eos_id"]:
         raise ValueError(
-            f"the tokenizer in {data_dir} does not match its manifest.json; re-run "
-            "`python -m dsslm.data prepare` into a fresh DATA_DIR"
+            f"the tokenizer in {data_dir} does not match its manifest.json (sha256, vocab_size or eos_id); "
+            "re-run `python -m dsslm.data prepare` into a fresh DATA_DIR"
         )
     return tok

@@ -197,3 +197,35 @@ def test_val_batches_are_fixed_and_seed_independent(data_dir):
 def test_seq_len_longer_than_every_shard_is_an_error(data_dir):
     with pytest.raises(ValueError, match="model.seq_len"):
         Loader(data_dir, 100_000, 0)
+
+
+def test_open_shard_maps_are_bounded_and_reads_are_unchanged(data_dir, monkeypatch):
+    """Each map holds a file descriptor and a shuffled epoch reads every shard: at most
+    MAX_OPEN_SHARDS stay open, the least recently read closed first, and a batch read through
+    reopened maps is the same batch. (Before: every shard stayed open; 1,024 shards met the
+    usual soft limit of open files.)"""
+    import dsslm.data.loader as loader_module
+    reference = [digest(batch_at(loader(data_dir), b)) for b in range(6)]
+    monkeypatch.setattr(loader_module, "MAX_OPEN_SHARDS", 2)
+    lo = loader(data_dir)
+    assert len(lo._train) > 4
+    assert [digest(batch_at(lo, b)) for b in range(6)] == reference
+    assert len(lo._maps) == 2
+
+
+def test_an_empty_val_shard_is_passed_over(data_dir, tmp_path):
+    """A manifest from another tool may list a val shard of 0 tokens (prepare never writes one):
+    nothing to read, and an empty file cannot be mapped. (Before: ValueError at the first
+    validation.)"""
+    import json
+    import shutil
+    copy = tmp_path / "d"
+    shutil.copytree(data_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "prose" / "val-empty.bin").write_bytes(b"")
+    manifest["domains"]["prose"]["val"].insert(0, {"path": "prose/val-empty.bin", "tokens": 0, "bytes": 0,
+                                                   "sha256": hashlib.sha256(b"").hexdigest()})
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    want = Loader(data_dir, SEQ_LEN, 0).val_batches("prose", 2, 4)
+    got = Loader(copy, SEQ_LEN, 0).val_batches("prose", 2, 4)
+    assert len(got) == len(want) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(got, want))

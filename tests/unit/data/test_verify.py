@@ -150,6 +150,10 @@ def _first_shard(manifest) -> dict:
     return next(iter(manifest["domains"].values()))["train"][0]
 
 
+def _second_split(manifest) -> list:
+    return next(iter(manifest["domains"].values()))["val"]
+
+
 @pytest.mark.parametrize("change, field", [
     (lambda m: _first_shard(m).update(path="../../etc/passwd"), "path"),
     (lambda m: _first_shard(m).update(path="/etc/passwd"), "path"),
@@ -162,6 +166,13 @@ def _first_shard(manifest) -> dict:
     (lambda m: m.update(domains=[]), "domains"),
     (lambda m: next(iter(m["domains"].values())).update(train={}), "domains."),
     (lambda m: m.pop("tokenizer"), "tokenizer"),
+    # A NUL or a lone surrogate in a path: a bad path, not a ValueError or UnicodeEncodeError out of resolve().
+    (lambda m: _first_shard(m).update(path="code/x\u0000y"), "path"),
+    (lambda m: _first_shard(m).update(path="code/\ud800"), "path"),
+    # One file under two entries (to upweight it, or in two domains): a skip entry names a shard by
+    # its path, so one listing of it would still be fed. (Before: accepted.)
+    (lambda m: _second_split(m).append(dict(_first_shard(m))), "path"),
+    (lambda m: _second_split(m).append(dict(_first_shard(m), path="./" + _first_shard(m)["path"])), "path"),
 ])
 def test_a_malformed_manifest_is_one_data_error_naming_the_field(data_dir, change, field):
     _edit_manifest(data_dir, change)
@@ -198,3 +209,28 @@ def test_the_cache_records_each_shards_largest_token(data_dir):
     found = start(data_dir)
     assert all(0 <= v["max_token"] < 257 for v in found.values())
     assert start(data_dir) == {}  # the second start hashes nothing
+
+
+def test_a_manifest_whose_eos_id_is_not_its_tokenizers_is_refused(data_dir):
+    """The document mask and a skip entry's document bounds split on the manifest's eos_id: one that
+    is not the tokenizer's (here a newline) is refused, for the byte tokenizer too. (Before: a
+    byte manifest's tokenizer was never checked, and eos_id by no kind.)"""
+    _edit_manifest(data_dir, lambda m: m["tokenizer"].update(eos_id=10))
+    load_manifest(data_dir, verify=False)  # the fields alone are well formed
+    with pytest.raises(DataError, match="sha256, vocab_size or eos_id"):
+        load_manifest(data_dir, verify=True)
+
+
+def test_a_manifest_nested_beyond_what_json_parses_is_one_data_error(data_dir):
+    (data_dir / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match="unreadable"):
+        load_manifest(data_dir, verify=False)
+
+
+def test_a_shard_name_the_file_system_refuses_is_a_missing_shard(data_dir):
+    # In the domain's own folder: the name itself is refused (ENAMETOOLONG), not its folder's absence.
+    folder = load_manifest(data_dir, verify=False)["domains"]
+    folder = next(iter(folder.values()))["train"][0]["path"].split("/")[0]
+    _edit_manifest(data_dir, lambda m: _first_shard(m).update(path=f"{folder}/{'x' * 300}"))
+    with pytest.raises(DataError, match="is missing"):
+        load_manifest(data_dir, verify=False)

@@ -3,8 +3,8 @@
 `default_data_dir()` returns a byte-tokenized DATA_DIR with domain "code" (stdlib .py files
 outside test folders, first ~8 MB by sorted path) and, where the interpreter ships its test
 suite, domain "tests" (.py files under the stdlib's test/, first ~2 MB). It is built once, through
-the same `prepare` the CLI runs, and cached under $DSSLM_CACHE/stdlib-v1 (default
-~/.cache/dsslm/stdlib-v1).
+the same `prepare` the CLI runs, and cached under $DSSLM_CACHE/stdlib-v2 (default
+~/.cache/dsslm/stdlib-v2).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from dsslm.data.manifest import MANIFEST_FILE
 from dsslm.data.prepare import DataError, prepare, quiet_datasets
 
-CACHE_NAME = "stdlib-v1"  # bump when the file selection below changes
+CACHE_NAME = "stdlib-v2"  # bump when the file selection below, or what prepare writes, changes
 CODE_BYTES = 8 << 20  # ~8M byte tokens: a few minutes of tiny-model CPU training, ~5 s to prepare
 TESTS_BYTES = 2 << 20
 # Folders that are not the stdlib's own code: tests go to their own domain, installed packages

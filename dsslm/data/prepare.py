@@ -86,14 +86,22 @@ class ShardWriter:
 
 
 class SplitRouter:
-    """Cuts the token stream into blocks; block k goes to val when floor((k+1)f) > floor(kf)."""
+    """Cuts the token stream into blocks; block k goes to val when floor((k+1)f) > floor(kf).
 
-    def __init__(self, train: ShardWriter, val: ShardWriter, val_fraction: float, block_tokens: int):
+    Blocks are cut at token offsets, not at documents: where a split's next block does not follow
+    its last one in the stream, the document its last block cut off is ended with an EOS first
+    (`eos_id`), so the split reads `doc EOS doc EOS ...` and no EOS-delimited span holds text of
+    two documents (the document mask, and a skip entry's document bounds, split on EOS)."""
+
+    def __init__(self, train: ShardWriter, val: ShardWriter, val_fraction: float, block_tokens: int,
+                 eos_id: int | None = None):
         self.train, self.val, self.f, self.block_tokens = train, val, val_fraction, block_tokens
+        self.eos_id = eos_id
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
         self._k = 0
-        self._held: np.ndarray | None = None  # the latest train block, kept back for close()
+        self._held: tuple[int, np.ndarray] | None = None  # the latest train block (k, tokens), kept for close()
+        self._last: dict[int, tuple[int, int]] = {}  # id(writer) -> (k, last token) of its last block
 
     def write(self, tokens: np.ndarray) -> None:
         self._pending.append(tokens)
@@ -111,11 +119,19 @@ class SplitRouter:
         k = self._k
         self._k += 1
         if math.floor((k + 1) * self.f) > math.floor(k * self.f):
-            self.val.write(block)
+            self._emit(self.val, k, block)
             return
         if self._held is not None:
-            self.train.write(self._held)
-        self._held = block
+            self._emit(self.train, *self._held)
+        self._held = (k, block)
+
+    def _emit(self, writer: ShardWriter, k: int, block: np.ndarray) -> None:
+        last = self._last.get(id(writer))
+        if self.eos_id is not None and last is not None and last[0] != k - 1 and last[1] != self.eos_id:
+            writer.write(np.asarray([self.eos_id], dtype=block.dtype))
+        writer.write(block)
+        if len(block):
+            self._last[id(writer)] = (k, int(block[-1]))
 
     def close(self) -> tuple[list[dict], list[dict]]:
         if self._pending_tokens:
@@ -124,7 +140,7 @@ class SplitRouter:
             # A small input may route no block to val: give it the last train block, unless
             # that would leave train empty.
             val_starved = self.f > 0 and self.val.tokens == 0 and self.train.tokens > 0
-            (self.val if val_starved else self.train).write(self._held)
+            self._emit(self.val if val_starved else self.train, *self._held)
         return self.train.close(), self.val.close()
 
 
@@ -253,7 +269,7 @@ def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, sh
     byte_lengths = token_byte_lengths(tok)
     train = ShardWriter(tmp, domain, "train", dtype, shard_tokens, byte_lengths)
     val = ShardWriter(tmp, domain, "val", dtype, shard_tokens, byte_lengths)
-    router = SplitRouter(train, val, val_fraction, _block_tokens(sources, tok.kind))
+    router = SplitRouter(train, val, val_fraction, _block_tokens(sources, tok.kind), tok.eos_id)
     text_bytes = [0]
     for tokens in iter_token_arrays(sources, tok, text_field, text_bytes):
         router.write(tokens)

@@ -241,8 +241,14 @@ def test_prepare_streams_in_bounded_memory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     growth_mb = int(proc.stdout.split()[-1])
     assert growth_mb < 300, f"peak RSS grew {growth_mb} MB preparing 50 MB"
-    assert shard_tokens(tmp_path / "big", "default").size + shard_tokens(tmp_path / "big", "default", "val").size \
-        == n_blocks * len(block) + 1
+    # Every byte once; the EOS tokens are the document's own and one per split where a block of the
+    # other split cut it off (SplitRouter): at most two per val block.
+    from dsslm.data.prepare import _block_tokens
+    from dsslm.data.sources import find_sources
+    train, val = shard_tokens(tmp_path / "big", "default"), shard_tokens(tmp_path / "big", "default", "val")
+    assert (train != 256).sum() + (val != 256).sum() == n_blocks * len(block) and train[-1] == 256
+    val_blocks = -(-(val != 256).sum() // _block_tokens(find_sources([tmp_path / "big.txt"]), "byte"))
+    assert 1 <= (train == 256).sum() + (val == 256).sum() <= 1 + 2 * val_blocks
 
 
 CORPUS_SCRIPT = "from dsslm.data.corpus import default_data_dir; print(default_data_dir())"
@@ -255,11 +261,30 @@ def test_default_corpus_builds_once_when_two_processes_race(tmp_path, monkeypatc
              for _ in range(2)]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert outs[0] == outs[1] == str(tmp_path / "stdlib-v1")
-    assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v1"]  # the loser's copy is gone
+    assert outs[0] == outs[1] == str(tmp_path / "stdlib-v2")
+    assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2"]  # the loser's copy is gone
     from dsslm.data.corpus import default_data_dir
 
     manifest = load_manifest(default_data_dir())
     assert "code" in manifest["domains"] and manifest["tokenizer"]["kind"] == "byte"
     assert sum(e["tokens"] for e in manifest["domains"]["code"]["train"]) > 2_000_000
     assert all(d["val"] for d in manifest["domains"].values())
+
+
+def test_no_span_between_two_eos_holds_text_of_two_documents(tmp_path):
+    """Val blocks are cut at token offsets: the train blocks either side of one were written back
+    to back, so the tail of one document and the head of another became one EOS-delimited span,
+    and the document mask let them attend to each other (so in val). Each split's document cut
+    off by a block of the other split now ends with an EOS; the byte count stays exact (EOS is
+    0 bytes). 20 documents of 150 letters, one letter each. (Before: 4 such spans in train.)"""
+    letters = [chr(ord("A") + i) * 150 for i in range(20)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in letters))
+    manifest = prepare([tmp_path / "d.jsonl"], tmp_path / "out", val_fraction=0.2)
+    spans = {}
+    for split in ("train", "val"):
+        tokens = shard_tokens(tmp_path / "out", "default", split)
+        spans[split] = bytes(np.where(tokens == 256, ord("|"), tokens).astype(np.uint8)).decode().split("|")
+        assert all(len(set(span)) <= 1 for span in spans[split]), [s for s in spans[split] if len(set(s)) > 1]
+    assert len(spans["train"]) > 15 and len(spans["val"]) > 3
+    assert sum(e["bytes"] for e in manifest["domains"]["default"]["train"] + manifest["domains"]["default"]["val"]) \
+        == 20 * 150  # each document's text, counted exactly: an EOS is no text

@@ -68,6 +68,7 @@ class Loader:
         # Domains are concatenated in sorted order: domain i owns chunks [_domain_first[i], _domain_first[i+1]).
         shards_per_domain = np.cumsum([0] + [len(domains[name]["train"]) for name in self.domains])
         self._domain_first = self._first_chunk[shards_per_domain]
+        self._shard_domain = np.repeat(np.arange(len(self.domains)), np.diff(shards_per_domain))
         self.domain_chunks = np.diff(self._domain_first)
         self.mixture = self._mixture(mix) if mix else None
         # At most MAX_OPEN_SHARDS maps, least recently read first out: each holds a file descriptor,
@@ -163,7 +164,8 @@ class Loader:
     def data_entries(self, indices: np.ndarray, documents: np.ndarray | None = None) -> list[dict]:
         """Skip entries naming the data of these global sequences: each one's chunk and, where
         `documents` (a bool mask) says so, the documents its targets belong to (delimited by the
-        tokenizer's EOS, at most DOCUMENT_TOKENS tokens beyond the chunk on either side)."""
+        tokenizer's EOS, at most DOCUMENT_TOKENS tokens beyond the chunk on either side, and into
+        the domain's neighbouring shard where the document crosses a shard's edge)."""
         indices = np.asarray(indices, dtype=np.int64)
         documents = np.zeros(len(indices), dtype=bool) if documents is None else np.asarray(documents, dtype=bool)
         eos = self.manifest.get("tokenizer", {}).get("eos_id")
@@ -175,10 +177,36 @@ class Loader:
             end = start + self.seq_len + 1
             entries.append({"shard": path, "tokens": [start, end]})
             if whole_document:
-                a, b = document_bounds(self._shard(path), start + 1, end, eos, DOCUMENT_TOKENS)
+                tokens = self._shard(path)
+                a, b = document_bounds(tokens, start + 1, end, eos, DOCUMENT_TOKENS)
                 # From the EOS before the document: the prediction of its first token is its too.
                 entries.append({"shard": path, "tokens": [max(0, a - 1), b]})
+                entries += self._document_beyond(shard, tokens, a, b, eos)
         return entries_of(entries)
+
+    def _document_beyond(self, shard: int, tokens: np.ndarray, a: int, b: int, eos: int | None) -> list[dict]:
+        """The parts of a document [a, b) of train shard `shard` in the shards before and after it:
+        `prepare` cuts shards at token counts, so a document that reaches a shard's edge with no
+        EOS there goes on in the domain's neighbouring shard (one shard each way)."""
+        if eos is None:
+            return []
+        out = []
+        n = len(tokens)
+        if b == n and n and tokens[n - 1] != eos and self._same_domain(shard, shard + 1):
+            path = self._train[shard + 1][0]
+            _, end = document_bounds(self._shard(path), 0, 1, eos, DOCUMENT_TOKENS)
+            out.append({"shard": path, "tokens": [0, end]})
+        if a == 0 and self._same_domain(shard, shard - 1):
+            path = self._train[shard - 1][0]
+            before = self._shard(path)
+            m = len(before)
+            if m and before[m - 1] != eos:
+                first, _ = document_bounds(before, m, m, eos, DOCUMENT_TOKENS)
+                out.append({"shard": path, "tokens": [max(0, first - 1), m]})
+        return out
+
+    def _same_domain(self, shard: int, other: int) -> bool:
+        return 0 <= other < len(self._train) and self._shard_domain[other] == self._shard_domain[shard]
 
     def read(self, indices: np.ndarray) -> Batch:
         """The sequences with these global indices, in that order."""

@@ -278,3 +278,25 @@ def test_a_document_is_named_whole_but_never_more_than_its_reach(data_dir):
     inside = [g for g in every if (rows(lo, [g]) == BAD).any()]  # holds a prediction of the document
     assert set(named.tolist()) == set(lo.chunk_ids(np.array(inside)).tolist())
     assert 38 <= len(named) <= 2 * DOCUMENT_TOKENS // SEQ_LEN + 1
+
+
+@pytest.mark.parametrize("shard_tokens", [1000, 1300])
+def test_a_document_cut_by_a_shard_boundary_is_named_in_both_shards(tmp_path, shard_tokens):
+    """`prepare` cuts shards at token counts: the bad document (~40 chunks) crosses from one
+    shard into the next at these sizes. Named from a chunk on either side of the cut, every chunk
+    holding a prediction of it is skipped, and no other. (Before: the part in the other shard
+    was fed again.)"""
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "delta"]
+    docs = [" ".join(rng.choice(words, 12)) for _ in range(20)]
+    docs.insert(12, "Z" * (40 * SEQ_LEN))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([tmp_path / "docs.jsonl"], tmp_path / "d", domain="web", val_fraction=0, shard_tokens=shard_tokens)
+    lo = loader(tmp_path / "d")
+    shard_of = lambda g: int(np.searchsorted(lo._first_chunk, lo.chunk_ids(np.array([g]))[0], side="right")) - 1
+    inside = [g for g in range(lo.n_chunks) if (rows(lo, [g]) == BAD).any()]
+    assert len({shard_of(g) for g in inside}) == 2  # the document crosses a shard boundary
+    want = set(lo.chunk_ids(np.array(inside)).tolist())
+    for g in (min(inside, key=shard_of), max(inside, key=shard_of)):  # named from either side
+        named = lo.skipped_chunks(lo.data_entries(np.array([g]), np.array([True])))
+        assert set(named.tolist()) == want

@@ -119,7 +119,9 @@ def test_nan_loss_rewinds_and_recovers(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_only_rank1_poisoned_act_together(tmp_path):
-    proc = run_train(tmp_path, *SPIKE, "train.micro_batch_size=2", "faults.poison_batches=[[70,74]]",
+    # 8 sequences a rank: with 2, a clean step's loss spread so widely that half a batch of noise
+    # was an outlier on some steps of the four and not on others (no streak, no rewind).
+    proc = run_train(tmp_path, *SPIKE, "train.micro_batch_size=8", "faults.poison_batches=[[70,74]]",
                      "faults.poison_rank=1", nproc=2, timeout_s=400)
     assert proc.returncode == 0
     assert len(events(tmp_path, "rewind")) == 1

@@ -129,8 +129,10 @@ def test_without_a_mix_the_stream_is_the_one_before_mixtures_bit_for_bit(data_di
     assert digests == GOLDEN * 2
 
 
-# Computed with the loader of main at f7c4994 (before data.mix), on this fixture.
-GOLDEN = ["52ead348381b677e", "4bf7aa53ed6d555d", "e3bddd8e796c2dad"]
+# Computed with the loader of main at f7c4994 (before data.mix), on this fixture as prepare writes it
+# since 323b8f9 (a document cut off by a val block ends with an EOS; before it: 52ead348381b677e,
+# 4bf7aa53ed6d555d, e3bddd8e796c2dad, which today's loader gives on the old prepare's data too).
+GOLDEN = ["0bd33bba46356b5d", "66da99b234c2eb1d", "3bd3e81d70a2fe7d"]
 
 
 def test_a_mix_naming_a_domain_the_data_lacks_names_the_domains_it_has(data_dir):

@@ -196,4 +196,6 @@ def from_dict(tree: Any, where: str) -> Config:
         raise ConfigError(f"{where}: {_explain(err)}") from None
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
+    except (TypeError, ValueError) as err:  # a list where a map belongs: OmegaConf's merge raises these
+        raise ConfigError(f"{where}: {err}") from None
     return cfg

@@ -33,7 +33,7 @@ TENSOR_SUFFIX = ".safetensors"
 # when `step-XXXXXXXX` itself is absent or invalid, so a crash between the two renames of a
 # replace still leaves the step findable (see CheckpointManager._publish).
 ASIDE_SUFFIX = ".replaced"
-_NAME_RE = re.compile(r"step-(\d{8})(\.replaced)?")
+_NAME_RE = re.compile(r"step-([0-9]{8})(\.replaced)?")  # [0-9], not \d: \d matches any Unicode digit
 _GROUP_RE = re.compile(r"[A-Za-z0-9_]+")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # Read whole into memory before they are checked, so bounded: a MANIFEST lists a few files, and
@@ -76,6 +76,22 @@ def parse_name(name: str) -> tuple[int, bool] | None:
     """(step, is_aside) for `step-XXXXXXXX` or its `.replaced` aside; None for any other name."""
     match = _NAME_RE.fullmatch(name)
     return None if match is None else (int(match.group(1)), match.group(2) is not None)
+
+
+def inside_checkpoints(out: Path) -> str | None:
+    """Why a tool must not write to `out`, or None: inside a checkpoint folder (a file its MANIFEST
+    does not list makes it invalid, and the next resume passes it over) or beside checkpoint
+    folders (a run's checkpoints/, whose leftovers a running trainer clears)."""
+    out = Path(os.path.abspath(out))
+    for folder in (out, *out.parents):
+        if parse_name(folder.name) is not None:
+            return f"{out} is inside the checkpoint folder {folder}"
+    parent = out.parent
+    try:
+        beside = parent.is_dir() and any(parse_name(p.name) is not None for p in parent.iterdir())
+    except OSError:
+        beside = False
+    return f"{out} would sit among the checkpoints in {parent}" if beside else None
 
 
 def candidates(ckpt_dir: Path, pass_over: Callable[[str, str], None]) -> dict[int, list[Path]]:

@@ -26,7 +26,7 @@ import torch
 from dsslm.ckpt.format import STATE_FILE, Checkpoint, CheckpointError, invalid_reason, read_manifest
 from dsslm.ckpt.shards import check_headers, open_folder, read_rank_file, split_files, verify_share
 from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
-from dsslm.ckpt.drift import describe
+from dsslm.ckpt.drift import describe, from_dict
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC, ResumeRefused, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
@@ -195,6 +195,12 @@ class Checkpointer:
             value = ckpt.state[name]
             if kept_per_rank(value) and not sharded:
                 raise StateError(f"state.{name}: kept in rank files, which a gathered checkpoint does not have")
+        try:  # read as describe() and the drift checks read it, before anything of it is loaded
+            from_dict(ckpt.state["config"], f"checkpoint {ckpt.path.name}: state.config")
+        except ConfigError as exc:
+            # Refused, not passed over: this dsslm may not read an older version's config (a key
+            # since removed), and passing over every checkpoint would start the run afresh.
+            raise ResumeRefused(f"resume refused: {exc}") from None
         saved = ckpt.state["fingerprint"]
         allowed = self.allow_drift
         where = f"checkpoint {ckpt.path.name}"
@@ -257,6 +263,7 @@ class Checkpointer:
                 if (entry["shape"], entry["dtype"]) != want:
                     raise CheckpointError(f"{group} {name}: shape {entry['shape']} {entry['dtype']}, expected "
                                           f"{want[0]} {want[1]}")
+        _check_complete(steps, shapes)
         for name in steps:
             step = float(reader.read(f"optim/step/{name}")[0])
             if not 0 <= step <= MAX_STEP or step != int(step):
@@ -297,6 +304,7 @@ class Checkpointer:
         for key, tensor in tensors["optim"].items():
             if key.startswith("step/") and (tensor.shape != (1,) or tensor.dtype != torch.float64):
                 raise CheckpointError(f"optim {key}: shape {tuple(tensor.shape)} {tensor.dtype}, expected (1,) float64")
+        _check_complete(set(optim.step), shapes)
         for name, step in optim.step.items():
             if not 0 <= step <= MAX_STEP or step != int(step):
                 raise CheckpointError(f"optim step/{name}: {step} is not a step count")
@@ -502,6 +510,17 @@ def check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, 
         if tuple(tensor.shape) != shapes[name] or tensor.dtype != torch.float32:
             raise CheckpointError(f"{group} {name}: shape {tuple(tensor.shape)} {tensor.dtype}, this model has "
                                   f"{shapes[name]} float32")
+
+
+def _check_complete(stepped: set[str], shapes: dict[str, tuple]) -> None:
+    """Every parameter has optimizer state once any has: each step updates them all (every
+    parameter is used in the forward), so a checkpoint with some of it missing was damaged, and
+    resumed it would restart those parameters' moments from zero, off the bitwise path. None at
+    all is a run that has applied no update yet (step 0, a branch start, only skipped steps)."""
+    missing = sorted(set(shapes) - stepped)
+    if stepped and missing:
+        raise CheckpointError(f"optim: no optimizer state for {missing[0]!r} ({len(missing)} of {len(shapes)} "
+                              "parameters), which the others have")
 
 
 def _check_values(model_sd: dict[str, torch.Tensor], optim: OptimState) -> None:

@@ -35,8 +35,8 @@ from dsslm.durable import file_sha256
 INDEX_FILE = "index.json"
 INDEX_FORMAT = 1
 MAX_INDEX_BYTES = 256 << 20  # ~1 KB a piece: 256 MiB is ~250k pieces (e.g. 300 tensors x 800 ranks)
-_SHARD_RE = re.compile(r"shard-(\d{5})-of-(\d{5})\.safetensors")
-_RANK_RE = re.compile(r"rank-(\d{5})-of-(\d{5})\.json")
+_SHARD_RE = re.compile(r"shard-([0-9]{5})-of-([0-9]{5})\.safetensors")
+_RANK_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.json")
 _KEY_RE = re.compile(r"(model|optim/[A-Za-z0-9_]+)/[A-Za-z0-9_.]+")
 DTYPES = {"F32": torch.float32, "F64": torch.float64}
 _ELEMENT = {"F32": 4, "F64": 8}

@@ -332,14 +332,20 @@ class CheckpointStore:
                     self._pass_over(path.name, str(exc))
         return None
 
+    def fence(self) -> None:
+        """LockLost if another trainer took run.dir over: for every write into it, not only ours."""
+        self._fence()
+
     def leave_after(self, step: int) -> list[str]:
         """A rewind to `step`: the checkpoints after it belong to the trajectory the run left. Each
         is renamed `left-step-XXXXXXXX-<time>-<hex>` (a name no reader, resume or retention looks
         at), not deleted: kept for a person, and no resume after a preemption mid-replay can pick
         a newer step of the left trajectory over the replay's own checkpoint. The save in flight
-        finishes first (it may be one of them). Returns the new names."""
+        finishes first (it may be one of them). Fenced like a save: a trainer that lost run.dir's
+        lock must not set aside the new holder's checkpoints. Returns the new names."""
         self.wait()
         moved = []
+        self._fence()
         with self._lock:
             for s, paths in sorted(self._scan().items()):
                 for path in paths if s > step else ():

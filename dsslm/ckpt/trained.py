@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dsslm.ckpt.format import Checkpoint, CheckpointError, candidates, invalid_reason, parse_name, read_manifest
-from dsslm.ckpt.shards import open_folder
+from dsslm.ckpt.shards import check_headers, open_folder, verify_share
 from dsslm.ckpt.resume import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
 from dsslm.ckpt.drift import from_dict
@@ -97,14 +97,20 @@ def _newest(ckpt_dir: Path, device: torch.device) -> Trained:
 
 
 def load_weights(folder: Path) -> Checkpoint:
-    """Verify every file against the MANIFEST, then open state.json and the index of the tensors
-    (sharded or gathered); the weights are read one tensor at a time when the model is filled,
-    the AdamW moments (twice the weights' size) never."""
-    reason = invalid_reason(folder)
+    """Verify every file as a resume does (its MANIFEST hash; every tensor finite, second moments
+    >= 0; the shard headers against the index, so no piece of another save is read), then open
+    state.json and the index of the tensors (sharded or gathered); the weights are read one
+    tensor at a time when the model is filled."""
+    reason = invalid_reason(folder, hash_files=False)
     if reason is not None:
         raise CheckpointError(f"not a valid checkpoint: {reason}")
     files = read_manifest(folder)["files"]
-    return open_folder(folder, files)
+    verified = verify_share(folder, files, list(files))
+    if verified["bad"] is not None:
+        raise CheckpointError(f"not a valid checkpoint: {verified['bad']}")
+    ckpt = open_folder(folder, files)
+    check_headers(ckpt.reader.index, verified["headers"])
+    return ckpt
 
 
 def _accept(ckpt: Checkpoint, device: torch.device) -> Trained:

@@ -243,6 +243,8 @@ class _MonitorState(Spec):
 
     def validate(self, value: Any, path: str) -> None:
         self.fields.validate(value, path)
+        if len(value["losses"]) != len(value["gnorms"]):  # one pair per judged step
+            raise StateError(f"{path}.gnorms: {len(value['gnorms'])} values for {len(value['losses'])} losses")
         saved = value.get("detector", "mad")
         if saved != self.detector:
             raise StateError(f"{path}.detector: {saved!r}, but this run judges with monitor.detector="

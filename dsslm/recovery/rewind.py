@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -204,7 +207,7 @@ class Rewinder:
                 # change of global batch cannot convert it again with another factor.
                 old = TrainState(skip_list=recovery["skip_list"], rewinds=recovery["rewinds"],
                                  lr_scale=recovery["lr_scale"] if recovery["lr_scale"] is not None else 1.0)
-                write_recovery(self.run_dir, old)
+                self.write_run_file(old)
                 self.emit("recovery_upgraded", step=step, batch_size=self.batch_size, skip_list=old.skip_list)
             return recovery
         except StateError as exc:
@@ -212,10 +215,21 @@ class Rewinder:
             for ckpt_state in self.checkpointer.saved_train_states():
                 merge_recovery(rebuilt, {"skip_list": ckpt_state["skip_list"], "rewinds": ckpt_state["rewinds"],
                                          "lr_scale": ckpt_state["lr_scale"]})
-            write_recovery(self.run_dir, rebuilt)
+            # Kept, not replaced: an edit with one bad entry holds good ones a person can copy back.
+            path = recovery_path(self.run_dir)
+            aside = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}")
+            self.checkpointer.store.fence()
+            os.replace(path, aside)
+            self.write_run_file(rebuilt)
             self.emit("recovery_rebuilt", step=step, reason=str(exc), skip_list=rebuilt.skip_list,
-                      rewinds=len(rebuilt.rewinds), lr_scale=rebuilt.lr_scale)
+                      rewinds=len(rebuilt.rewinds), lr_scale=rebuilt.lr_scale, kept_aside=aside.name)
             return {"skip_list": rebuilt.skip_list, "rewinds": rebuilt.rewinds, "lr_scale": rebuilt.lr_scale}
+
+    def write_run_file(self, state: TrainState) -> None:
+        """Rank 0: rewrite skip_list.json, fenced like a checkpoint: a trainer that lost run.dir's
+        lock must not replace the new holder's record of bad data."""
+        self.checkpointer.store.fence()
+        write_recovery(self.run_dir, state)
 
     def fed_of(self, step: int) -> tuple[int, int]:
         """The [first, end) global sequences step `step` was fed (the oldest step noted when
@@ -261,7 +275,7 @@ class Rewinder:
         skip_list = merge_skip_list(base_skips + skipped)
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
-        self.engine.decide(lambda: write_recovery(self.run_dir, state))
+        self.engine.decide(lambda: self.write_run_file(state))
         self.emit("rewind", step=spike_step, to_step=state.step, window=rewind_plan.window,
                   skip=skipped, checkpoint=str(ckpt.path), reason=reason,
                   **({"verdict": fallback["verdict"]} if fallback else {}))

@@ -78,7 +78,7 @@ from dsslm.data.skips import concentrated, merge_skip_list
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
-from dsslm.recovery.rewind import Rewinder, recovery_pins, write_recovery
+from dsslm.recovery.rewind import Rewinder, recovery_pins
 
 STATE_FORMAT = 1
 # One re-run samples the spread once; a replay's difference is taken as noise up to this many times it.
@@ -293,7 +293,7 @@ class Triage:
                 if is_data:
                     skip = entries
                     state.skip_list = merge_skip_list(state.skip_list + skip)
-                    self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+                    self.engine.decide(lambda: self.rewinder.write_run_file(state))
                 else:
                     name = "unknown"
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
@@ -465,7 +465,7 @@ class Triage:
         elif verdict == "state" and not self.cfg.monitor.lr_recover_steps:
             state.lr_scale = r.lr_scale * factor  # lasting: the backoff the replay tried, from now on
         state.rewinds = state.rewinds + [record]
-        self.engine.decide(lambda: write_recovery(self.rewinder.run_dir, state))
+        self.engine.decide(lambda: self.rewinder.write_run_file(state))
         decision = {"verdict": verdict, "scope": "window", "spike_start": r.spike_start, "target": r.target,
                     "from_step": r.base_step, "replay_steps": r.replay_steps, "window": window, "skip": skip,
                     "lr_scale": state.lr_scale, "lr_factor": factor, "escalated": escalated, "evidence": r.evidence}

@@ -214,3 +214,32 @@ def test_a_transient_read_error_of_the_lock_is_retried_not_taken_as_lost(tmp_pat
     assert 0.3 <= time.monotonic() - started < 5
     monkeypatch.setattr(builtins, "open", real_open)
     lock.release()
+
+
+def test_a_trainer_that_lost_the_lock_sets_aside_none_of_the_new_holders_checkpoints(tmp_path):
+    """A rewind renames the checkpoints after its base (`leave_after`), and a spike verdict
+    rewrites skip_list.json: both are writes into run.dir, fenced like a save. (Before: the rename
+    was not, so a trainer taken over set aside the new holder's newer checkpoints and its next
+    resume went back to the old one.)"""
+    import torch
+
+    from dsslm.ckpt.store import CheckpointStore
+    from dsslm.config import Config
+    from dsslm.recovery.rewind import Rewinder
+    mine = RunLock(tmp_path)
+    mine.acquire()
+    store = CheckpointStore(tmp_path, keep_last=5, fence=lambda: mine.check(fresh=True))
+    for step in (4, 8):
+        store.save(step, {"model": {"w": torch.ones(4)}}, {"step": step})
+    write_lock(tmp_path, host="node-17", boot_id="other-boot", pid=4242)
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    with pytest.raises(LockLost, match="node-17"):
+        store.leave_after(4)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+    engine = type("Engine", (), {"decide": staticmethod(lambda fn: fn())})()
+    checkpointer = type("Checkpointer", (), {"store": store})()
+    rewinder = Rewinder(Config(), engine, checkpointer, None, 16, tmp_path, lambda *a, **k: None)
+    with pytest.raises(LockLost):
+        rewinder.write_run_file(__import__("dsslm.ckpt.train_state", fromlist=["x"]).TrainState())
+    assert not (tmp_path / "skip_list.json").exists()
+    mine.release()

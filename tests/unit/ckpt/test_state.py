@@ -73,6 +73,14 @@ def edit_header(group: str, name: str, **entry):
     return edit
 
 
+def drop_optim(name: str):
+    """Remove every optimizer tensor of one parameter (moments and step count)."""
+    def edit(folder: Path) -> None:
+        tensors = load_file(folder / "optim.safetensors")
+        save_file({k: v for k, v in tensors.items() if not k.endswith("/" + name)}, folder / "optim.safetensors")
+    return edit
+
+
 def symlink_out(path: Path) -> None:
     """Replace `path` by a link to a copy outside the folder: the hashes (read through it) match."""
     outside = path.parent.parent.parent / f"outside-{path.name}"
@@ -130,6 +138,11 @@ CASES = {
                                "exp_avg_sq norm.weight: negative"),
     "hostile safetensors header": (edit_header("model", "norm.weight", data_offsets=[0, 8]), "did not load"),
     "file is a symlink": (lambda folder: symlink_out(folder / "state.json"), "state.json is a symbolic link"),
+    # Found by review: each crashed the resume (ValueError; exit 1), or resumed off the bitwise path.
+    "monitor losses and gnorms differ": (edit_state(lambda s: {**s, "monitor": {**s["monitor"],
+                                                                                "gnorms": s["monitor"]["gnorms"][:-1]}}),
+                                         "state.monitor.gnorms"),
+    "one parameter's optimizer state gone": (drop_optim("norm.weight"), "no optimizer state for 'norm.weight'"),
 }
 
 
@@ -198,6 +211,20 @@ def test_a_checkpoint_of_another_config_is_refused_not_passed_over(reference, tm
     assert not events(run_dir, "passed_over")
 
 
+def test_a_checkpoint_whose_config_this_dsslm_cannot_read_is_refused_in_one_line(reference, tmp_path, capsys):
+    """state.config with a list where a map belongs, hashes recomputed: OmegaConf's merge raised
+    TypeError out of the resume (exit 1, a traceback, on every restart). Now exit 2 and one line
+    naming the checkpoint, and nothing is passed over or written: an older dsslm's config that
+    this one cannot read must not make the run start afresh."""
+    run_dir = tampered_run(reference, tmp_path, edit_state(set_field("config.data.mix", [1, 2])))
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    rc = main([f"run.dir={run_dir}", *TINY, *STEPS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "step-00000008" in err[0] and "state.config" in err[0], err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert not events(run_dir, "passed_over")
+
+
 def test_a_new_mix_is_refused_on_resume_unless_its_drift_is_allowed(reference, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -222,6 +249,9 @@ def test_broken_run_level_skip_list_is_rebuilt_from_the_checkpoints(reference, t
     rebuilt = events(run_dir, "recovery_rebuilt")
     assert len(rebuilt) == 1 and rebuilt[0]["skip_list"] == windows and "skip_list.json" in rebuilt[0]["reason"]
     assert json.loads((run_dir / "skip_list.json").read_text())["skip_list"] == windows
+    # The broken file is kept beside it for a person (an edit with one bad entry holds good ones).
+    aside = run_dir / rebuilt[0]["kept_aside"]
+    assert aside.read_text() == '{"schema": 2, "skip_list": [[100, 1' and aside.name.startswith("skip_list.json.invalid-")
 
 
 def test_schema_1_state_is_upgraded_to_the_step_vocabulary():

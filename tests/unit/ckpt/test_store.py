@@ -497,3 +497,23 @@ def test_a_restarted_store_hashes_only_what_it_loads(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == \
         ["step-00000001", "step-00000002", "step-00000003", "step-00000004"]  # 3 kept for a person, 1 kept: 3 did not count
     assert [f["checkpoint"] for e, f in events if e == "passed_over"] == ["step-00000003"]
+
+
+def test_only_ascii_digits_name_a_checkpoint(tmp_path):
+    """`\\d` matches any Unicode digit: step-٠٠٠٠٠٠١٢ (Arabic-Indic) was a second folder for step 12,
+    tried in listdir order beside step-00000012 and never removed by retention."""
+    assert ckpt_io.parse_name("step-00000012") == (12, False)
+    assert ckpt_io.parse_name("step-\u0660\u0660\u0660\u0660\u0660\u0660\u0661\u0662") is None
+    assert ckpt_io.parse_name("step-\uff10\uff10\uff10\uff10\uff10\uff10\uff11\uff12") is None  # full-width
+
+
+def test_a_tool_never_writes_inside_or_beside_checkpoint_folders(tmp_path):
+    """An export or a report written into a step folder adds a file its MANIFEST does not list:
+    the next resume passed the checkpoint over and started from an older one."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step-00000003").mkdir(parents=True)
+    assert "inside the checkpoint folder" in ckpt_io.inside_checkpoints(ckpts / "step-00000003" / "hf")
+    assert "inside the checkpoint folder" in ckpt_io.inside_checkpoints(ckpts / "step-00000003")
+    assert "among the checkpoints" in ckpt_io.inside_checkpoints(ckpts / "hf")
+    assert ckpt_io.inside_checkpoints(tmp_path / "run" / "report") is None
+    assert ckpt_io.inside_checkpoints(tmp_path / "exports" / "hf") is None

@@ -95,6 +95,10 @@ class _Rewinder:
     def __init__(self):
         self._fed = collections.OrderedDict()
 
+    def write_run_file(self, state):
+        from dsslm.recovery.rewind import write_recovery
+        write_recovery(self.run_dir, state)
+
 
 def test_a_scaler_overflow_in_a_replay_is_not_the_spike_coming_back():
     progress = ReplayProgress()
@@ -204,7 +208,9 @@ def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_p
             state.step, state.skip_list, state.rewinds = 45, merge_skip_list(skip_list), [record]
             restored.append(skip_list)
 
-    rewinder = Probe(Config(), _Engine(), None, Monitor(), 16, tmp_path, lambda e, **f: emitted.append((e, f)))
+    import types
+    checkpointer = types.SimpleNamespace(store=types.SimpleNamespace(fence=lambda: None))
+    rewinder = Probe(Config(), _Engine(), checkpointer, Monitor(), 16, tmp_path, lambda e, **f: emitted.append((e, f)))
     for step in (51, 52, 53):
         rewinder.note(step, 800 + 16 * (step - 51), 816 + 16 * (step - 51))
     state = TrainState(step=53, skip_list=[[0, 16], entry])  # what a replay had tried: not kept

@@ -265,6 +265,9 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain(err)) from None
+    except (TypeError, ValueError) as err:  # a list where a map belongs (data.mix=[1,2]): OmegaConf's merge
+        raise ConfigError(f"{err} (a list where a mapping belongs, or the reverse); check the overrides and "
+                          f"--config against configs/tiny.yaml") from None
     _check(not (accum_set and cfg.train.global_batch_size), f"train.global_batch_size={cfg.train.global_batch_size} and "
            f"train.grad_accum={cfg.train.grad_accum} are both set; drop train.grad_accum (it follows per world size)")
     validate(cfg)
@@ -302,6 +305,7 @@ def _check_choice(key: str, value: Any, allowed: tuple) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key that cannot work, and how to fix it."""
+    _check_finite(cfg)
     t, e = cfg.train, cfg.engine
     _check_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
@@ -317,6 +321,10 @@ def validate(cfg: Config) -> None:
                        ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
         _check(value >= 1, f"{key}={value} must be >= 1")
     _check(t.global_batch_size >= 0, f"train.global_batch_size={t.global_batch_size} must be >= 0 (0 = unset)")
+    _check(cfg.ckpt.keep_every >= 0, f"ckpt.keep_every={cfg.ckpt.keep_every} must be >= 0 (0 = none)")
+    _check(cfg.run.val_every >= 0 and cfg.run.val_batches >= 1, f"run.val_every={cfg.run.val_every} must be >= 0 "
+           f"(0 = never) and run.val_batches={cfg.run.val_batches} >= 1")
+    _check(bool(cfg.run.dir.strip()), "run.dir is empty; name the run's folder, e.g. run.dir=runs/my-run")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
     _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
@@ -324,6 +332,17 @@ def validate(cfg: Config) -> None:
     validate_optim(cfg)
     validate_data(cfg)
     validate_spike_policy(cfg)
+
+
+def _check_finite(node: Any, prefix: str = "") -> None:
+    """Every float key is a finite number: a bound like `> 0` lets inf through (optim.peak_lr=inf
+    trained to non-finite weights; model.rope_theta=inf made RoPE the identity without a word)."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{key}.")
+        elif isinstance(value, float):
+            _check(math.isfinite(value), f"{key}={value} must be a finite number")
 
 
 def validate_model(cfg: Config) -> None:
@@ -339,6 +358,9 @@ def validate_model(cfg: Config) -> None:
            f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
+    _check(m.init_std >= 0, f"model.init_std={m.init_std} must be >= 0")
+    _check(m.eos_id >= -1 and (m.vocab_size == 0 or m.eos_id < m.vocab_size),
+           f"model.eos_id={m.eos_id} must be -1 (the data's EOS) or an id below model.vocab_size={m.vocab_size}")
     _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
     _check(m.document_mask or not m.document_positions, "model.document_positions=true needs model.document_mask=true")
     _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
@@ -366,6 +388,7 @@ def validate_optim(cfg: Config) -> None:
                f"optim.decay_steps={o.decay_steps} must be in [1, train.total_steps - optim.warmup_steps"
                f"={t.total_steps - o.warmup_steps}] for optim.schedule=wsd")
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _check(o.eps > 0, f"optim.eps={o.eps} must be > 0")
     _check(o.clip > 0, f"optim.clip={o.clip} must be > 0 (a huge value disables clipping)")
     _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
 

@@ -74,6 +74,27 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and parse_name(path.name) is None and not (path / "checkpoints").is_dir()
 
 
+def check_hf_weights(folder: Path) -> None:
+    """The folder's safetensors files read, every float tensor finite: a folder someone else wrote,
+    checked before transformers loads it (a NaN weight would score as a number)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ToolError(f"{folder} has no .safetensors weights (dsslm never loads pickled ones)")
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise ToolError(f"{path}: {key} holds non-finite values; the weights are damaged")
+        except ToolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors' own errors: a truncated or foreign file
+            raise ToolError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())[:200]})") from None
+
+
 def open_hf(folder: Path, device: torch.device):
     """A Hugging Face folder's causal LM (safetensors only: never a pickle), its tokenizer as dsslm
     reads tokenizer.json, and its context length."""
@@ -84,16 +105,21 @@ def open_hf(folder: Path, device: torch.device):
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():
         raise ToolError(f"{folder} has no tokenizer.json; export with python -m dsslm.export, or add one")
+    check_hf_weights(folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
                                                      local_files_only=True)
         from tokenizers import Tokenizer
         tok = BPETokenizer.from_file(tok_file, "file", eos_token_of(tok_file, Tokenizer.from_file(str(tok_file))))
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' config checks raise their own types too
         raise ToolError(f"{folder}: transformers cannot load it ({' '.join(str(exc).split())[:300]})") from None
     seq_len = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ToolError(f"{folder}/config.json has no max_position_embeddings; dsslm.eval needs the context length")
+    rows = model.get_input_embeddings().num_embeddings
+    if tok.vocab_size > rows:  # an id past the embedding table: an IndexError at the first batch
+        raise ToolError(f"{folder}: tokenizer.json has {tok.vocab_size} ids but the model embeds {rows}; "
+                        "the folder's tokenizer is not its model's")
     model = model.to(device).eval()
     return (lambda ids: model(ids).logits), tok, seq_len
 
@@ -152,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} {value} must be >= 1")
     if args.max_examples is not None and args.max_examples < 0:
         parser.error(f"--max-examples {args.max_examples} must be >= 0")
+    if args.json and not Path(args.json).absolute().parent.is_dir():  # before the work, not after it
+        parser.error(f"--json {args.json}: the folder {Path(args.json).absolute().parent} does not exist")
     try:
         if args.tasks:
             result = evaluate_tasks(args.source, args.tasks, args.max_examples, args.batch_size, args.data,

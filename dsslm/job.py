@@ -84,6 +84,11 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     if hf_dir_of(cfg.run.init_from):  # the model's shape is the Hugging Face folder's
         apply_shape(cfg, hf_dir_of(cfg.run.init_from), data_dir, manifest)
     cfg.model.vocab_size = cfg.model.vocab_size or manifest["tokenizer"]["vocab_size"]
+    data_vocab = manifest["tokenizer"]["vocab_size"]
+    if cfg.model.vocab_size < data_vocab:  # an embedding lookup past its table, on the first step
+        where = f"run.init_from={cfg.run.init_from}'s vocab_size" if hf_dir_of(cfg.run.init_from) else "model.vocab_size"
+        raise ConfigError(f"{where}={cfg.model.vocab_size} is below the {data_vocab} token ids of {data_dir}'s "
+                          f"tokenizer; drop model.vocab_size (it follows the data) or set it >= {data_vocab}")
     if cfg.model.document_mask and cfg.model.eos_id < 0:  # documents end with the tokenizer's EOS
         cfg.model.eos_id = manifest["tokenizer"]["eos_id"]
     seed_everything(cfg.run.seed)  # identical initial weights on every rank

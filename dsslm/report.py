@@ -9,13 +9,14 @@ spike with its triage verdict and the few worst sequences of its batch, decoded
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from dsslm.ckpt.format import inside_checkpoints
+from dsslm.ckpt.trained import OneLineParser
 from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
 from dsslm.recovery.forensics import spike_lines
 
@@ -124,9 +125,13 @@ def final_eval_lines(run: Run) -> list[str]:
     if not kept:
         return []
     last = kept[-1]
+
+    def of(key: str, task: str):  # a damaged line may hold anything where a {task: value} map belongs
+        table = last.get(key)
+        return table.get(task) if isinstance(table, dict) else None
     return [f"- downstream tasks at step {last['step']}:"] + [
-        f"  - {task}: acc {fmt_value(acc)}, acc_norm {fmt_value(last.get('eval_acc_norm', {}).get(task))}, "
-        f"chance {fmt_value(last.get('eval_chance', {}).get(task))}, bpb {fmt_value(last.get('eval_bpb', {}).get(task))}"
+        f"  - {task}: acc {fmt_value(acc)}, acc_norm {fmt_value(of('eval_acc_norm', task))}, "
+        f"chance {fmt_value(of('eval_chance', task))}, bpb {fmt_value(of('eval_bpb', task))}"
         for task, acc in last["eval_acc"].items()]
 
 
@@ -139,7 +144,7 @@ def event_table(run: Run) -> list[str]:
     for e in rows:
         t = e.get("time")
         when, elapsed = "?", "?"
-        if is_number(t):
+        if is_number(t) and 0 <= t < 1e11:  # a damaged line's time past year 5000 is no date
             when = dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             elapsed = fmt_duration(t - t0)
         details = ", ".join(f"{k}={fmt_value(v)}" for k, v in e.items() if k not in ("event", "time", "step"))
@@ -157,13 +162,17 @@ def write_report(run: Run, out: Path, spikes: list[str] | None = None) -> list[P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsslm.report", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m dsslm.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run's run.dir (holds metrics.jsonl, events.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/report)")
     args = parser.parse_args(argv)
     if not (args.run_dir / "metrics.jsonl").is_file():
         print(f"error: {args.run_dir / 'metrics.jsonl'} not found; pass a run.dir that has been trained in",
               file=sys.stderr)
+        return 2
+    problem = inside_checkpoints(args.out or args.run_dir / "report")
+    if problem is not None:
+        print(f"error: --out {args.out}: {problem}; choose a folder outside the run's checkpoints/", file=sys.stderr)
         return 2
     run = load_run(args.run_dir)
     if not run.train:

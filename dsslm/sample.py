@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name, value, ok in (("--max-new-tokens", args.max_new_tokens, 0 <= args.max_new_tokens <= 10**6),
                             ("--temperature", args.temperature, 0 <= args.temperature < float("inf")),
-                            ("--top-k", args.top_k, args.top_k >= 0), ("--seed", args.seed, args.seed >= 0)):
+                            ("--top-k", args.top_k, args.top_k >= 0), ("--seed", args.seed, 0 <= args.seed < 2**63)):
         if not ok:
             parser.error(f"{name} {value} is out of range")
     try:
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         tok = tokenizer_of(trained, args.data)
         prompt_ids = tok.encode(args.prompt)
         new = generate(trained, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, tok.eos_id, args.seed)
+    except UnicodeError:  # a shell passes bytes that are not UTF-8 as surrogates
+        print("dsslm.sample: error: --prompt is not valid UTF-8 text; pass UTF-8", file=sys.stderr)
+        return 2
     except (ToolError, ConfigError, DataError, CheckpointError) as exc:
         print(f"dsslm.sample: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -120,9 +120,15 @@ def verify_split(data_dir: str | Path, manifest: dict, split: str) -> None:
     """Hash one split's shards (every domain's): a tool that reads only the val shards checks only
     those, instead of every train shard of a large corpus."""
     itemsize = np.dtype(manifest["dtype"]).itemsize
+    vocab = manifest["tokenizer"]["vocab_size"]
     for domain in manifest["domains"].values():
         for entry in domain[split]:
             _check_shard(Path(data_dir), entry, itemsize, verify=True)
+            if entry["tokens"]:  # a hash that matches says nothing of ids a manifest's writer put there
+                top = int(np.memmap(Path(data_dir) / entry["path"], dtype=manifest["dtype"], mode="r").max())
+                if top >= vocab:
+                    raise DataError(f"shard {Path(data_dir) / entry['path']} holds token id {top}, beyond the "
+                                    f"tokenizer's vocabulary (vocab_size {vocab}); rebuild {data_dir} with prepare")
 
 
 def _check_shard(data_dir: Path, entry: dict, itemsize: int, verify: bool) -> None:

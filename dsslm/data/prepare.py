@@ -160,6 +160,8 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
     failure everything this call created is removed and an existing manifest is untouched."""
     _check_args(domain, tokenizer, vocab_size, val_fraction)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a folder; name a new folder or an existing DATA_DIR")
     sources = find_sources(inputs)
     undo: list[Path] = []  # what this call created, removed if it fails
     if not out.exists():

@@ -180,7 +180,12 @@ def _open_records(kind: str, group: list[Source]) -> list:
         ds = datasets.load_from_disk(str(group[0].path))
         # A DatasetDict contributes every split, by name: our own val split is cut later.
         return [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
-    return [datasets.load_dataset(kind, data_files=[str(s.path) for s in group], split="train", streaming=True)]
+    # JSON: a field of mixed types (a string here, an object there) is an error, not every value
+    # re-serialised as JSON text (datasets' default, on_mixed_types="use_json"): that quoted each
+    # document's text in the shards.
+    extra = {"on_mixed_types": None} if kind == "json" else {}
+    return [datasets.load_dataset(kind, data_files=[str(s.path) for s in group], split="train", streaming=True,
+                                  **extra)]
 
 
 def iter_token_arrays(sources: list[Source], tok, text_field: str,

@@ -182,8 +182,8 @@ def _get(hf: dict, key: str, kind: type, default: Any = None) -> Any:
         value = float(value)
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise HFError(f"config.json: {key}={value!r} is not a {kind.__name__}")
-    if kind in (int, float) and value <= 0:
-        raise HFError(f"config.json: {key}={value!r} must be > 0")
+    if kind in (int, float) and not (0 < value < float("inf")):  # json reads Infinity and NaN too
+        raise HFError(f"config.json: {key}={value!r} must be a finite number > 0")
     return value
 
 

@@ -137,7 +137,12 @@ def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], 
         if cfg.tie_embeddings and found.get("lm_head.weight", ("",))[0] == name:
             keys.append("lm_head.weight")
         with safe_open(hf_dir / name, framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in keys})
+            for k in keys:
+                tensors[k] = f.get_tensor(k)
+                bad = int((~torch.isfinite(tensors[k])).sum())
+                if bad:  # a run from these would train to NaN (or escalate) having written checkpoints
+                    raise HFError(f"{hf_dir}: {k} in {name} holds {bad} non-finite value(s); a folder to train "
+                                  "from must hold finite weights")
     head = tensors.pop("lm_head.weight", None) if cfg.tie_embeddings else None
     if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
         raise HFError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from the embedding")

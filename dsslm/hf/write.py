@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dsslm.ckpt.format import inside_checkpoints
 from dsslm.durable import file_sha256, publish_folder
 from dsslm.hf.convert import PROBE_TEXT, architecture_of, byte_tokenizer, export_config, to_hf
 from dsslm.ckpt.trained import ToolError, Trained, open_trained, tokenizer_of
@@ -33,6 +34,9 @@ def parse_size(text: str) -> int:
 
 
 def check_out(out: Path) -> None:
+    problem = inside_checkpoints(out)
+    if problem is not None:
+        raise ToolError(f"--out {out}: {problem}; choose a folder outside the run's checkpoints/")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ToolError(f"--out {out} exists and is not empty; remove it or choose another folder (an export "
                         "never replaces a folder)")

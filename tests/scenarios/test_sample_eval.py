@@ -41,7 +41,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_cli(cli, capsys, *argv) -> tuple[int, str, str]:
-    rc = cli.main([*map(str, argv)])
+    try:
+        rc = cli.main([*map(str, argv)])
+    except SystemExit as exc:  # an argument error: argparse's exit
+        rc = exc.code
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
@@ -114,6 +117,37 @@ def test_eval_refuses_a_val_shard_that_does_not_match_the_manifest(runs, tmp_pat
     shard.write_bytes(bytes(raw))
     rc, _, err = run_cli(eval_cli, capsys, runs["byte"], "--data", data)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "val-00000.bin" in err
+
+
+def test_eval_refuses_a_val_shard_with_ids_beyond_the_vocabulary_even_when_hashed_right(runs, tmp_path, capsys):
+    """A manifest's writer can put any id in a shard and hash it: an IndexError out of the model's
+    embedding before (exit 1). Training refused the same folder; eval now does too."""
+    import hashlib
+    import json
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(runs["byte_data"], data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    entry = manifest["domains"]["code"]["val"][0]
+    tokens = np.fromfile(data / entry["path"], dtype=manifest["dtype"])
+    tokens[10] = 60000
+    tokens.tofile(data / entry["path"])
+    entry["sha256"] = hashlib.sha256((data / entry["path"]).read_bytes()).hexdigest()
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    rc, _, err = run_cli(eval_cli, capsys, runs["byte"], "--data", data)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "token id 60000" in err
+
+
+def test_eval_json_into_a_missing_folder_exits_2_before_evaluating(runs, tmp_path, capsys):
+    rc, out, err = run_cli(eval_cli, capsys, runs["byte"], "--json", tmp_path / "nowhere" / "x.json")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "does not exist" in err
+
+
+def test_sample_bad_prompt_bytes_and_seed_exit_2_in_one_line(runs, capsys):
+    for argv, says in (((runs["byte"], "--prompt", "ab\udcffcd"), "not valid UTF-8"),
+                       ((runs["byte"], "--prompt", "ab", "--seed", str(2**70)), "--seed")):
+        rc, out, err = run_cli(sample_cli, capsys, *argv, "--device", "cpu")
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and says in err, err
 
 
 def test_eval_of_a_missing_checkpoint_exits_2(tmp_path, capsys):

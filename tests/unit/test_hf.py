@@ -129,6 +129,9 @@ def test_config_json_becomes_model_values():
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope type"),
     ({"use_sliding_window": True}, "sliding"), ({"hidden_size": "64"}, "hidden_size"),
     ({"num_hidden_layers": 0}, "num_hidden_layers"), ({"vocab_size": True}, "vocab_size"),
+    # json reads Infinity: RoPE of an infinite theta is the identity, and trained without a word.
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, "finite"),
+    ({"rms_norm_eps": float("nan")}, "finite"),
 ])
 def test_config_json_that_dsslm_cannot_build_is_refused(fields, says):
     with pytest.raises(HFError, match=says):
@@ -141,3 +144,39 @@ def test_byte_tokenizer_definition_gives_dsslm_byte_ids():
     assert tok.encode(MULTIBYTE, add_special_tokens=False).ids == ours.encode(MULTIBYTE)
     assert tok.get_vocab_size() == ours.vocab_size and tok.token_to_id("<|endoftext|>") == ours.eos_id
     assert tok.decode(ours.encode(MULTIBYTE)) == MULTIBYTE
+
+
+def test_a_folder_with_non_finite_weights_is_refused_before_a_run_starts_from_it(tmp_path):
+    """run.init_from=hf: with a NaN in one weight trained to NaN (or escalated) after writing its
+    start checkpoint. The weights are read once, for the import: each is checked there."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dsslm.hf.folder import read_weights
+    cfg = model_cfg("model.vocab_size=300")
+    hf = to_hf(random_state(cfg), cfg)
+    hf["model.norm.weight"][3] = float("nan")
+    save_file({k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(llama_config()))
+    with pytest.raises(HFError, match="model.norm.weight in model.safetensors holds 1 non-finite"):
+        read_weights(tmp_path, cfg)
+
+
+def test_eval_checks_a_folders_weights_before_transformers_loads_them(tmp_path):
+    """`dsslm.eval --tasks HF_DIR` scored a NaN model as a number (bpb NaN, exit 0) and raised
+    safetensors' own error out of a truncated file (exit 1): both are one ToolError now."""
+    from safetensors.torch import save_file
+
+    from dsslm.ckpt.trained import ToolError
+    from dsslm.eval import check_hf_weights
+    save_file({"a": torch.ones(4), "b": torch.tensor([1.0, float("inf")])}, tmp_path / "model.safetensors")
+    with pytest.raises(ToolError, match="b holds non-finite values"):
+        check_hf_weights(tmp_path)
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(raw[:20])
+    with pytest.raises(ToolError, match="not a readable safetensors file"):
+        check_hf_weights(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ToolError, match="no .safetensors"):
+        check_hf_weights(tmp_path)

@@ -163,9 +163,14 @@ def test_manifest_catches_one_flipped_byte(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty_file", "missing_file", "missing_field", "unknown_tokenizer", "bad_fraction",
-                                  "binary_file"])
+                                  "binary_file", "mixed_types", "out_is_a_file"])
 def test_bad_input_exits_2_and_leaves_nothing(tmp_path, capsys, case):
     (tmp_path / "empty.txt").write_text("")
+    # A text field of mixed types: datasets re-serialised every value as JSON text (the documents
+    # quoted in the shards), exit 0. (Found by review.)
+    (tmp_path / "mixed.jsonl").write_text('{"text": "first doc"}\n{"text": {"a": 1}}\n')
+    if case == "out_is_a_file":  # a NotADirectoryError traceback before
+        (tmp_path / "d").write_text("my notes")
     (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 4)  # a NUL byte: not text
     (tmp_path / "a.jsonl").write_text('{"body": "no text field"}\n')
     (tmp_path / "a.txt").write_text("fine")
@@ -176,14 +181,20 @@ def test_bad_input_exits_2_and_leaves_nothing(tmp_path, capsys, case):
         "unknown_tokenizer": ["--input", str(tmp_path / "a.txt"), "--tokenizer", "wordpiece"],
         "bad_fraction": ["--input", str(tmp_path / "a.txt"), "--val-fraction", "1.5"],
         "binary_file": ["--input", str(tmp_path / "model.bin")],  # given directly, as a folder's would be skipped
+        "mixed_types": ["--input", str(tmp_path / "mixed.jsonl")],
+        "out_is_a_file": ["--input", str(tmp_path / "a.txt")],
     }[case]
     assert main(["prepare", *argv, "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     hint = {"empty_file": "no text", "missing_file": "does not exist", "missing_field": "--text-field",
-            "unknown_tokenizer": "--tokenizer", "bad_fraction": "--val-fraction", "binary_file": "binary"}[case]
+            "unknown_tokenizer": "--tokenizer", "bad_fraction": "--val-fraction", "binary_file": "binary",
+            "mixed_types": "changed from string to object", "out_is_a_file": "is a file"}[case]
     assert hint in err
-    assert not (tmp_path / "d").exists()
+    if case == "out_is_a_file":
+        assert (tmp_path / "d").read_text() == "my notes"
+    else:
+        assert not (tmp_path / "d").exists()
 
 
 def test_bad_input_into_existing_data_dir_keeps_it_valid(tmp_path, capsys):

@@ -193,3 +193,25 @@ def test_downstream_records_get_their_figure_and_summary_lines(tmp_path):
     assert "- downstream tasks at step 100:" in summary and "hellaswag: acc 0.35, acc_norm 0.26, chance 0.25, bpb 6" in summary
     assert not (plots.plot_evals(plots.load_run(clean_run(tmp_path / "none")), tmp_path)) and \
         not (tmp_path / "evals.png").exists()
+
+
+def test_a_damaged_line_is_reported_around_not_raised(tmp_path, capsys):
+    """A record whose eval_acc_norm is a number, not a {task: value} map, and an event whose time
+    is past any date: AttributeError and OverflowError before (exit 1, a report/ without its
+    summary). The summary is written, with None or "?" where a value cannot be read."""
+    run_dir = clean_run(tmp_path / "damaged")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics.append({"step": 100, "eval_acc": {"hellaswag": 0.3}, "eval_acc_norm": 7})
+    write_run(run_dir, metrics, [event("start", 0), {**event("alert", 50, reason="x"), "time": 1e20}, event("end", 100)])
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "hellaswag: acc 0.3, acc_norm None" in summary and "| ? | ? | 50 | alert |" in summary
+
+
+def test_a_report_into_a_checkpoint_folder_is_refused(tmp_path, capsys):
+    run_dir = clean_run(tmp_path / "run")
+    (run_dir / "checkpoints" / "step-00000003").mkdir(parents=True)
+    assert report.main([str(run_dir), "--out", str(run_dir / "checkpoints" / "step-00000003")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "inside the checkpoint folder" in err[0]
+    assert list((run_dir / "checkpoints" / "step-00000003").iterdir()) == []

@@ -78,7 +78,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, ca
 def test_an_empty_run_dir_is_refused(tmp_path, capsys, monkeypatch):
     """run.dir="" trained into the current folder (checkpoints/, events.jsonl beside the user's files)."""
     monkeypatch.chdir(tmp_path)
-    rc = main(["run.dir=", *TINY, "train.total_steps=10"])
+    rc = main(['run.dir=""', *TINY, "train.total_steps=10"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "run.dir is empty" in err[0], err
     assert list(tmp_path.iterdir()) == []

@@ -90,6 +90,22 @@ def test_tools_read_a_sharded_checkpoint_tensor_by_tensor(fsdp_run):
         assert torch.equal(param.detach().reshape(-1), torch.cat([t for _, t in parts])), name
 
 
+def test_tools_refuse_a_folder_with_a_shard_of_another_save(fsdp_run, tmp_path):
+    """Step 4's folder with step 8's rank-1 shard in it, MANIFEST recomputed: a resume refuses it
+    (the shard's metadata names another save), and so do the tools now. (Before: export wrote
+    step 8's rows under step 4's name.)"""
+    import shutil
+
+    from dsslm.ckpt.trained import ToolError, open_trained
+    from helpers import remanifest
+    folder = tmp_path / "step-00000004"
+    shutil.copytree(fsdp_run / "checkpoints" / "step-00000004", folder)
+    shutil.copy(fsdp_run / "checkpoints" / "step-00000008" / "shard-00001-of-00002.safetensors", folder)
+    remanifest(folder)
+    with pytest.raises(ToolError, match="written by another save"):
+        open_trained(folder)
+
+
 # One global batch of 12 sequences on 2, 3 and 1 ranks (grad_accum follows: 2, 2, 3).
 ZERO2 = ("engine.kind=zero", "engine.zero_stage=2", "train.micro_batch_size=3", "train.global_batch_size=12")
 FSDP3 = ("engine.kind=fsdp", "train.micro_batch_size=2", "train.global_batch_size=12")

@@ -87,6 +87,11 @@ def describe(drifted: dict[str, Any], saved_config: Any, cfg: Config, step: int,
             changes.append(f"{key}: {old!r} -> {new!r}: each domain's share of the sequences from step {step + 1}")
         else:
             changes.append(f"{key}: {old!r} -> {new!r} from step {step + 1}")
+    saved_run = saved_config.get("run") if isinstance(saved_config, dict) else None
+    saved_from = saved_run.get("init_from", "") if isinstance(saved_run, dict) else ""
+    if cfg.run.init_from and cfg.run.init_from != saved_from:  # a branch asked of a run.dir that has checkpoints
+        changes.append(f"run.init_from={cfg.run.init_from} is not used: run.dir holds this run's checkpoints, and a "
+                       "resume continues them (start a branch in a new run.dir)")
     plan = lr_change(saved_config, cfg, step)
     if plan is not None:
         old_lr, new_lr = plan

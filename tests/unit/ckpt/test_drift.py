@@ -105,3 +105,14 @@ def test_re_running_a_finished_run_says_so_and_trains_nothing(reference, tmp_pat
     assert "starting at step" not in captured.out
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics and len(events(run_dir, "end")) == ends
     assert _folders(run_dir) == _folders(reference)
+
+
+def test_a_branch_asked_of_a_run_dir_with_checkpoints_says_it_resumes_instead(reference, tmp_path):
+    """run.init_from on a run.dir that already has checkpoints resumes them (a requeued job carries
+    its command's init_from); asked for anew, it was dropped without a word. The resume says so."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    other = reference / "checkpoints" / sorted(_folders(reference))[0]
+    assert train(tiny_cfg(run_dir, *STEPS, f"run.init_from={other}")) == 0
+    changes = events(run_dir, "resume")[-1]["changes"]
+    assert any(f"run.init_from={other} is not used" in c for c in changes), changes

@@ -322,8 +322,12 @@ def validate(cfg: Config) -> None:
         _check(value >= 1, f"{key}={value} must be >= 1")
     _check(t.global_batch_size >= 0, f"train.global_batch_size={t.global_batch_size} must be >= 0 (0 = unset)")
     _check(cfg.ckpt.keep_every >= 0, f"ckpt.keep_every={cfg.ckpt.keep_every} must be >= 0 (0 = none)")
-    _check(cfg.run.val_every >= 0 and cfg.run.val_batches >= 1, f"run.val_every={cfg.run.val_every} must be >= 0 "
-           f"(0 = never) and run.val_batches={cfg.run.val_batches} >= 1")
+    _check(cfg.run.val_every >= 0, f"run.val_every={cfg.run.val_every} must be >= 0 (0 = never)")
+    _check(cfg.run.val_batches >= 1, f"run.val_batches={cfg.run.val_batches} must be >= 1")
+    m = cfg.model
+    _check(m.init_std >= 0, f"model.init_std={m.init_std} must be >= 0")
+    _check(m.eos_id >= -1 and (m.vocab_size == 0 or m.eos_id < m.vocab_size),
+           f"model.eos_id={m.eos_id} must be -1 (the data's EOS) or an id below model.vocab_size={m.vocab_size}")
     _check(bool(cfg.run.dir.strip()), "run.dir is empty; name the run's folder, e.g. run.dir=runs/my-run")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
@@ -358,9 +362,6 @@ def validate_model(cfg: Config) -> None:
            f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
-    _check(m.init_std >= 0, f"model.init_std={m.init_std} must be >= 0")
-    _check(m.eos_id >= -1 and (m.vocab_size == 0 or m.eos_id < m.vocab_size),
-           f"model.eos_id={m.eos_id} must be -1 (the data's EOS) or an id below model.vocab_size={m.vocab_size}")
     _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
     _check(m.document_mask or not m.document_positions, "model.document_positions=true needs model.document_mask=true")
     _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -103,7 +103,7 @@ def describe(drifted: dict[str, Any], saved_config: Any, cfg: Config, step: int,
 def lr_change(saved_config: Any, cfg: Config, step: int) -> tuple[float, float] | None:
     """(the checkpoint's planned LR, today's) for the step after `step`, when they differ."""
     try:
-        old_cfg = from_dict(saved_config, "the checkpoint's config")
+        old_cfg = from_dict(saved_config, "the checkpoint's config", rules=None)
     except ConfigError:
         return None  # nothing to compare with; the fingerprint already vouched for what matters
     old, new = lr_at(step, old_cfg), lr_at(step, cfg)
@@ -185,8 +185,11 @@ def _has_key(tree: dict, dotted: str) -> bool:
     return True
 
 
-def from_dict(tree: Any, where: str) -> Config:
-    """A Config from a saved tree (a checkpoint's state.json `config`), checked like a loaded one.
+def from_dict(tree: Any, where: str, rules: Callable[[Config], None] | None = validate) -> Config:
+    """A Config from a saved tree (a checkpoint's state.json `config`), checked by `rules`: like a
+    loaded one by default; a checkpoint's own config with fewer (`validate_model`: the model it
+    builds) or none (its structure alone), since a rule added later must not make a run that an
+    older dsslm trained unreadable (optim.clip=inf and run.val_batches=0 were accepted then).
 
     `where` names the file in the error, since the user did not type these keys."""
     if not isinstance(tree, dict):
@@ -196,7 +199,8 @@ def from_dict(tree: Any, where: str) -> Config:
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), tree,
                                                   OmegaConf.from_dotlist(legacy)))
-        validate(cfg)
+        if rules is not None:
+            rules(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{where}: {_explain(err)}") from None
     except ConfigError as err:

@@ -196,7 +196,7 @@ class Checkpointer:
             if kept_per_rank(value) and not sharded:
                 raise StateError(f"state.{name}: kept in rank files, which a gathered checkpoint does not have")
         try:  # read as describe() and the drift checks read it, before anything of it is loaded
-            from_dict(ckpt.state["config"], f"checkpoint {ckpt.path.name}: state.config")
+            from_dict(ckpt.state["config"], f"checkpoint {ckpt.path.name}: state.config", rules=None)
         except ConfigError as exc:
             # Refused, not passed over: this dsslm may not read an older version's config (a key
             # since removed), and passing over every checkpoint would start the run afresh.
@@ -256,13 +256,19 @@ class Checkpointer:
             if unknown or missing:
                 what = f"unknown parameter {unknown[0]!r}" if unknown else f"no tensor for {missing[0]!r}"
                 raise CheckpointError(f"{group}: {what}; check model.* against the checkpoint's config")
-            if group not in ("model", "optim step") and set(table) != steps:
+            if group not in ("model", "optim step") and not set(table) <= steps:
                 raise CheckpointError(f"optim: {group.split()[1]} and step name different parameters")
             for name, entry in table.items():
                 want = ([1], "F64") if group == "optim step" else (list(shapes[name]), "F32")
                 if (entry["shape"], entry["dtype"]) != want:
                     raise CheckpointError(f"{group} {name}: shape {entry['shape']} {entry['dtype']}, expected "
                                           f"{want[0]} {want[1]}")
+        # As check_tensors: AdamW's parameters have both moments, Muon's a momentum, each a step
+        # (under optim.name=muon the moments name the AdamW subset alone, not every stepped one).
+        kinds = optim_kinds(reader)
+        adam, momentum = kinds.get("exp_avg", set()), kinds.get("momentum", set())
+        if adam != kinds.get("exp_avg_sq", set()) or adam & momentum or adam | momentum != steps:
+            raise CheckpointError("optim: exp_avg, exp_avg_sq, momentum and step name different parameters")
         _check_complete(steps, shapes)
         for name in steps:
             step = float(reader.read(f"optim/step/{name}")[0])

@@ -27,7 +27,7 @@ from dsslm.ckpt.resume import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
 from dsslm.ckpt.drift import from_dict
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC
-from dsslm.config import Config, ConfigError
+from dsslm.config import Config, ConfigError, validate_model
 from dsslm.data import DataError, load_manifest
 from dsslm.data.manifest import verify_split
 from dsslm.data.corpus import default_data_dir
@@ -122,7 +122,7 @@ def _accept(ckpt: Checkpoint, device: torch.device) -> Trained:
         raise StateError(f"state.step: {state['step']}, the folder name says {ckpt.step}")
     validate(state.get("fingerprint"), FINGERPRINT_SPEC, "state.fingerprint")
     try:
-        cfg = from_dict(state["config"], "state.json")
+        cfg = from_dict(state["config"], "state.json", rules=validate_model)  # the model it builds
     except ConfigError as exc:
         raise StateError(str(exc)) from None
     if cfg.model.vocab_size < 1:

@@ -225,6 +225,22 @@ def test_a_checkpoint_whose_config_this_dsslm_cannot_read_is_refused_in_one_line
     assert not events(run_dir, "passed_over")
 
 
+def test_a_saved_config_an_older_dsslm_accepted_still_resumes_and_opens_in_the_tools(reference, tmp_path):
+    """Rules added to the config later (finite floats, run.val_batches >= 1) are for the config
+    typed now, not for a checkpoint's own: optim.clip=inf and run.val_batches=0 trained before
+    them, and that run must resume and export. (Refused for a moment in this session's work.)"""
+    from dsslm.ckpt.trained import open_trained
+
+    def older(state):
+        state["config"]["optim"]["clip"] = float("inf")
+        state["config"]["run"]["val_batches"] = 0
+        return state
+    run_dir = tampered_run(reference, tmp_path, edit_state(older))
+    assert open_trained(run_dir).step == 8
+    assert train(tiny_cfg(run_dir, *STEPS)) == 0
+    assert events(run_dir, "resume")[-1]["step"] == 8 and not events(run_dir, "passed_over")
+
+
 def test_a_new_mix_is_refused_on_resume_unless_its_drift_is_allowed(reference, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name, value, ok in (("--max-new-tokens", args.max_new_tokens, 0 <= args.max_new_tokens <= 10**6),
                             ("--temperature", args.temperature, 0 <= args.temperature < float("inf")),
-                            ("--top-k", args.top_k, args.top_k >= 0), ("--seed", args.seed, 0 <= args.seed < 2**63)):
+                            ("--top-k", args.top_k, args.top_k >= 0), ("--seed", args.seed, 0 <= args.seed < 2**64)):
         if not ok:
             parser.error(f"{name} {value} is out of range")
     try:

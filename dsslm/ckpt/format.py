@@ -83,15 +83,22 @@ def inside_checkpoints(out: Path) -> str | None:
     does not list makes it invalid, and the next resume passes it over) or beside checkpoint
     folders (a run's checkpoints/, whose leftovers a running trainer clears)."""
     out = Path(os.path.abspath(out))
-    for folder in (out, *out.parents):
-        if parse_name(folder.name) is not None:
+    for folder in (out, *out.parents):  # a checkpoint holds a MANIFEST: a name alone (exports/step-N) is none
+        if parse_name(folder.name) is not None and _is_checkpoint(folder):
             return f"{out} is inside the checkpoint folder {folder}"
     parent = out.parent
     try:
-        beside = parent.is_dir() and any(parse_name(p.name) is not None for p in parent.iterdir())
+        beside = parent.is_dir() and any(parse_name(p.name) is not None and _is_checkpoint(p) for p in parent.iterdir())
     except OSError:
         beside = False
     return f"{out} would sit among the checkpoints in {parent}" if beside else None
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    try:
+        return (folder / MANIFEST).exists() or folder.parent.name == "checkpoints"
+    except OSError:
+        return False
 
 
 def candidates(ckpt_dir: Path, pass_over: Callable[[str, str], None]) -> dict[int, list[Path]]:

@@ -173,6 +173,14 @@ def _record_pieces(kind: str, group: list[Source], text_field: str) -> Iterator[
                 yield None
 
 
+def _json_takes_mixed_types() -> bool:
+    """datasets' JSON builder has on_mixed_types from 5.x; 4.x (still supported) has no such field."""
+    import dataclasses
+
+    from datasets.packaged_modules.json.json import JsonConfig
+    return "on_mixed_types" in {f.name for f in dataclasses.fields(JsonConfig)}
+
+
 def _open_records(kind: str, group: list[Source]) -> list:
     import datasets
 
@@ -183,7 +191,7 @@ def _open_records(kind: str, group: list[Source]) -> list:
     # JSON: a field of mixed types (a string here, an object there) is an error, not every value
     # re-serialised as JSON text (datasets' default, on_mixed_types="use_json"): that quoted each
     # document's text in the shards.
-    extra = {"on_mixed_types": None} if kind == "json" else {}
+    extra = {"on_mixed_types": None} if kind == "json" and _json_takes_mixed_types() else {}
     return [datasets.load_dataset(kind, data_files=[str(s.path) for s in group], split="train", streaming=True,
                                   **extra)]
 

@@ -517,3 +517,7 @@ def test_a_tool_never_writes_inside_or_beside_checkpoint_folders(tmp_path):
     assert "among the checkpoints" in ckpt_io.inside_checkpoints(ckpts / "hf")
     assert ckpt_io.inside_checkpoints(tmp_path / "run" / "report") is None
     assert ckpt_io.inside_checkpoints(tmp_path / "exports" / "hf") is None
+    # Named like one but no checkpoint (no MANIFEST, not in a checkpoints/ folder): one export per step.
+    (tmp_path / "exports" / "step-00000003").mkdir(parents=True)
+    assert ckpt_io.inside_checkpoints(tmp_path / "exports" / "step-00000003") is None
+    assert ckpt_io.inside_checkpoints(tmp_path / "exports" / "step-00000004") is None

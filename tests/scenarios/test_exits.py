@@ -266,3 +266,19 @@ def test_a_second_ctrl_c_stops_at_once_and_exits_130(tmp_path, monkeypatch, caps
     assert not events(run_dir, "preempt_save") and len(events(run_dir, "interrupted")) == 1
     err = capsys.readouterr().err
     assert "Ctrl-C again to stop at once" in err and f"resumes from the newest checkpoint in {run_dir}" in err
+
+
+@pytest.mark.parametrize("code", [3, 2, 0])
+def test_the_sbatch_agent_exits_with_the_ranks_own_code(tmp_path, code):
+    """slurm/train.sbatch requeues a preempted job unless the ranks exited 2 (bad input) or 3
+    (escalation); torchrun reported any rank failure as 1, so that branch never ran and an
+    escalation near a preemption was requeued. The script's agent now exits with the code."""
+    import re
+
+    from helpers import PYTHON, ROOT
+    agent = re.search(r"AGENT='(.*?)'\n", (ROOT / "slurm" / "train.sbatch").read_text(), re.S).group(1)
+    script = tmp_path / "rank.py"
+    script.write_text(f"import os, sys\nsys.exit({code} if os.environ['RANK'] == '1' else 0)\n")
+    proc = subprocess.run([PYTHON, "-c", agent, "--nproc_per_node", "2", str(script)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr[-2000:]

@@ -8,7 +8,8 @@ counts as a failure:
 | setup and start (resume, branch)  | raises `Preempted` at once: nothing is trained, nothing to save   |
 | the loop                          | noted; the step in flight finishes, the loop saves there and      |
 |                                   | exits 0 (Ctrl-C, SIGINT: the same save, then exit 130; a second   |
-|                                   | Ctrl-C stops at once, the save in flight finished)                |
+|                                   | Ctrl-C stops at once, the save in flight finished); in the last  |
+|                                   | step the run finishes instead: its end, exit 0                    |
 | after the end event, interpreter  | ignored (SIG_IGN): the run is finished, and Python resets its     |
 |   shutdown                        | own handlers to the default (death by -15) while it shuts down    |
 

@@ -150,7 +150,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
         job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
-        if stop_requested:
+        if stop_requested and state.step < cfg.train.total_steps:  # in the last step, finishing wins
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, sync=True)
             sinks.emit("preempt_save", step=state.step, signal=stop.name)

@@ -282,3 +282,21 @@ def test_the_sbatch_agent_exits_with_the_ranks_own_code(tmp_path, code):
     proc = subprocess.run([PYTHON, "-c", agent, "--nproc_per_node", "2", str(script)], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == code, proc.stderr[-2000:]
+
+
+def test_a_stop_signal_in_the_last_step_finishes_the_run(tmp_path, monkeypatch):
+    """A signal answered at the end of the last step saved it as a preemption: no `end` event, a
+    "run the same command again" line, and exit 130 for Ctrl-C on a finished run. The run is
+    finished: it saves, ends, and exits 0."""
+    from dsslm import train as train_module
+    from helpers import tiny_cfg
+    real = train_module.train_step
+
+    def stopped_at_the_end(job, stop):
+        verdict, record, fed, requested = real(job, stop)
+        return verdict, record, fed, requested or job.state.step + 1 == job.cfg.train.total_steps  # counted after
+
+    monkeypatch.setattr(train_module, "train_step", stopped_at_the_end)
+    assert train_module.train(tiny_cfg(tmp_path, "train.total_steps=6", "ckpt.every=100")) == 0
+    assert [e["step"] for e in events(tmp_path, "end")] == [6] and not events(tmp_path, "preempt_save")
+    assert invalid_reason(tmp_path / "checkpoints" / "step-00000006") is None

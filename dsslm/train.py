@@ -77,6 +77,7 @@ class StepRecord:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
+    cfg = None  # a Ctrl-C while the config is read finds none
     try:
         cfg = load(args.config, overrides)
         return train(cfg, check_allow_drift(args.allow_drift))
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save", file=sys.stderr)
         return EXIT_OK
     except KeyboardInterrupt:
+        where = f" in {cfg.run.dir}/checkpoints" if cfg is not None else ""
         print(f"dsslm: interrupted; the save in flight, if any, was finished; the next run resumes from the "
-              f"newest checkpoint in {cfg.run.dir}/checkpoints", file=sys.stderr)
+              f"newest checkpoint{where}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -100,6 +100,9 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
         branch = ("" if where.startswith("parent") or key.startswith("model.") or key == "tokenizer" else
                   f", or start a new run.dir from its weights with run.init_from={cfg.run.dir}/checkpoints/"
                   f"{where.split()[-1]}")
+        # The global batch is a product of three keys unless set: the one key that keeps it, first.
+        restore = (f"set train.global_batch_size={old} (grad_accum then follows the world size)"
+                   if key == "global_batch_size" else "restore it")
         raise ResumeRefused(f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}; "
-                            f"restore it, pass --allow-drift {key} to continue this run under the new value{branch}")
+                            f"{restore}, pass --allow-drift {key} to continue this run under the new value{branch}")
     return differences

@@ -59,3 +59,16 @@ def test_resume_2_ranks_to_1_keeps_global_batch_and_lr_plan_without_allow_drift(
     ref = {r["step"]: r["loss"] for r in read_jsonl(reference / "metrics.jsonl") if "loss" in r}
     for step in range(1, 9):
         assert records[step]["loss"] == pytest.approx(ref[step], rel=1e-4), step  # fp32 reduction order
+
+
+def test_a_changed_product_names_the_one_key_that_keeps_the_global_batch(tmp_path, capsys):
+    """A run made without train.global_batch_size, resumed with another product (here grad_accum;
+    on another world size the same): the advice was "restore it", of a key that does not exist.
+    It names train.global_batch_size=<the old batch>, which resumes."""
+    run = [f"run.dir={tmp_path / 'run'}", *TINY, "train.total_steps=6", "train.micro_batch_size=2"]
+    assert main([*run, "train.grad_accum=2"]) == 0
+    capsys.readouterr()
+    assert main([*run, "train.grad_accum=1", "train.total_steps=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "set train.global_batch_size=4" in err[0], err
+    assert main([*run, "train.global_batch_size=4", "train.total_steps=8"]) == 0

@@ -82,3 +82,15 @@ def test_an_empty_run_dir_is_refused(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "run.dir is empty" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_the_config_is_read_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """The handler named cfg.run.dir, which a Ctrl-C inside load() had not set: UnboundLocalError."""
+    import dsslm.train as train_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_module, "load", interrupted)
+    assert main([f"run.dir={tmp_path / 'run'}", *TINY]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0], err

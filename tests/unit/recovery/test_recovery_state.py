@@ -236,26 +236,35 @@ class _Forensics:
         self.recorded.append(decision)
 
 
+def _reproduced_outlier(step: int, concentrated: bool = True):
+    """A monitor that judged steps 1..step-1 clean (2.0 +- 0.1, robust scale ~0.1) and `step` an
+    outlier, reproduced by its re-run in place: (cfg, monitor, the step's 16 per-sequence losses).
+    Concentrated: two sequences carry it (the batch's mean 3.0; without the two, 2.0, a normal
+    step); else every sequence rose by the same mean."""
+    from dsslm.recovery.monitor import SpikeMonitor
+    cfg = Config()
+    cfg.monitor.min_history, cfg.monitor.window = 10, 20
+    monitor = SpikeMonitor(cfg.monitor)
+    rng = np.random.default_rng(0)
+    for clean in range(1, step):
+        assert monitor.judge(clean, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
+    losses = 2.0 + 0.05 * rng.standard_normal(16)
+    if concentrated:
+        losses[[3, 11]] += 8.0
+    else:
+        losses += 1.0
+    assert monitor.judge(step, float(losses.mean()), 1.0) is Verdict.SKIP
+    assert monitor.rejudge(step, float(losses.mean()), 1.0) is Verdict.SKIP
+    return cfg, monitor, losses
+
+
 @pytest.mark.parametrize("shape, verdict", [("few", "data"), ("everywhere", "unknown")])
 def test_an_outlier_reproduced_in_place_is_data_only_where_a_few_sequences_carry_it(tmp_path, shape, verdict):
     """A reproduced outlier whose excess sits in two sequences of sixteen is data: their entries
     join the skip list and skip_list.json. One where every sequence rose (an LR burst) is not
     committed as data: `unknown`, the skip list untouched. Both mark the streak reproduced in
     place (the triage that may follow skips its same-data replay). (Before: data either way.)"""
-    from dsslm.recovery.monitor import SpikeMonitor
-    cfg = Config()
-    cfg.monitor.min_history, cfg.monitor.window = 10, 20
-    monitor = SpikeMonitor(cfg.monitor)
-    rng = np.random.default_rng(0)
-    for step in range(1, 51):  # clean steps 2.0 +- 0.1 (robust scale ~0.1)
-        assert monitor.judge(step, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
-    losses = 2.0 + 0.05 * rng.standard_normal(16)
-    if shape == "few":
-        losses[[3, 11]] += 8.0  # the batch's mean: 3.0, an outlier; without the two: 2.0, a normal step
-    else:
-        losses += 1.0           # the same mean, carried by every sequence
-    assert monitor.judge(51, float(losses.mean()), 1.0) is Verdict.SKIP
-    assert monitor.rejudge(51, float(losses.mean()), 1.0) is Verdict.SKIP  # the re-run reproduced it
+    cfg, monitor, losses = _reproduced_outlier(51, concentrated=shape == "few")
     rewinder = _Rewinder()
     rewinder.run_dir, rewinder.fed_of = tmp_path, lambda step: (800, 816)
     emitted, forensics = [], _Forensics(losses)
@@ -276,17 +285,7 @@ def test_an_outlier_reproduced_in_place_during_a_replay_commits_nothing(tmp_path
     in a tentative pass. Committing it wrote skip_list.json, while the next phase's restore put
     back the base's list: a resume then skipped data the uninterrupted run fed. Now the pass
     commits nothing and marks no streak; the event says `deferred`. (Before: committed.)"""
-    from dsslm.recovery.monitor import SpikeMonitor
-    cfg = Config()
-    cfg.monitor.min_history, cfg.monitor.window = 10, 20
-    monitor = SpikeMonitor(cfg.monitor)
-    rng = np.random.default_rng(0)
-    for step in range(1, 48):
-        assert monitor.judge(step, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
-    losses = 2.0 + 0.05 * rng.standard_normal(16)
-    losses[[3, 11]] += 8.0
-    assert monitor.judge(48, float(losses.mean()), 1.0) is Verdict.SKIP
-    assert monitor.rejudge(48, float(losses.mean()), 1.0) is Verdict.SKIP
+    cfg, monitor, losses = _reproduced_outlier(48)
     rewinder = _Rewinder()
     rewinder.run_dir, rewinder.fed_of = tmp_path, lambda step: (768, 784)
 
@@ -321,18 +320,8 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
     uninterrupted replay feeds; the run file keeps it, so a restart from a checkpoint before the
     streak (a crash that saved nothing of the triage) still never feeds it. (Before: a resume of
     the backoff replay skipped data the uninterrupted run trained on.)"""
-    from dsslm.recovery.monitor import SpikeMonitor
     from dsslm.recovery.rewind import RewindPlan, read_recovery
-    cfg = Config()
-    cfg.monitor.min_history, cfg.monitor.window = 10, 20
-    monitor = SpikeMonitor(cfg.monitor)
-    rng = np.random.default_rng(0)
-    for step in range(1, 51):
-        assert monitor.judge(step, 2.0 + 0.1 * float(rng.standard_normal()), 1.0) is Verdict.OK
-    losses = 2.0 + 0.05 * rng.standard_normal(16)
-    losses[[3, 11]] += 8.0
-    assert monitor.judge(51, float(losses.mean()), 1.0) is Verdict.SKIP
-    assert monitor.rejudge(51, float(losses.mean()), 1.0) is Verdict.SKIP
+    cfg, monitor, losses = _reproduced_outlier(51)
     entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
     restored = []
 

@@ -246,10 +246,11 @@ class Checkpointer:
         others = [k for k in tensors if not k.startswith(("model/", "optim/"))]
         if others:
             raise CheckpointError(f"tensor {others[0]!r} is neither model/ nor optim/")
+        kinds = optim_kinds(reader)
         entries = {"model": model, **{f"optim {kind}": {n: tensors[f"optim/{kind}/{n}"] for n in names}
-                                      for kind, names in optim_kinds(reader).items()}}
-        steps = optim_kinds(reader).get("step", set())
-        self.check_optimizer(set(optim_kinds(reader)) - {"step"})
+                                      for kind, names in kinds.items()}}
+        steps = kinds.get("step", set())
+        self.check_optimizer(set(kinds) - {"step"})
         for group, table in entries.items():
             unknown = sorted(set(table) - set(shapes))
             missing = sorted(set(shapes) - set(table)) if group == "model" else []
@@ -265,7 +266,6 @@ class Checkpointer:
                                           f"{want[0]} {want[1]}")
         # As check_tensors: AdamW's parameters have both moments, Muon's a momentum, each a step
         # (under optim.name=muon the moments name the AdamW subset alone, not every stepped one).
-        kinds = optim_kinds(reader)
         adam, momentum = kinds.get("exp_avg", set()), kinds.get("momentum", set())
         if adam != kinds.get("exp_avg_sq", set()) or adam & momentum or adam | momentum != steps:
             raise CheckpointError("optim: exp_avg, exp_avg_sq, momentum and step name different parameters")

@@ -87,7 +87,7 @@ def _checkpoint_file(path: Path) -> bool:
             or (name.startswith(("shard-", "rank-")) and "-of-" in name))
 
 
-def _stamp() -> str:
+def aside_stamp() -> str:
     """A unique suffix for a folder set aside (time, then random: two in one second differ)."""
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}"
 
@@ -349,7 +349,7 @@ class CheckpointStore:
         with self._lock:
             for s, paths in sorted(self._scan().items()):
                 for path in paths if s > step else ():
-                    target = path.with_name(f"left-{path.name}-{_stamp()}")
+                    target = path.with_name(f"left-{path.name}-{aside_stamp()}")
                     _rename(path, target)
                     self._verified.pop(path.name, None)
                     self._refused.discard(path.name)
@@ -505,7 +505,7 @@ class CheckpointStore:
             if reason is None and final.name not in self._refused:
                 _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
             else:
-                _rename(final, final.with_name(f"{final.name}.invalid-{_stamp()}"))
+                _rename(final, final.with_name(f"{final.name}.invalid-{aside_stamp()}"))
             fsync_dir(self.ckpt_dir)
         _rename(tmp, final)
         fsync_dir(self.ckpt_dir)

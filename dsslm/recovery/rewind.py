@@ -16,14 +16,13 @@ from __future__ import annotations
 import collections
 import json
 import os
-import secrets
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from dsslm.ckpt.format import Checkpoint
 from dsslm.ckpt.resume import Checkpointer
+from dsslm.ckpt.store import aside_stamp
 from dsslm.fields import Fields, Float, Int, ListOf, Optional, SkipEntry, StateError, validate
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
@@ -217,7 +216,7 @@ class Rewinder:
                                          "lr_scale": ckpt_state["lr_scale"]})
             # Kept, not replaced: an edit with one bad entry holds good ones a person can copy back.
             path = recovery_path(self.run_dir)
-            aside = path.with_name(f"{path.name}.invalid-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}")
+            aside = path.with_name(f"{path.name}.invalid-{aside_stamp()}")
             self.checkpointer.store.fence()
             os.replace(path, aside)
             self.write_run_file(rebuilt)

@@ -324,10 +324,12 @@ class Rewinder:
                 record: dict | None) -> None:
         """Load `ckpt` on every rank, keeping what the run learnt since: `skip_list` (the windows
         to skip from now on), its rewind history (plus `record`), the lower lr_scale and the
-        counters. The run-level file is the caller's to write (a tentative window must not
-        reach it)."""
+        count of skipped steps. The count of clipped steps is the checkpoint's: clip_frac is
+        clipped over state.step, both of the trajectory the weights came from, and the steps
+        left behind would take it above 1. The run-level file is the caller's to write (a
+        tentative window must not reach it)."""
         history = state.rewinds + ([record] if record else [])
-        counters = state.skipped_steps, state.clipped_steps
+        skipped = state.skipped_steps
         if isinstance(ckpt, RewindPoint):
             ckpt = self.ring.checkpoint(ckpt)  # a collective: the ranks' shares gathered back
         self.checkpointer.restore(ckpt)
@@ -335,7 +337,7 @@ class Rewinder:
         self.checkpointer.leave_after(state.step)  # ...and so do the durable checkpoints after it
         state.skip_list = merge_skip_list(state.skip_list + skip_list)
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
-        state.skipped_steps, state.clipped_steps = counters
+        state.skipped_steps = skipped
         self.monitor.reset_streak()
 
     def ensure_start_checkpoint(self, state: TrainState, save: Callable[[], None]) -> None:

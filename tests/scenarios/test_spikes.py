@@ -80,6 +80,9 @@ def test_poisoned_window_rewinds_once_and_its_data_is_never_fed_again(tmp_path):
     records = read_jsonl(tmp_path / "metrics.jsonl")
     kept = {r["step"]: r for r in records if "data_position" in r}.values()  # a replayed step's last record
     assert not chunks_fed(kept, state_skip) & window_chunks  # no update of the poisoned data was kept
+    # clip_frac is of the steps the weights came from, not of the ones the rewind left behind.
+    clipped = sum(r["gnorm"] > 1.0 for r in kept if r["verdict"] != "rewind")
+    assert 0 < clipped < 100 and records[-1]["step"] == 100 and records[-1]["clip_frac"] == clipped / 100
     # A resume from a checkpoint older than the spike must still never read the window's data.
     run_dir_copy = tmp_path.parent / f"{tmp_path.name}-resumed"
     shutil.copytree(tmp_path, run_dir_copy)

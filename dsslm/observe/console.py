@@ -164,10 +164,15 @@ class Console:
         if not self.enabled:
             return
         step, dt = record["step"], record.get("step_time_s", 0.0)
-        self.first_step = step if self.first_step is None else self.first_step
-        self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
+        if self.first_step is None:
+            # The job's first step holds compilation, the first allocations and the prefetch's
+            # cold start (a minute under compile for a second's step), and every requeue has one:
+            # the average starts at the second step, and until then the ETA is unknown.
+            self.first_step = step
+        else:
+            self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
         self.last = record
-        eta = max(0, self.total_steps - step) * self.step_time
+        eta = max(0, self.total_steps - step) * (math.inf if self.step_time is None else self.step_time)
         if self.tty:
             sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {record['loss']:.4f}  "
                              f"{record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}   ")
@@ -218,10 +223,17 @@ class Console:
     def _summary(self, f: dict) -> None:
         seconds = time.time() - self.started
         val = ", ".join(f"{d} {v:.4f} (best {self.best_val[d]:.4f})" for d, v in sorted(self.val.items()))
-        spikes = f"{len(self.spikes)} spike event(s): " + "; ".join(self.spikes[-10:]) if self.spikes else "no spikes"
+        # A resumed job's clock and spike events are its own, while the step and tokens are the
+        # run's: say which is which rather than divide one by the other.
+        resumed = self.first_step is not None and self.first_step > 1
+        job = " in this job" if resumed else ""
+        spikes = (f"{len(self.spikes)} spike event(s){job}: " + "; ".join(self.spikes[-10:]) if self.spikes
+                  else f"no spikes{job}")
         loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
+        took = (f"in all; this job trained steps {self.first_step}-{f.get('step')} in {_duration(seconds)}" if resumed
+                else f"in {_duration(seconds)}")
         self._line(logging.INFO, f"finished: step {f.get('step')} of {self.total_steps}, {f.get('tokens', 0):,} tokens "
-                   f"in {_duration(seconds)}{loss}; validation loss: {val or 'not measured'}; {spikes}; "
+                   f"{took}{loss}; validation loss: {val or 'not measured'}; {spikes}; "
                    f"checkpoints in {self.run_dir / 'checkpoints'}" + (f" (newest {self.saved})" if self.saved else ""))
 
     def _line(self, level: int, text: str) -> None:

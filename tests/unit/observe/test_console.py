@@ -73,6 +73,23 @@ def test_a_file_gets_a_step_line_every_log_every_steps_and_the_events(tmp_path, 
     assert f"checkpoints in {tmp_path / 'checkpoints'}" in summary
 
 
+def test_a_resumed_jobs_eta_and_summary_are_its_own(tmp_path, capsys):
+    # A requeued job resumes at step 11 and compiles in its first step (60 s); steps take 0.5 s.
+    s = sinks(tmp_path)
+    for step in range(11, 21):
+        s.log_step(record(step) | {"step_time_s": 60.0 if step == 11 else 0.5})
+        if step == 13:
+            s.emit("skip", step=13, loss=9.0, gnorm=40.0, data_position=48, reason="loss z=7")
+    s.emit("end", step=20, tokens=2560, skipped_steps=1)
+    lines = capsys.readouterr().err.splitlines()
+    steps = {line.split("step ")[1].split("/")[0]: line for line in lines if " dsslm: step " in line}
+    assert "eta ?" in steps["11"]            # one step says nothing yet of the next ones' time
+    assert "eta 0m02s" in steps["15"]        # 5 steps of 0.5 s, not the first step's minute
+    summary = lines[-1]
+    assert "step 20 of 20, 2,560 tokens in all; this job trained steps 11-20 in " in summary, summary
+    assert "1 spike event(s) in this job: step 13: skipped" in summary
+
+
 def test_a_preemption_save_says_where_the_next_run_resumes(tmp_path, capsys):
     s = sinks(tmp_path)
     s.emit("preempt_save", step=7, signal="SIGTERM")

@@ -109,6 +109,23 @@ def last_start_env(events: Path) -> dict | None:
     return None
 
 
+def _why_nothing(events: Path, from_step: int) -> str:
+    """Why no recorded step follows the checkpoint: the last job stopped there on purpose (a
+    preemption's save, or the end of the run before train.total_steps was raised), or it died
+    there or lost its records."""
+    for event in read_jsonl_backward(events):
+        name = event.get("event")
+        if name == "start":
+            break  # the last job started and left no stop of its own
+        if name in ("preempt_save", "end"):
+            if event.get("step") != from_step:
+                break
+            how = (f"stopped by {event.get('signal') or 'a stop signal'} and saved this checkpoint"
+                   if name == "preempt_save" else "finished at this checkpoint")
+            return f"the last job {how}; no step after it was trained"
+    return "no records of steps after the checkpoint (it was taken at the crash, or the log lost them)"
+
+
 class ResumeAudit:
     """Compares recomputed steps with recorded ones and reports once (see the module docstring)."""
 
@@ -140,7 +157,7 @@ class ResumeAudit:
         if not audit.expected or audit.last_step <= from_step:
             audit.expected = {}
             emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",
-                 reason="no records of steps after the checkpoint (it was taken at the crash, or the log lost them)")
+                 reason=_why_nothing(run_dir / "events.jsonl", from_step))
         return audit
 
     def compare(self, record: Any) -> None:

@@ -51,6 +51,8 @@ def test_preemption_signal_saves_at_the_current_step_and_exits_0(reference, tmp_
     assert not events(run_dir, "end")
     run_train(run_dir, *BASE)
     assert events(run_dir, "resume")[0]["step"] == step
+    (audit,) = events(run_dir, "resume_audit")
+    assert audit["verdict"] == "nothing_to_compare" and f"stopped by {sig.name} and saved" in audit["reason"]
     ref, got = losses_by_step(reference), losses_by_step(run_dir)
     assert ref == got
 

@@ -141,3 +141,25 @@ def test_a_recomputed_step_with_another_verdict_is_a_mismatch():
     audit.compare(record(11))
     audit.compare(record(12))
     assert emitted[0][1]["verdict"] == "mismatch" and emitted[1][1]["field"] == "verdict"
+
+
+def test_nothing_to_compare_says_whether_the_last_job_stopped_there_or_died(tmp_path):
+    write(tmp_path / "metrics.jsonl", [record(s) for s in range(1, 11)])
+    log = tmp_path / "events.jsonl"
+
+    def reason(*events) -> str:
+        log.write_text("".join(json.dumps(e) + "\n" for e in events))
+        emitted = []
+        ResumeAudit.after_resume(tmp_path, 10, ENV, 0.0, 100, lambda event, **f: emitted.append((event, f)))
+        assert [(e, f["verdict"]) for e, f in emitted] == [("resume_audit", "nothing_to_compare")]
+        return emitted[0][1]["reason"]
+
+    start = {"event": "start", "step": 0, "env": ENV}
+    assert reason(start, {"event": "save", "step": 10}, {"event": "preempt_save", "step": 10, "signal": "SIGTERM"}) \
+        == "the last job stopped by SIGTERM and saved this checkpoint; no step after it was trained"
+    assert reason(start, {"event": "end", "step": 10}) == "the last job finished at this checkpoint; no step after it was trained"
+    died = "no records of steps after the checkpoint (it was taken at the crash, or the log lost them)"
+    assert reason(start, {"event": "save", "step": 10}) == died
+    # A stop of an older job, followed by a job that started and died, is not this one's.
+    assert reason({"event": "preempt_save", "step": 10}, start) == died
+    assert reason(start, {"event": "preempt_save", "step": 8}) == died

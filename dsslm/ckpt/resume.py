@@ -490,6 +490,10 @@ class Checkpointer:
         drifted = self.accept(parent_ckpt, parent=True, values=False)
         self.restore(parent_ckpt)
         train = self.train
+        if train.step >= self.cfg.train.total_steps:  # the loop would save the parent's weights and end
+            raise ConfigError(f"run.init_from={path} is at step {train.step} and train.total_steps="
+                              f"{self.cfg.train.total_steps} leaves nothing to train; set train.total_steps "
+                              f"above {train.step}")
         data = "continues the parent's stream"
         if "data" in drifted:
             # Positions and skip windows name sequences of the parent's corpus, not of this one.

@@ -88,6 +88,12 @@ def test_branch_refuses_another_model_shape(tmp_path, capsys):
     rc = main([f"run.dir={tmp_path / 'child'}", *TINY, "model.d_model=64", "train.total_steps=20",
                f"run.init_from={parent / 'checkpoints' / 'step-00000010'}"])
     assert rc == 2 and "model.d_model" in capsys.readouterr().err
+    # A branch at or past the run's length would train nothing and end with a "finished" run.
+    rc = main([f"run.dir={tmp_path / 'short'}", *TINY, "train.total_steps=10",
+               f"run.init_from={parent / 'checkpoints' / 'step-00000010'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].endswith("leaves nothing to train; set train.total_steps above 10"), err
+    assert not list((tmp_path / "short").glob("checkpoints/step-*"))
 
 
 @pytest.mark.slow

@@ -75,6 +75,12 @@ class StepRecord:
         return record
 
 
+def say(err: BaseException, line: str) -> None:
+    """The one line a failure ends with, unless rank 0 raised it for every rank and prints it."""
+    if not getattr(err, "echoed", False):
+        print(line, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     cfg = None  # a Ctrl-C while the config is read finds none
@@ -82,16 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.config, overrides)
         return train(cfg, check_allow_drift(args.allow_drift))
     except (ConfigError, DataError) as err:
-        print(f"dsslm: {err}", file=sys.stderr)
+        say(err, f"dsslm: {err}")
         return EXIT_BAD_INPUT
     except Escalation as err:
-        print(f"dsslm: escalated to a human: {err}", file=sys.stderr)
+        say(err, f"dsslm: escalated to a human: {err}")
         return EXIT_ESCALATED
     except WRITE_FAILURES as err:
-        print(f"dsslm: {err}", file=sys.stderr)
+        say(err, f"dsslm: {err}")
         return EXIT_WRITE_FAILED
     except Preempted as stopped:
-        print(f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save", file=sys.stderr)
+        say(stopped, f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save")
         return EXIT_OK
     except KeyboardInterrupt:
         where = f" in {cfg.run.dir}/checkpoints" if cfg is not None else ""

@@ -324,6 +324,10 @@ class Engine(abc.ABC):
                 outcome = ("raise", _picklable(exc))
         kind, value = self.broadcast(outcome)
         if kind == "raise":
+            if not self.is_main:
+                # Rank 0 raised it and says so: the others' copies are not printed again
+                # (train.main), so a refused resume on 64 ranks is one line, not 64.
+                value.echoed = True
             raise value
         return value
 
@@ -345,6 +349,7 @@ class Engine(abc.ABC):
             def reraise() -> None:
                 raise failure
             self.decide(reraise)
+
     def gather_long(self, fn: Callable[[Callable[[int], None]], T], what: str, total_units: int = 0,
                     stall_timeout_s: float = STALL_TIMEOUT_S) -> list[T]:
         """[fn(progress) of every rank], for work that may outlast any collective timeout (hashing

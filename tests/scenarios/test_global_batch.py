@@ -42,6 +42,11 @@ def test_resume_2_ranks_to_1_keeps_global_batch_and_lr_plan_without_allow_drift(
     run_train(run_dir, *batch, "train.total_steps=8", "ckpt.every=4", "faults.crash_at_step=5",
               "faults.crash_mode=raise", nproc=2, check=False)
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r][:4] == [1, 2, 3, 4]
+    # A refused resume on 2 ranks: rank 0 refuses for both, and says so once, not once per rank.
+    refused = run_train(run_dir, *batch, "train.total_steps=8", "ckpt.every=4", "train.z_loss=0.5", nproc=2,
+                        check=False)
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("dsslm: ") and "train.z_loss" in line]
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr[-3000:]
     assert main([f"run.dir={run_dir}", *TINY, *batch, "train.total_steps=8", "ckpt.every=4"]) == 0  # no drift flag
     starts = events(run_dir, "start")
     assert [(s["world_size"], s["env"]["grad_accum"]) for s in starts] == [(2, 2), (1, 4)]

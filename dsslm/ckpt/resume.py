@@ -96,6 +96,11 @@ class _RngList(Spec):
             check_rng_state(one, f"{path}[{i}]")
 
 
+# The parts a config value adds to the table (job.build): a checkpoint made under another value
+# lacks or holds them, which its fingerprint, not its parts, must explain.
+SWITCHED_BY = {"scaler": "train.precision", "clip": "optim.clip_mode"}
+
+
 class NotAccepted(CheckpointError):
     """A checkpoint that verified but was refused by its contents (config, shapes, fields)."""
 
@@ -187,14 +192,9 @@ class Checkpointer:
         `values`: also scan every tensor for NaN/inf (once per checkpoint is enough: it reads all).
         Upgrades an old state.json in place."""
         ckpt.state = upgrade_state(ckpt.state)
-        self.check_state(ckpt.state)
+        self.check_header(ckpt.state)
         if ckpt.state["step"] != ckpt.step:  # chosen by its name: restored, it would be another step
             raise StateError(f"state.step: {ckpt.state['step']}, the folder name says {ckpt.step}")
-        sharded = ckpt.reader is not None and bool(ckpt.reader.index["save"])  # "": gathered (no rank files)
-        for name in self.parts:
-            value = ckpt.state[name]
-            if kept_per_rank(value) and not sharded:
-                raise StateError(f"state.{name}: kept in rank files, which a gathered checkpoint does not have")
         try:  # read as describe() and the drift checks read it, before anything of it is loaded
             from_dict(ckpt.state["config"], f"checkpoint {ckpt.path.name}: state.config", rules=None)
         except ConfigError as exc:
@@ -207,26 +207,39 @@ class Checkpointer:
         if parent:
             allowed += tuple(k for k in saved["config_items"] if not k.startswith("model.")) + ("data", "global_batch_size")
             where = f"parent checkpoint {ckpt.path}"
+        # Before the parts: a changed key that adds or removes one (SWITCHED_BY) is refused by
+        # its name, or, allowed, lets that part start afresh.
         drifted = check_fingerprint(saved, self.fingerprint, self.cfg, where, allowed)
+        self.check_parts(ckpt.state, drifted)
+        sharded = ckpt.reader is not None and bool(ckpt.reader.index["save"])  # "": gathered (no rank files)
+        for name in self.parts:
+            if kept_per_rank(ckpt.state.get(name)) and not sharded:
+                raise StateError(f"state.{name}: kept in rank files, which a gathered checkpoint does not have")
         if ckpt.reader is not None:
             self.check_index(ckpt.reader)  # values were scanned while the folder was hashed
         else:
             self.check_tensors(ckpt.tensors, values)
         return drifted
 
-    def check_state(self, state: Any) -> None:
+    def check_header(self, state: Any) -> None:
         header = Fields(open=True, schema=Int(SCHEMA_VERSION, SCHEMA_VERSION), step=Int(0, MAX_STEP),
                         skip_list=Json(), world_size=Int(1, 1 << 20), engine=Str(64),
                         fingerprint=FINGERPRINT_SPEC, config=MapOf(Json()))
         validate(state, header, "state")
-        missing = [name for name in self.parts if name not in state]
-        extra = sorted(set(state) - set(HEADER) - set(self.parts))
+
+    def check_parts(self, state: dict, drifted: dict) -> None:
+        """Every part of this run in state.json, and no other: but for a part whose key changed
+        with the user's leave (--allow-drift), which starts afresh (missing) or is left (extra)."""
+        switched = {name for name, key in SWITCHED_BY.items() if key in drifted}
+        missing = [name for name in self.parts if name not in state and name not in switched]
+        extra = sorted(set(state) - set(HEADER) - set(self.parts) - switched)
         if missing or extra:
             field = f"state.{(missing or extra)[0]}"
             raise StateError(f"{field}: {'missing' if missing else 'not a part of this run'} (the parts are "
                              f"{', '.join(self.parts)})")
         for name, part in self.parts.items():
-            validate(state[name], part.state_spec, f"state.{name}")
+            if name in state:
+                validate(state[name], part.state_spec, f"state.{name}")
         train = state["train"]
         if state["step"] != train["step"] or state["skip_list"] != train["skip_list"]:
             raise StateError("state.step / state.skip_list: differ from state.train's copies")
@@ -330,6 +343,8 @@ class Checkpointer:
         else:
             self.engine.load_local_state(ckpt.reader)
         for name, part in self.parts.items():
+            if name not in ckpt.state:  # added by an allowed drift (check_parts): starts afresh
+                continue
             value = ckpt.state[name]
             if kept_per_rank(value) and hasattr(part, "load_local_state_dict"):
                 saved = value["per_rank"]

@@ -134,6 +134,29 @@ def test_changed_hyperparameter_refused_unless_allowed(reference, tmp_path, caps
     assert events(run_dir, "resume")[-1]["drift"] == {"optim.peak_lr": [0.002, 0.005]}
 
 
+def test_a_key_that_adds_a_part_is_refused_by_its_name_and_allowed_starts_it_afresh(reference, tmp_path, capsys):
+    """optim.clip_mode=zclip adds the clipper's state to the checkpoint's parts. A checkpoint made
+    without it was passed over as malformed ("state.clip: missing"), each of them, and
+    --allow-drift could not help."""
+    from dsslm.train import main
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    args = [f"run.dir={run_dir}", *TINY, *STEPS, "optim.clip_mode=zclip", "optim.zclip_warmup_steps=2"]
+    assert main([*args, "train.total_steps=34"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "made with optim.clip_mode='fixed', now 'zclip'" in err[0], err
+    assert not events(run_dir, "passed_over") and (run_dir / "checkpoints" / "step-00000030" / "MANIFEST").is_file()
+    allow = ["--allow-drift", "optim.clip_mode", "--allow-drift", "optim.zclip_warmup_steps"]
+    assert main([*allow, *args, "train.total_steps=34"]) == 0
+    assert [e["step"] for e in events(run_dir, "resume")] == [30]
+    state = json.loads((run_dir / "checkpoints" / "step-00000034" / "state.json").read_text())
+    assert state["clip"]["mean"] is not None  # ZClip's statistics, begun at the resume
+    # ...and back: the part the checkpoint holds and this run does not is left.
+    assert main([*allow, *args[:-2], "train.total_steps=36"]) == 0
+    assert [e["step"] for e in events(run_dir, "resume")] == [30, 34]
+    assert "clip" not in json.loads((run_dir / "checkpoints" / "step-00000036" / "state.json").read_text())
+
+
 def test_dropout_and_double_resume_equal_to_the_bit(tmp_path):
     ref = tmp_path / "ref"
     assert train(inprocess(ref, "model.dropout=0.1")) == 0

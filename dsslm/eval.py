@@ -30,6 +30,7 @@ from dsslm.data.bytecount import ByteCounter
 from dsslm.downstream import Prepared, load_tasks
 from dsslm.durable import write_json_atomic
 from dsslm.loss import validation_sums
+from dsslm.observe.sinks import json_safe
 from dsslm.ckpt.format import parse_name
 from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device, tokenizer_of
 from dsslm.config import EvalCfg
@@ -70,19 +71,26 @@ def table(result: dict) -> str:
     return "\n".join([head, *lines, *empty])
 
 
+HF_BATCH_CONTEXT = 2048  # tokens per example in an HF folder's batch budget (--batch-size x this)
+
+
 def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and parse_name(path.name) is None and not (path / "checkpoints").is_dir()
 
 
 def check_hf_weights(folder: Path) -> None:
     """The folder's safetensors files read, every float tensor finite: a folder someone else wrote,
-    checked before transformers loads it (a NaN weight would score as a number)."""
+    checked before transformers loads it (a NaN weight would score as a number). The files are
+    the ones transformers will read (the index's, plain names inside the folder), not a glob: an
+    index naming sub/ or ../ files would have them loaded unchecked."""
     from safetensors import safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ToolError(f"{folder} has no .safetensors weights (dsslm never loads pickled ones)")
-    for path in files:
+    from dsslm.hf.folder import weight_files
+    try:
+        names, _ = weight_files(folder)
+    except ValueError as exc:  # HFError: an index naming files elsewhere, or pickles only
+        raise ToolError(str(exc)) from None
+    for path in (folder / name for name in names):
         try:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
@@ -102,17 +110,26 @@ def open_hf(folder: Path, device: torch.device):
 
     from dsslm.data.tokenizer import BPETokenizer, eos_token_of
 
+    from dsslm.export import quiet_transformers
+    quiet_transformers()  # its load report and progress bar would bury our one line
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():
         raise ToolError(f"{folder} has no tokenizer.json; export with python -m dsslm.export, or add one")
     check_hf_weights(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
-                                                     local_files_only=True)
+        model, loading = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
+                                                              local_files_only=True, output_loading_info=True)
         from tokenizers import Tokenizer
         tok = BPETokenizer.from_file(tok_file, "file", eos_token_of(tok_file, Tokenizer.from_file(str(tok_file))))
     except Exception as exc:  # noqa: BLE001 - transformers' config checks raise their own types too
         raise ToolError(f"{folder}: transformers cannot load it ({' '.join(str(exc).split())[:300]})") from None
+    # transformers fills a tensor its config needs and the files lack with random values (and a
+    # log line): scores of such a model are noise that looks like a result.
+    for what in ("missing_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in loading.get(what) or ())
+        if keys:
+            raise ToolError(f"{folder}: the weights do not fit its config.json ({what.replace('_', ' ')}: "
+                            f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})")
     seq_len = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ToolError(f"{folder}/config.json has no max_position_embeddings; dsslm.eval needs the context length")
@@ -129,21 +146,26 @@ def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batc
     """Downstream accuracy of a checkpoint (the run's settings) or of a Hugging Face folder (fp32)."""
     path = Path(source)
     if path.is_dir() and is_hf_folder(path):
-        forward, tok, seq_len = open_hf(path, device)
-        step, precision, batch_size = None, "fp32", batch_size or 8
         max_examples = EvalCfg().max_examples if max_examples is None else max_examples
+        loaded = load_tasks(tasks, max_examples)  # a bad task file before a model is loaded
+        forward, tok, seq_len = open_hf(path, device)
+        step, precision = None, "fp32"
+        # Padded tokens a batch holds: a foreign folder's context (40,960 for some) times 8 would
+        # be logits of hundreds of GB at a 150k vocabulary; requests rarely exceed 2,048 tokens.
+        batch_tokens = (batch_size or 8) * min(seq_len, HF_BATCH_CONTEXT)
     else:
         trained = open_trained(path, device)
         cfg, forward, tok, step = trained.cfg, trained.model, tokenizer_of(trained, data), trained.step
         seq_len, precision = cfg.model.seq_len, cfg.train.precision
-        batch_size = batch_size or cfg.train.micro_batch_size
+        batch_tokens = (batch_size or cfg.train.micro_batch_size) * seq_len
         max_examples = cfg.eval.max_examples if max_examples is None else max_examples
         source = str(trained.path)
+        loaded = load_tasks(tasks, max_examples)
     started = time.perf_counter()
-    prepared = Prepared.build(load_tasks(tasks, max_examples), tok, seq_len)
-    by_task = prepared.evaluate(forward, batch_size * seq_len, precision, device)
+    prepared = Prepared.build(loaded, tok, seq_len)
+    by_task = prepared.evaluate(forward, batch_tokens, precision, device)
     return {"source": source, "step": step, "precision": precision, "seq_len": seq_len,
-            "batch_tokens": batch_size * seq_len, "max_examples": max_examples, "tasks": by_task,
+            "batch_tokens": batch_tokens, "max_examples": max_examples, "tasks": by_task,
             "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -193,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsslm.eval: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(tasks_table(result) if args.tasks else table(result))
+    result = json_safe(result)  # a diverged model's NaN as "nan", not a bare NaN that JSON readers refuse
     print(json.dumps(result), flush=True)
     if args.json:
         write_json_atomic(Path(args.json), result, indent=1)

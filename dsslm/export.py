@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the run's tokenizer is, if not at the run's data.dir")
     parser.add_argument("--max-shard-size", default="5GB", help="split model.safetensors past this (default 5GB)")
     args = parser.parse_args(argv)
-    _quiet_transformers()
+    quiet_transformers()
     try:
         record = export(args.source, Path(args.out), args.dtype, not args.no_check, args.data, args.max_shard_size)
     except (ToolError, ConfigError, DataError, CheckpointError, OSError) as exc:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()  # its load reports would bury our one line

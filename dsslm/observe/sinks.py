@@ -27,14 +27,14 @@ ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert")
 ALERT_TIMEOUT_S = 30
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     # JSON has no NaN/inf; write them as strings so every line stays parseable.
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -101,7 +101,7 @@ class JsonlLog:
     def write(self, record: dict) -> None:
         if not self.enabled or self.failure is not None:
             return  # after a failure nothing more is written: the run is stopping at the step boundary
-        line = (json.dumps(_clean(record)) + "\n").encode()
+        line = (json.dumps(json_safe(record)) + "\n").encode()
         size = None
         try:
             if self.fd is None:
@@ -160,7 +160,7 @@ class EventLog(JsonlLog):
     def _run_alert(self, record: dict) -> None:
         # In a thread with a timeout: a hung webhook must never stall training.
         try:
-            subprocess.run(self.alert_command, shell=True, input=json.dumps(_clean(record)),
+            subprocess.run(self.alert_command, shell=True, input=json.dumps(json_safe(record)),
                            text=True, timeout=ALERT_TIMEOUT_S, capture_output=True)
         except (subprocess.TimeoutExpired, OSError) as err:
             print(f"dsslm: alert command failed: {err}", file=sys.stderr)

@@ -252,6 +252,28 @@ def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_eval_of_a_folder_whose_weights_miss_a_tensor_exits_2(runs, tmp_path, capsys):
+    """transformers fills a tensor its config needs and the files lack with random values: eval
+    --tasks scored that model (exit 0, bits/byte 8.06 for a random head). A bad task file is
+    refused before the model is loaded, in one line."""
+    from safetensors.torch import save_file
+
+    from dsslm import eval as eval_cli
+    hf_dir = exported(runs, "byte", tmp_path, capsys)
+    task = tmp_path / "t.jsonl"
+    task.write_text(json.dumps({"context": "a", "choices": [" b", " c"], "gold": 0}) + "\n")
+    for argv, says in (([hf_dir, "--tasks", tmp_path / "none.jsonl"], "no such file"),):
+        assert eval_cli.main([*map(str, argv), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    assert eval_cli.main([str(hf_dir), "--tasks", str(task), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing keys: model.layers.1.mlp.down_proj.weight" in err[0], err
+
+
 def test_config_json_reads_what_the_export_wrote(runs, tmp_path, capsys):
     hf_dir = exported(runs, "bpe", tmp_path, capsys)
     config = read_config(hf_dir)

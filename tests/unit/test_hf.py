@@ -5,6 +5,7 @@ against the math itself; tests/scenarios/test_export_import.py checks it against
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -178,5 +179,9 @@ def test_eval_checks_a_folders_weights_before_transformers_loads_them(tmp_path):
     with pytest.raises(ToolError, match="not a readable safetensors file"):
         check_hf_weights(tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(ToolError, match="no .safetensors"):
+    with pytest.raises(ToolError, match="neither model.safetensors nor"):
+        check_hf_weights(tmp_path)
+    # The files transformers reads are the index's: one outside the folder was loaded unchecked.
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+    with pytest.raises(ToolError, match="weight_map must map names to plain"):
         check_hf_weights(tmp_path)

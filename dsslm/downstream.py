@@ -33,6 +33,7 @@ import json
 import math
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -114,7 +115,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     yield number, line
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as exc:  # zlib: damaged deflate data
         raise TaskError(f"eval.tasks: {path} cannot be read ({exc}); pass a UTF-8 JSONL file (or .jsonl.gz)") from None
 
 
@@ -262,7 +263,8 @@ def encode_pair(tok, eos_id: int, context: str, continuation: str, where: str,
 def _encode(tok, text: str, where: str) -> list[int]:
     try:
         ids = list(tok.encode(text))
-    except (UnicodeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800") has no UTF-8 bytes
+    except (UnicodeError, ValueError, TypeError) as exc:  # a lone surrogate ("\ud800") has no UTF-8
+        # bytes: the byte tokenizer raises UnicodeError, `tokenizers` a TypeError
         raise TaskError(f"{where}: the tokenizer cannot encode this text ({exc}); fix the example") from None
     if tok.decode(ids) != text:
         bad = next((i for i, (a, b) in enumerate(zip(tok.decode(ids), text)) if a != b), len(text))
@@ -366,10 +368,11 @@ def results(tasks: list[Task], rows: Rows, lls: np.ndarray) -> dict[str, dict[st
     out = {}
     for t, task in enumerate(tasks):
         correct = {"acc": 0, "acc_norm": 0, "acc_per_token": 0}
-        gold_nats, gold_bytes, chance = 0.0, 0, 0.0
+        gold_nats, gold_bytes, chance, broken = 0.0, 0, 0.0, 0
         for e, example in enumerate(task.examples):
             idx = grouped[(t, e)]
             ll = per_choice[idx]
+            broken += int(not np.isfinite(ll).all())
             chars = np.array([rows.choices[c][2] for c in idx], dtype=float)
             tokens = np.array([rows.choices[c][3] for c in idx], dtype=float)
             # np.argmax takes the first of equal scores, as lm-eval does.
@@ -379,7 +382,9 @@ def results(tasks: list[Task], rows: Rows, lls: np.ndarray) -> dict[str, dict[st
             gold_bytes += rows.choices[idx[example.gold]][4]
             chance += 1.0 / len(idx)
         n = len(task.examples)
-        out[task.name] = {**{m: c / n for m, c in correct.items()},
+        # np.argmax picks the first NaN: a diverged model (NaN logits) would score 1.0 wherever
+        # gold is choice 0. Its accuracies are NaN, as its bits per byte are.
+        out[task.name] = {**{m: math.nan if broken else c / n for m, c in correct.items()},
                           "bpb": gold_nats / math.log(2) / gold_bytes if gold_bytes else math.nan,
                           "examples": n, "chance": chance / n, **{f"correct_{m}": c for m, c in correct.items()}}
     return out

@@ -37,7 +37,9 @@ def generate(trained: Trained, prompt_ids: list[int], max_new_tokens: int, tempe
         if temperature == 0:
             next_id = int(logits.argmax())
         else:
-            logits = logits / temperature
+            # In float64 and from the largest: a tiny temperature (1e-300) overflowed float32 to
+            # inf, and softmax of infs is NaN; here it is the argmax's one-hot, as it should be.
+            logits = (logits.double() - logits.max().double()) / temperature
             if 0 < top_k < logits.numel():
                 kth = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             parser.error(f"{name} {value} is out of range")
     try:
+        args.prompt.encode("utf-8")  # before any loading; `tokenizers` raises TypeError, not UnicodeError
         trained = open_trained(args.source, pick_device(args.device))
         tok = tokenizer_of(trained, args.data)
         prompt_ids = tok.encode(args.prompt)

@@ -145,6 +145,7 @@ def test_eval_json_into_a_missing_folder_exits_2_before_evaluating(runs, tmp_pat
 
 def test_sample_bad_prompt_bytes_and_seed_exit_2_in_one_line(runs, capsys):
     for argv, says in (((runs["byte"], "--prompt", "ab\udcffcd"), "not valid UTF-8"),
+                       ((runs["bpe"], "--prompt", "ab\udcffcd"), "not valid UTF-8"),  # `tokenizers`: TypeError
                        ((runs["byte"], "--prompt", "ab", "--seed", str(2**70)), "--seed")):
         rc, out, err = run_cli(sample_cli, capsys, *argv, "--device", "cpu")
         assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and says in err, err
@@ -164,6 +165,14 @@ def test_sample_with_the_same_seed_prints_the_same_text(runs, capsys, kind):
     assert first[0] == second[0] == other[0] == 0
     assert first[1] == second[1] and first[1].startswith("def wrap(") and len(first[1]) > len("def wrap(\n")
     assert other[1] != first[1]
+
+
+def test_a_tiny_temperature_is_greedy(runs, capsys):
+    """logits / 1e-300 overflowed float32 to inf, softmax gave NaN, and multinomial raised."""
+    argv = (runs["byte"], "--prompt", "def wrap(", "--max-new-tokens", "12", "--device", "cpu")
+    greedy = run_cli(sample_cli, capsys, *argv, "--temperature", "0")
+    tiny = run_cli(sample_cli, capsys, *argv, "--temperature", "1e-300")
+    assert greedy[0] == tiny[0] == 0 and greedy[1] == tiny[1]
 
 
 @pytest.mark.slow

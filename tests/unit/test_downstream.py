@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsslm.config import ConfigError, ModelCfg
-from dsslm.data.tokenizer import ByteTokenizer
+from dsslm.data.tokenizer import ByteTokenizer, train_bpe
 from dsslm.downstream import (Prepared, TaskError, batches_of, encode_pair, load_tasks, read_olmo_requests, record,
                               score_rows, tokenize)
 from dsslm.model import build_model
@@ -195,6 +195,29 @@ def test_text_the_tokenizer_cannot_encode_is_an_error_not_a_silent_zero(tmp_path
                                                                    "gold": 0}]))])
     with pytest.raises(TaskError, match="cannot encode"):
         tokenize([task], ByteTokenizer(), 256, 64)
+    with pytest.raises(TaskError, match="cannot encode"):  # `tokenizers` raises TypeError for it
+        tokenize([task], train_bpe(iter(["a b c abc"] * 20), 300, tmp_path / "tok.json"), 256, 64)
+
+
+def test_a_model_that_gives_nan_scores_nan_not_the_first_choice(tmp_path):
+    """np.argmax takes the first NaN: every example with gold 0 counted as right (acc 1.0)."""
+    examples = [{"context": "q", "choices": [" a", " b"], "gold": 0}] * 3
+    (task,) = load_tasks([str(write_task(tmp_path / "n.jsonl", examples))])
+    def nan_model(inputs):
+        return torch.full((*inputs.shape, V), math.nan)
+    r = Prepared.build([task], ByteTokenizer(), 64).evaluate(nan_model, 256, "fp32", torch.device("cpu"))["n"]
+    assert all(math.isnan(r[m]) for m in ("acc", "acc_norm", "acc_per_token", "bpb")), r
+
+
+def test_a_damaged_gzip_task_file_is_one_error(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in EXAMPLES * 20))
+    data = bytearray(path.read_bytes())
+    data[30:60] = bytes(255 - b for b in data[30:60])  # the deflate stream, not the CRC at the end
+    path.write_bytes(bytes(data))
+    with pytest.raises(TaskError, match="cannot be read"):
+        load_tasks([str(path)])
 
 
 def olmo_file(folder: Path) -> Path:

@@ -221,12 +221,18 @@ def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -
     """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
     rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
     scaler = job.engine.scaler
-    if not rerun and scaler is not None and scaler.update(gnorm) and math.isfinite(loss):
-        return Verdict.SKIP, f"{FP16_OVERFLOW} (loss scale now {scaler.scale:g})"
+    overflow = not rerun and scaler is not None and scaler.update(gnorm)
+    skip = (Verdict.SKIP, f"{FP16_OVERFLOW} (loss scale now {scaler.scale:g})") if overflow else None
+    # A non-finite loss too goes to the monitor, which may call it a spike and rewind; but an
+    # overflowed step is never applied, whatever the monitor says or whether there is one.
+    if overflow and (math.isfinite(loss) or not job.cfg.monitor.enabled):
+        return skip
     if not job.cfg.monitor.enabled:
         return Verdict.OK, ""
     judge_step = job.monitor.rejudge if rerun else job.monitor.judge
     verdict, reason = job.engine.decide(lambda: (judge_step(step, loss, gnorm), job.monitor.last_reason))
+    if overflow and verdict is Verdict.OK:
+        return skip
     return verdict, reason if verdict is not Verdict.OK else ""
 
 

@@ -42,3 +42,16 @@ def test_fp16_overflow_steps_are_skipped_counted_and_change_nothing(tmp_path):
         a, b = load_file(first / name), load_file(last_skip / name)
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert records[-1]["loss"] < records[len(skipped)]["loss"] - 0.3  # then it trains
+
+
+def test_fp16_a_non_finite_loss_is_never_applied_without_a_monitor(tmp_path):
+    """An overflow whose loss is NaN too went to the monitor for its verdict; with the monitor
+    off that verdict was OK, and the NaN gradients were applied: NaN weights for good."""
+    records = run(tmp_path, "train.precision=fp16", "monitor.enabled=false", "faults.nan_steps=[4]",
+                  "train.total_steps=8")
+    assert [r["verdict"] for r in records] == ["ok"] * 3 + ["skip_step"] + ["ok"] * 4
+    assert "fp16_overflow" in records[3]["reason"]
+    assert all(r["loss"] == r["loss"] for r in records[4:])  # finite: the weights were kept
+    before = load_file(tmp_path / "checkpoints" / "step-00000003" / "model.safetensors")
+    after = load_file(tmp_path / "checkpoints" / "step-00000004" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)

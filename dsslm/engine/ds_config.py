@@ -6,6 +6,7 @@ No deepspeed import here (the JSON is plain data); `engine/zero.py` hands the re
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from dsslm.config import Config, ConfigError
@@ -45,6 +46,12 @@ def ds_config(cfg: Config, world_size: int) -> dict:
         "fp16.enabled": (t.precision == "fp16", "train.precision"),
         "zero_optimization.stage": (cfg.engine.zero_stage, "engine.zero_stage"),
     }
+    if t.precision == "fp16":  # DeepSpeed's own scaler starts at 2^initial_scale_power
+        power = math.log2(t.loss_scale_init)
+        if power != int(power):
+            raise ConfigError(f"train.loss_scale_init={t.loss_scale_init:g}: DeepSpeed starts its loss scale at a "
+                              f"power of two; set {2 ** math.floor(power):g} or {2 ** math.ceil(power):g}")
+        owned["fp16.initial_scale_power"] = (int(power), "train.loss_scale_init")
     for dotted, (value, key) in owned.items():
         node, leaf = _parent(conf, dotted)
         written = node.get(leaf, "auto")

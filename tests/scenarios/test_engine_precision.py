@@ -128,6 +128,17 @@ def test_ds_config_fills_fp32_gradient_dtypes_under_bf16_only(tmp_path):
     assert ds_config(cfg, world_size=2)["communication_data_type"] == "bf16"  # a file's explicit choice stands
 
 
+def test_ds_config_starts_fp16_at_train_loss_scale_init():
+    """The templates wrote initial_scale_power 16: ZeRO started at 65,536 whatever the config said,
+    while DDP and FSDP started at train.loss_scale_init."""
+    from dsslm.config import ConfigError
+    from dsslm.engine.ds_config import ds_config
+    conf = ds_config(make_cfg("zero", 2, "train.precision=fp16", "train.loss_scale_init=1024"), world_size=2)
+    assert conf["fp16"]["initial_scale_power"] == 10
+    with pytest.raises(ConfigError, match="set 1024 or 2048"):
+        ds_config(make_cfg("zero", 2, "train.precision=fp16", "train.loss_scale_init=1500"), world_size=2)
+
+
 def fsdp_memory_worker(rank: int, world_size: int) -> dict:
     init_group(rank, world_size)
     out = {}

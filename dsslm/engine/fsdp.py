@@ -23,6 +23,7 @@ code runs on gloo (CPU tests) and nccl (GPU): only the device differs.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -178,7 +179,9 @@ class FSDPEngine(TorchAdamWEngine):
     def _rows(self, param: DTensor) -> tuple[int, int]:
         """The element span of this rank's dim-0 shard of `param`."""
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        row_len = param[0].numel() if param.dim() > 1 else 1
+        # From the global shape: param[0] of a dim-0 sharded DTensor redistributes it to a
+        # replica first, a gather of the whole matrix at every save, rewind point and restore.
+        row_len = math.prod(param.shape[1:])
         first = offset[0] if shape[0] else 0
         return first * row_len, (first + shape[0]) * row_len
 

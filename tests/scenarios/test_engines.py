@@ -327,7 +327,9 @@ def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int, extra
     ring = RewindRing(engine, types.SimpleNamespace(parts={}), every=3, capacity=2)
     run_steps(engine, cfg, range(3), grad_accum=1)
     ring.take(3)
-    at_point = own()
+    from torch.distributed.tensor.debug import CommDebugMode
+    with CommDebugMode() as comm:  # FSDP's param[0] of a dim-0 sharded DTensor gathered each matrix
+        at_point = own()
     first = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
     final = own()
     # An evaluation's forward before the rewind: FSDP's root (reshard_after_forward=False) then
@@ -339,6 +341,7 @@ def rewind_point_worker(rank: int, world_size: int, kind: str, stage: int, extra
     restored = same(own(), at_point)
     again = run_steps(engine, cfg, range(3, FIRST), grad_accum=1)
     out = {"first": first, "again": again, "restored": restored, "final": same(own(), final),
+           "local_state_collectives": comm.get_total_counts(),
            "held": sum(s.end - s.start for s in ring.points[0].shards if s.key.startswith("model/")),
            "total": sum(math.prod(shape) for shape in engine.param_shapes.values()),
            "largest_sent": max(_tensor_elements(obj) for obj in sent)}
@@ -378,6 +381,7 @@ def test_a_rewind_point_is_each_ranks_own_part_and_restores_to_the_bit(kind, sta
         assert result["again"] == result["first"]
         assert 0.4 < result["held"] / result["total"] < 0.6, result
         assert result["largest_sent"] <= 1, result  # step counts (one element), never a weight
+        assert result["local_state_collectives"] == 0, result  # each rank's own part, read where it is
     assert ranks[0]["first"] == ranks[1]["first"]
 
 

@@ -34,6 +34,7 @@ class Clipper:
 
     def __init__(self, cfg: OptimCfg):
         self.cfg = cfg
+        self.last_bound = cfg.clip  # the bound of the step computed last: clip_frac counts norms above it
 
     @property
     def limit(self) -> ClipBound:
@@ -59,6 +60,10 @@ class ZClip(Clipper):
     def bound(self, norm: float) -> float:
         """The clip bound for a step whose pre-clip global norm is `norm` (every rank computes the
         same one from the same norm and state). Learns nothing until commit()."""
+        self.last_bound = self._bound(norm)
+        return self.last_bound
+
+    def _bound(self, norm: float) -> float:
         self._pending = None
         if not math.isfinite(norm):
             return self.cfg.clip  # the spike policy refuses this step; nothing to learn from it

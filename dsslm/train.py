@@ -279,7 +279,7 @@ def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> N
     state.step += 1
     state.next_sequence = fed.end
     state.tokens_seen += record.batch_tokens
-    state.clipped_steps += int(record.gnorm > job.cfg.optim.clip)
+    state.clipped_steps += int(record.gnorm > job.clipper.last_bound)  # ZClip's bound moves with the norms
     if verdict is Verdict.SKIP:
         state.skipped_steps += 1
         job.sinks.emit("skip", step=state.step, loss=record.loss, gnorm=record.gnorm,

@@ -99,3 +99,19 @@ def test_zclip_bound_reaches_the_gradients(tmp_path):
     assert clipped == pytest.approx(result.gnorm / 4, rel=1e-5) and result.gnorm > 0
     assert sum(engine.grad_norms()[n] ** 2 for n in engine.params) == pytest.approx(result.gnorm ** 2, rel=1e-5)
     engine.close()
+
+
+def test_clip_frac_counts_the_steps_zclip_clipped(tmp_path):
+    """clip_frac counted norms above optim.clip, which under ZClip is only a ceiling (set high):
+    0.0 where ZClip had clipped 10 of 12 steps."""
+    from dsslm.train import train
+    from helpers import read_jsonl, tiny_cfg
+    cfg = tiny_cfg(tmp_path, "train.total_steps=12", "ckpt.every=100", "optim.clip_mode=zclip", "optim.clip=100",
+                   "optim.zclip_warmup_steps=2", "optim.zclip_z=0.1", "monitor.enabled=false", "ckpt.async_save=false")
+    assert train(cfg) == 0
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    replay, clipped = ZClip(cfg.optim), 0
+    for r in records:  # the bounds again, from the recorded pre-clip norms
+        clipped += r["gnorm"] > replay.bound(r["gnorm"])
+        replay.commit()
+    assert 0 < clipped < 12 and records[-1]["clip_frac"] == clipped / 12

@@ -62,12 +62,27 @@ def wall_time(run: Run) -> str:
     return f"{fmt_duration(np.nansum(step_times))} (sum of step_time_s)"
 
 
+def status_of(events: list[dict]) -> str:
+    """How the newest job ended: its own last word since its `start` (an older job's end or
+    escalation says nothing of a run extended or fixed since)."""
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    for e in reversed(events[starts[-1] if starts else 0:]):
+        name = e.get("event")
+        if name in ("end", "finished"):
+            return "finished"
+        if name == "escalation":
+            return "escalated to a human"
+        if name == "preempt_save":
+            return f"stopped by {e.get('signal', 'a signal')} at step {e.get('step')}; the next job resumes there"
+        if name == "failed":
+            return f"failed at step {e.get('step')}: {e.get('error')}"
+    return "no end event (still running, or killed)"
+
+
 def summary_lines(run: Run) -> list[str]:
     kept_train = [r for r, k in zip(run.train, run.train_kept) if k]
     start = next((e for e in run.events if e.get("event") == "start"), {})
-    status = ("escalated to a human" if count(run, "escalation") else
-              "finished" if any(e.get("event") == "end" for e in run.events) else
-              "no end event (still running, or killed)")
+    status = status_of(run.events)
     final_loss = [r["loss"] for r in kept_train[-10:] if is_number(r.get("loss"))]
     lines = [f"# Run report: {run.name}", "",
              f"- status: {status}",
@@ -98,11 +113,15 @@ def summary_lines(run: Run) -> list[str]:
 
 
 def counts_table(run: Run) -> list[str]:
-    verdicts = [r.get("verdict") for r in run.train]
     loss, scale = column(run.train, "loss"), column(run.train, "lr_scale")
     scale_changes = int(np.count_nonzero(np.diff(scale[np.isfinite(scale)])))
-    counts = {"skips": count(run, "skip", verdicts.count("skip_step")),
-              "rewinds": count(run, "rewind", verdicts.count("rewind")), "resumes": count(run, "resume"),
+    # Skips of the steps the weights came from (a step skipped again after a resume is one skip);
+    # rewinds the monitor decided, not the replays of a triage (its phases).
+    skips = sum(r.get("verdict") == "skip_step" for r, kept in zip(run.train, run.train_kept) if kept)
+    rewinds = max(sum(e.get("event") == "rewind" and not e.get("triage_phase") for e in run.events),
+                  sum(r.get("verdict") == "rewind" and not str(r.get("reason", "")).startswith("triage:")
+                      for r in run.train))
+    counts = {"skips": skips, "rewinds": rewinds, "resumes": count(run, "resume"),
               "lr_scale changes": count(run, "lr_scale", scale_changes), "alerts": count(run, "alert"),
               "escalations": count(run, "escalation"), "passed over": count(run, "passed_over"),
               "saves": count(run, "save"), "non-finite losses": int(np.count_nonzero(~np.isfinite(loss)))}

@@ -76,14 +76,13 @@ def _audit(f: dict) -> str:
 
 def _triage(f: dict) -> str:
     verdict, scope = f.get("verdict"), f.get("scope")
-    what = {"data": "the data: its window is skipped", "state": "the model's state: the learning rate is lowered",
-            "transient": "a transient fault: training continues unchanged",
-            "unknown": "nothing shown yet tells data from state"}.get(verdict, str(verdict))
-    line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: caused by {what}"
+    what = {"data": "caused by the data", "state": "caused by the model's state: the learning rate is lowered",
+            "transient": "caused by a transient fault: training continues unchanged",
+            "unknown": "cause unknown (the replays told neither data nor state)"}.get(verdict, f"caused by {verdict}")
+    line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: {what}"
     if scope == "window":
         line += f" (after replaying {f.get('replay_steps')} step(s) from step {f.get('from_step')})"
-    if f.get("window"):
-        line += f"; skips sequences {f['window']}"
+    line += _skipped(f)
     if verdict == "state" and f.get("lr_factor") is not None:
         line += f"; lr_scale x{_g(f['lr_factor'])}"
     if f.get("fallback"):
@@ -91,6 +90,25 @@ def _triage(f: dict) -> str:
     if f.get("escalated"):
         line += "; escalated"
     return line
+
+
+def _skipped(f: dict) -> str:
+    """What a decision leaves out from now on: the documents it named (skip_list entries), else
+    a window of positions; an empty window ([a, a], as non-data verdicts write it) is nothing."""
+    skip, window = f.get("skip") or [], f.get("window") or []
+    if skip:
+        return f"; skips the data it read ({len(skip)} span(s) of documents)"
+    if len(window) == 2 and isinstance(window[0], int) and isinstance(window[1], int) and window[1] > window[0]:
+        return f"; skips sequences {window}"
+    return ""
+
+
+def _rewind(f: dict) -> str:
+    if f.get("triage_phase"):  # a replay of the triage, not a decision (the triage line says that)
+        line = (f"triage of the spike at step {f.get('step')}: {f.get('triage_phase')} replay from step "
+                f"{f.get('to_step')}")
+        return line + ("; its data left out" if f.get("skip") or f.get("window") else "")
+    return f"spike at step {f.get('step')} ({f.get('reason')}): rewound to step {f.get('to_step')}" + _skipped(f)
 
 
 def _lr_scale(f: dict) -> str:
@@ -114,9 +132,7 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "resume_audit": (logging.INFO, _audit),
     "skip": (logging.WARNING, lambda f: f"step {f.get('step')}: update skipped ({f.get('reason')}); loss "
                                         f"{_g(f.get('loss'))}, grad norm {_g(f.get('gnorm'))}"),
-    "rewind": (logging.WARNING, lambda f: f"spike at step {f.get('step')} ({f.get('reason')}): rewound to step "
-                                          f"{f.get('to_step')}" + (f", skipping sequences {f['window']}"
-                                                                   if f.get("window") else "")),
+    "rewind": (logging.WARNING, _rewind),
     "triage": (logging.WARNING, _triage),
     "lr_scale": (logging.WARNING, _lr_scale),
     "alert": (logging.WARNING, _alert),

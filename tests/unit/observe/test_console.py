@@ -62,7 +62,7 @@ def test_a_file_gets_a_step_line_every_log_every_steps_and_the_events(tmp_path, 
     assert all(k in steps[1] for k in ("loss 3.5000", "gnorm 0.5", "lr 0.001", "1,000 tok/s", "eta 0m07s"))
     text = "\n".join(lines)
     for expected in ("saved step-00000010 (step 10, 2.0 MB", "step 12: update skipped (loss z=7)",
-                     "rewound to step 10, skipping sequences [40, 56]",
+                     "rewound to step 10; skips sequences [40, 56]",
                      "triage of the spike at step 12: caused by the model's state", "lr_scale x0.7",
                      "learning rate scale 1 -> 0.7 at step 13 from here on",
                      "alert at step 13: slow_throughput: tokens/s fell", "validation loss web 3.5000"):
@@ -88,6 +88,29 @@ def test_a_resumed_jobs_eta_and_summary_are_its_own(tmp_path, capsys):
     summary = lines[-1]
     assert "step 20 of 20, 2,560 tokens in all; this job trained steps 11-20 in " in summary, summary
     assert "1 spike event(s) in this job: step 13: skipped" in summary
+
+
+def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, capsys):
+    s = sinks(tmp_path)
+    # A non-data verdict writes an empty window [a, a]: "skips sequences [276, 276]" was printed.
+    s.emit("triage", step=71, verdict="transient", scope="window", spike_start=70, target=71, from_step=65,
+           replay_steps=5, window=[276, 276], skip=[], escalated=False)
+    s.emit("triage", step=71, verdict="data", scope="window", spike_start=70, target=71, from_step=65,
+           replay_steps=5, window=[280, 312], skip=[{"shard": "a.bin", "tokens": [0, 9]}] * 2, escalated=False)
+    s.emit("triage", step=71, verdict="unknown", scope="window", spike_start=70, target=71, from_step=65,
+           replay_steps=5, window=[280, 280], skip=[], escalated=False)
+    # A triage replay's rewind is one of its phases, not a second spike.
+    s.emit("rewind", step=73, to_step=65, window=[], skip=[{"shard": "a.bin", "tokens": [0, 9]}],
+           checkpoint="x", reason="3 outliers in a row", triage_phase="skip_window", lr_scale=1.0)
+    lines = [line.split(" dsslm: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert lines == [
+        "triage of the spike at step 70: caused by a transient fault: training continues unchanged "
+        "(after replaying 5 step(s) from step 65)",
+        "triage of the spike at step 70: caused by the data (after replaying 5 step(s) from step 65); "
+        "skips the data it read (2 span(s) of documents)",
+        "triage of the spike at step 70: cause unknown (the replays told neither data nor state) "
+        "(after replaying 5 step(s) from step 65)",
+        "triage of the spike at step 73: skip_window replay from step 65; its data left out"], lines
 
 
 def test_a_preemption_save_says_where_the_next_run_resumes(tmp_path, capsys):

@@ -215,3 +215,26 @@ def test_a_report_into_a_checkpoint_folder_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "inside the checkpoint folder" in err[0]
     assert list((run_dir / "checkpoints" / "step-00000003").iterdir()) == []
+
+
+def test_status_is_the_newest_jobs_own_end():
+    """An older job's end or escalation said "finished" of a run extended and then killed."""
+    start = event("start", 0)
+    assert report.status_of([start, event("end", 30), start]) == "no end event (still running, or killed)"
+    assert report.status_of([start, event("escalation", 9), start, event("end", 40)]) == "finished"
+    assert report.status_of([start, event("end", 30), start, event("escalation", 33)]) == "escalated to a human"
+    assert report.status_of([start, event("preempt_save", 7, signal="SIGTERM")]).startswith(
+        "stopped by SIGTERM at step 7")
+    assert report.status_of([start, event("end", 30), event("finished", 30)]) == "finished"
+
+
+def test_a_step_skipped_again_after_a_resume_is_one_skip_and_triage_replays_are_no_rewinds(tmp_path):
+    metrics = [step_record(s, verdict="skip_step" if s == 5 else "ok") for s in range(1, 8)]
+    metrics += [step_record(s, verdict="skip_step" if s == 5 else "ok") for s in range(4, 11)]  # resumed from 3
+    events = [event("start", 0), event("skip", 5), event("start", 3), event("skip", 5),
+              event("rewind", 9, to_step=4, window=[]),
+              event("rewind", 9, to_step=4, window=[], triage_phase="skip_window"), event("end", 10)]
+    run_dir = write_run(tmp_path / "run", metrics, events)
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "| 1 | 1 | 0 | 0 | 0 | 0 | 0 | 0 | 0 |" in summary, summary

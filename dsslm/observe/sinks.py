@@ -25,6 +25,7 @@ from dsslm.observe.console import Console
 
 ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert")
 ALERT_TIMEOUT_S = 30
+MAX_ALERT_FAILURES_SHOWN = 3
 
 
 def json_safe(value: Any) -> Any:
@@ -147,6 +148,7 @@ class EventLog(JsonlLog):
         super().__init__(run_dir / "events.jsonl", enabled)
         self.alert_command = alert_command
         self.alert_threads: list[threading.Thread] = []
+        self.alert_failures, self._alert_lock = 0, threading.Lock()  # alerts run in threads of their own
 
     def emit(self, event: str, **fields: Any) -> dict:
         record = {"event": event, "time": time.time(), **fields}
@@ -160,10 +162,23 @@ class EventLog(JsonlLog):
     def _run_alert(self, record: dict) -> None:
         # In a thread with a timeout: a hung webhook must never stall training.
         try:
-            subprocess.run(self.alert_command, shell=True, input=json.dumps(json_safe(record)),
-                           text=True, timeout=ALERT_TIMEOUT_S, capture_output=True)
+            done = subprocess.run(self.alert_command, shell=True, input=json.dumps(json_safe(record)),
+                                  text=True, timeout=ALERT_TIMEOUT_S, capture_output=True)
         except (subprocess.TimeoutExpired, OSError) as err:
-            print(f"dsslm: alert command failed: {err}", file=sys.stderr)
+            self._alert_failed(f"{err}")
+            return
+        if done.returncode != 0:  # a mistyped command is exit 127 under the shell, not an OSError
+            tail = " ".join((done.stderr or "").split())[-200:]
+            self._alert_failed(f"exit {done.returncode} on the {record['event']} event" + (f": {tail}" if tail else ""))
+
+    def _alert_failed(self, why: str) -> None:
+        """Said on stderr, the first few times: a user whose alerts never arrive learns why."""
+        with self._alert_lock:
+            self.alert_failures += 1
+            nth = self.alert_failures
+        if nth <= MAX_ALERT_FAILURES_SHOWN:
+            more = "; later failures are not shown" if nth == MAX_ALERT_FAILURES_SHOWN else ""
+            print(f"dsslm: run.alert_command failed ({why}){more}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for thread in self.alert_threads:

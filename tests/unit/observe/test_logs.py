@@ -93,3 +93,16 @@ def test_every_reader_takes_a_torn_last_line(tmp_path):
     assert [e["step"] for e in read_jsonl(run_dir / "events.jsonl")[0] if e["event"] == "end"] == [8, 12]
     for name in ("metrics.jsonl", "events.jsonl"):
         assert read_jsonl(run_dir / name)[1] == 1  # the torn line stays one bad line
+
+
+def test_a_failing_alert_command_is_said_and_not_endlessly(tmp_path, capsys):
+    """A mistyped command exits 127 under the shell: the alerts never arrived, and nothing said so."""
+    from dsslm.observe.sinks import EventLog
+    log = EventLog(tmp_path, True, "no_such_alert_command_dsslm")
+    for step in range(5):
+        log.emit("rewind", step=step)
+        log.emit("save", step=step)  # not an alert event: no command
+    log.close()
+    err = [line for line in capsys.readouterr().err.splitlines() if "alert_command" in line]
+    assert len(err) == 3 and "exit 127 on the rewind event" in err[0] and "not found" in err[0], err
+    assert err[-1].endswith("later failures are not shown") and log.alert_failures == 5

@@ -137,6 +137,7 @@ class ResumeAudit:
         self.last_step = min(max(self.expected, default=0), last_step)
         self.compared: list[int] = []
         self.incomparable = 0
+        self.changed_inputs: dict[str, int] = {}  # an input key that differed -> the first step it did
         self.worst = {"loss": 0.0, "gnorm": 0.0}
         self.first_mismatch: dict | None = None
         self.decisions: list[dict] = []   # recorded triage decisions still to come again
@@ -196,8 +197,10 @@ class ResumeAudit:
                 self.decisions = []
 
     def _compare(self, got: dict, want: dict) -> None:
-        if any(key in got and key in want and got[key] != want[key] for key in INPUT_KEYS):
+        changed = [key for key in INPUT_KEYS if key in got and key in want and got[key] != want[key]]
+        if changed:
             self.incomparable += 1
+            self.changed_inputs.setdefault(changed[0], got["step"])
             return
         self.compared.append(got["step"])
         for key in ("loss", "gnorm"):
@@ -221,9 +224,14 @@ class ResumeAudit:
             verdict = "exact" if max(self.worst.values()) == 0 else "within_tolerance"
         expected = "exact" if self.exact else f"relative difference <= {self.tol:g} ({self.exact_why})"
         steps = [self.compared[0], self.compared[-1]] if self.compared else []
+        why = {}
+        if self.incomparable:  # their inputs changed: the resume runs another config (lr, batch)
+            why["reason"] = (f"{self.incomparable} recorded step(s) ran with other inputs ("
+                             + ", ".join(f"{k} from step {s}" for k, s in self.changed_inputs.items())
+                             + "): a config changed at the resume")
         self.emit("resume_audit", step=step, from_step=self.from_step, steps=steps, compared=len(self.compared),
                   incomparable=self.incomparable, max_loss_diff=self.worst["loss"],
-                  max_gnorm_diff=self.worst["gnorm"], expected=expected, verdict=verdict)
+                  max_gnorm_diff=self.worst["gnorm"], expected=expected, verdict=verdict, **why)
         if verdict == "mismatch":
             m = self.first_mismatch
             self.emit("alert", step=step, reason="resume_audit", **m,

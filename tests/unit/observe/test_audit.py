@@ -163,3 +163,13 @@ def test_nothing_to_compare_says_whether_the_last_job_stopped_there_or_died(tmp_
     # A stop of an older job, followed by a job that started and died, is not this one's.
     assert reason({"event": "preempt_save", "step": 10}, start) == died
     assert reason(start, {"event": "preempt_save", "step": 8}) == died
+
+
+def test_steps_run_with_other_inputs_are_named_not_an_empty_reason():
+    """A resume that raised train.total_steps changes every later lr: 'nothing to compare ()'."""
+    audit, emitted = audit_of([record(11), record(12)], last_step=12)
+    audit.compare(record(11) | {"lr": 2e-3})
+    audit.compare(record(12) | {"lr": 2e-3})
+    ((event, f),) = emitted
+    assert f["verdict"] == "nothing_to_compare" and f["incomparable"] == 2
+    assert f["reason"] == "2 recorded step(s) ran with other inputs (lr from step 11): a config changed at the resume"

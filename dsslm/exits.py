@@ -17,6 +17,7 @@ Only this module installs signal handlers; no rank-specific logic lives here.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Callable
@@ -93,8 +94,9 @@ class StopFlag:
         if self.requested and self.signum == signal.SIGINT:  # the second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
-        print("dsslm: Ctrl-C: saving at the end of this step (Ctrl-C again to stop at once)", file=sys.stderr,
-              flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # a terminal's Ctrl-C reaches every rank: one line
+            print("dsslm: Ctrl-C: saving at the end of this step (Ctrl-C again to stop at once)", file=sys.stderr,
+                  flush=True)
 
     @property
     def stopped_in_setup(self) -> bool:
@@ -119,7 +121,7 @@ def note_exit(emit: Callable[..., object], step_of: Callable[[], int],
         if exc_type is None or issubclass(exc_type, quiet):
             return False
         if issubclass(exc_type, Preempted):
-            emit("preempted", step=step_of(), signal=exc.signal, saved=False,
+            emit("preempted", step=step_of(), signal=exc.signal, saved=False, exit_line=True,  # train.main says it
                  reason="the signal came before the first step: nothing trained, nothing to save")
         elif issubclass(exc_type, KeyboardInterrupt):
             emit("interrupted", step=step_of())

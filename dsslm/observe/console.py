@@ -149,7 +149,8 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "finished": (logging.INFO, lambda f: f"this run is finished: step {f.get('step')} of train.total_steps="
                                          f"{f.get('total_steps')}; nothing to train (raise train.total_steps to "
                                          f"extend it, or use a new run.dir)"),
-    "preempted": (logging.WARNING, lambda f: f"{f.get('signal')} before the first step: {f.get('reason')}"),
+    "preempted": (logging.WARNING, lambda f: None if f.get("exit_line") else
+                  f"{f.get('signal')} before the first step: {f.get('reason')}"),
     "interrupted": (logging.WARNING, lambda f: f"interrupted at step {f.get('step')}"),
     "failed": (logging.ERROR, lambda f: None if f.get("exit_line") else f"failed at step {f.get('step')}: "
                                                                          f"{f.get('error')}"),

@@ -187,6 +187,8 @@ def test_sigterm_during_the_resume_exits_0_at_once_with_an_event(tmp_path):
     assert time.monotonic() - sent < 20  # at once, not after the 60 s resume and a step
     preempted = events(run_dir, "preempted")
     assert len(preempted) == 1 and preempted[0]["signal"] == "SIGTERM" and preempted[0]["saved"] is False
+    said = [line for line in err.splitlines() if "before the first step" in line]
+    assert said == ["dsslm: SIGTERM before the first step: nothing trained, nothing to save"], err  # once
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["step-00000000", "step-00000005", "step-00000010"]  # the start checkpoint, then the run's
     assert not (run_dir / "LOCK").exists()

@@ -31,6 +31,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 # Buffers older exports saved; they are computed from the config, never learned.
 _DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -45,7 +46,7 @@ def read_config(hf_dir: Path) -> dict:
         config = json.loads((hf_dir / CONFIG_FILE).read_text())
     except FileNotFoundError:
         raise HFError(f"no {CONFIG_FILE} there; name a Hugging Face model folder") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
         raise HFError(f"{hf_dir / CONFIG_FILE} is unreadable ({exc})") from None
     if not isinstance(config, dict):
         raise HFError(f"{hf_dir / CONFIG_FILE} is not a JSON object")
@@ -106,7 +107,7 @@ def weight_files(hf_dir: Path) -> tuple[list[str], dict[str, str]]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise HFError(f"{index} is unreadable or has no weight_map ({exc})") from None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and _SAFE_NAME.fullmatch(v) for k, v in weight_map.items()):
@@ -158,7 +159,6 @@ def check_headers(hf_dir: Path, cfg: ModelCfg) -> tuple[list[str], dict, dict]:
     from safetensors import safe_open
 
     files, weight_map = weight_files(hf_dir)
-    want = hf_shapes(cfg)
     found: dict[str, tuple[str, tuple, str]] = {}
     for name in files:
         try:
@@ -172,6 +172,13 @@ def check_headers(hf_dir: Path, cfg: ModelCfg) -> tuple[list[str], dict, dict]:
             raise
         except Exception as exc:  # safetensors' header errors
             raise HFError(f"{hf_dir / name} is not a readable safetensors file ({exc})") from None
+    # The layer count from the headers first: the table of wanted shapes grows with config.json's
+    # claim, and a claim of 10^8 layers would fill the memory before any comparison said no.
+    layers = {int(m.group(1)) for key in found if (m := _LAYER.match(key))}
+    if cfg.n_layers != len(layers) or (layers and max(layers) != len(layers) - 1):
+        raise HFError(f"{hf_dir}: config.json says num_hidden_layers={cfg.n_layers}, the weight files hold "
+                      f"{len(layers)} layer(s); the weights do not fit its config.json")
+    want = hf_shapes(cfg)
     _check_found(hf_dir, found, want, weight_map, cfg)
     return files, want, found
 

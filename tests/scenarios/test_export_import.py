@@ -326,8 +326,9 @@ def test_a_config_json_claiming_another_shape_than_its_weights_is_refused_before
     safetensors headers before a model of that shape is allocated (a typo'd width is terabytes)."""
     from dsslm import job as job_module
     hf_dir = exported(runs, "byte", tmp_path, capsys)
-    config = json.loads((hf_dir / "config.json").read_text())
-    config.update(hidden_size=4096, intermediate_size=11008, head_dim=4096 // config["num_attention_heads"])
+    original = json.loads((hf_dir / "config.json").read_text())
+    config = {**original, "hidden_size": 4096, "intermediate_size": 11008,
+              "head_dim": 4096 // original["num_attention_heads"]}
     (hf_dir / "config.json").write_text(json.dumps(config))
     built, real = [], job_module.build_model
     monkeypatch.setattr(job_module, "build_model", lambda *a, **k: built.append(1) or real(*a, **k))
@@ -338,6 +339,16 @@ def test_a_config_json_claiming_another_shape_than_its_weights_is_refused_before
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "model.embed_tokens.weight is [257, 32] F32, its config.json needs [257, 4096]" in err
     assert built == [] and not (tmp_path / "run" / "checkpoints").exists()
+    # A layer count is checked against the headers before a table of its size is built (10^6
+    # layers took half a minute and gigabytes to refuse), and JSON nested too deep is one line.
+    for text, says in ((json.dumps({**original, "num_hidden_layers": 10**6}),
+                        "num_hidden_layers=1000000, the weight files hold 2 layer(s)"),
+                       ("[" * 100_000 + "]" * 100_000, "config.json is unreadable")):
+        (hf_dir / "config.json").write_text(text)
+        rc = train_main([f"run.dir={tmp_path / 'run'}", *not_shape, "train.total_steps=2", "optim.warmup_steps=1",
+                         f"data.dir={runs['byte_data']}", f"run.init_from=hf:{hf_dir}"])
+        err = capsys.readouterr().err
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and says in err, err
 
 
 @pytest.mark.slow

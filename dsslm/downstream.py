@@ -12,7 +12,9 @@ exported model scores the same examples the same way there (tests/scenarios/test
 trailing whitespace of the context moves to the continuation, the pair is encoded whole and split
 at the context's token count, an empty context is the EOS token, the input keeps the last
 `seq_len` tokens, and argmax takes the first of equal scores. A continuation longer than
-`seq_len` tokens is scored in consecutive windows (where lm-eval would fail).
+`seq_len` tokens is scored in consecutive windows (where lm-eval would fail). Under
+`model.document_mask` an empty context's EOS is hidden from its continuation, which an export
+run by transformers attends to (docs/evals.md).
 
 Task data (docs/evals.md): a JSONL file, one example a line,
 `{"context": "...", "choices": [" a", " b"], "gold": 0}` (the continuation is appended to the

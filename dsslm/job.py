@@ -91,6 +91,10 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
                           f"tokenizer; drop model.vocab_size (it follows the data) or set it >= {data_vocab}")
     if cfg.model.document_mask and cfg.model.eos_id < 0:  # documents end with the tokenizer's EOS
         cfg.model.eos_id = manifest["tokenizer"]["eos_id"]
+    if cfg.model.eos_id >= cfg.model.vocab_size:  # config checks it only against a vocab_size set there
+        raise ConfigError(f"model.eos_id={cfg.model.eos_id} is not a token id of {data_dir}'s tokenizer "
+                          f"({cfg.model.vocab_size} ids): no document would ever end; drop model.eos_id "
+                          f"(it follows the data's, {manifest['tokenizer']['eos_id']})")
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
     cleanup.callback(engine.close)

@@ -52,6 +52,8 @@ def case_args(case: str, tmp_path) -> tuple[list[str], str]:
         return ["ckpt.keep_every=-1"], "ckpt.keep_every=-1"
     if case == "eos_id past the vocabulary":
         return ["model.document_mask=true", "model.eos_id=100000", "model.vocab_size=257"], "model.eos_id=100000"
+    if case == "eos_id past the data's vocabulary":  # vocab_size from the data: the mask never split a document
+        return ["model.document_mask=true", "model.eos_id=999"], "model.eos_id=999 is not a token id"
     if case == "no validation batches":
         return ["run.val_every=1", "run.val_batches=0"], "run.val_batches=0"
     raise KeyError(case)
@@ -62,7 +64,8 @@ def case_args(case: str, tmp_path) -> tuple[list[str], str]:
                                   "vocab_size below the data's", "a list where a map belongs",
                                   "yaml list where a map belongs", "infinite learning rate", "infinite rope theta",
                                   "negative eps", "negative init_std", "negative keep_every",
-                                  "eos_id past the vocabulary", "no validation batches"])
+                                  "eos_id past the vocabulary", "eos_id past the data's vocabulary",
+                                  "no validation batches"])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, case):
     args, phrase = case_args(case, tmp_path)
     capsys.readouterr()

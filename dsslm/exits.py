@@ -60,6 +60,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.requested = False
         self.in_loop = False
+        self.stepped = False  # this job has completed a step (train.run_loop)
         self.signum: int | None = None
         self._sigint = None  # the SIGINT handler before the loop's, restored by close()
         for sig in STOP_SIGNALS:
@@ -100,8 +101,10 @@ class StopFlag:
 
     @property
     def stopped_in_setup(self) -> bool:
-        """A signal came before the first step (a peer rank may have left first because of it)."""
-        return self.signum is not None and not self.in_loop
+        """A signal came before this job completed a step: a peer rank may have left because of it
+        (raised in setup) while this one, already recording, met the broken group in the setup's
+        last barrier or in step 1."""
+        return self.signum is not None and not self.stepped
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested, self.signum = True, signum

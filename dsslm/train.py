@@ -131,13 +131,15 @@ def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, sinks, state = job.cfg, job.sinks, job.state
     if start(job) == "finished":
         return EXIT_OK  # said so; nothing to train
-    # Setup ends in one collective, and every rank records signals only after it. Rank 0 does
-    # work of its own after setup's other collectives (events, the audit, the start checkpoint's
-    # snapshot): a signal then made it leave with Preempted while the others, already recording,
-    # waited for it in step 1 (gloo: exit 1; NCCL: the collective timeout). Now a signal before
-    # this barrier ends setup on every rank, and one after it is agreed at step 1's all-reduce.
+    # Setup ends in one collective. Rank 0 does work of its own after setup's other collectives
+    # (events, the audit, the start checkpoint's snapshot), so the others wait here for it. Each
+    # rank records signals from the moment it enters the barrier: one raised after the barrier
+    # returned (a handler runs only then) left that rank alone, while the others went on into
+    # step 1 (gloo: exit 1; NCCL: the collective timeout). A signal recorded now is agreed at
+    # step 1's all-reduce (a save after step 1); a peer that left with Preempted before the
+    # barrier breaks it, and the ranks still here leave as preempted too (stopped_in_setup).
+    stop.save_on_signal()  # from here on, a stop signal (or Ctrl-C) saves at the end of the step
     job.engine.barrier()
-    stop.save_on_signal()  # from the first step on, a stop signal (or Ctrl-C) saves at the end of its step
     diagnostics = Diagnostics(cfg, job.engine, sinks, job.loader)
     first_step = state.step
     while state.step < cfg.train.total_steps:
@@ -145,6 +147,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         before = diagnostics.snapshot(state.step)  # weights before the update, on measured steps only
         started = time.perf_counter()
         verdict, record, fed, stop_requested = train_step(job, stop)
+        stop.stepped = True  # a failure from now on is no longer a peer that left before step 1
         job.audit.compare(record)  # after a resume: the steps trained again must equal their records
         if verdict is not Verdict.REWIND:
             account(job, verdict, record, fed)

@@ -194,6 +194,39 @@ def test_sigterm_during_the_resume_exits_0_at_once_with_an_event(tmp_path):
     assert not (run_dir / "LOCK").exists()
 
 
+@pytest.mark.slow
+def test_a_signal_to_one_rank_waiting_in_setups_last_barrier_saves_after_step_1(tmp_path):
+    """Rank 1 waits in the barrier that ends setup while rank 0 still works; SIGTERM reaches rank
+    1 alone. Its handler ran only once the barrier returned and raised there, on that rank alone,
+    while rank 0 went into step 1's all-reduce: a broken group, exit 1. Recorded from the barrier
+    on, the signal is agreed at step 1, and both ranks save after it and exit 0."""
+    from helpers import train_cmd
+    slow_rank0 = """
+        import os, time
+        from dsslm.engine import base
+        real = base.Engine.barrier
+        def barrier(self):
+            if self.rank == 0:
+                time.sleep(4)  # rank 0's own setup work (the start checkpoint's snapshot)
+            else:
+                open(os.environ["MARKER"], "w").write(str(os.getpid()))
+            return real(self)
+        base.Engine.barrier = barrier
+    """
+    marker, run_dir = tmp_path / "rank1.pid", tmp_path / "run"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MARKER": str(marker),
+           **hook_env(tmp_path / "hook", slow_rank0)}
+    proc = subprocess.Popen(train_cmd(2) + [f"run.dir={run_dir}", *TINY, "train.total_steps=20", "ckpt.every=10"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(marker.exists, proc)
+    time.sleep(0.5)  # inside the barrier's wait
+    os.kill(int(marker.read_text()), signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert [e["step"] for e in events(run_dir, "preempt_save")] == [1]  # named by rank 0, which had none
+    assert (run_dir / "checkpoints" / "step-00000001" / "MANIFEST").is_file()
+
+
 def test_sigterm_while_the_finished_process_shuts_down_exits_0(tmp_path):
     """Python resets its own signal handlers to the default while the interpreter shuts down; a
     SIGTERM then (torch tearing down its threads) used to end a finished run with -15."""

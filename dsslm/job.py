@@ -249,9 +249,6 @@ def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> 
     return summary
 
 
-FP16_OVERFLOW = "fp16_overflow"
-
-
 def batch_schedule(cfg: Config, world_size: int):
     """The global batch in sequences of the step starting at a position: the full one, or less
     while train.batch_ramp ramps."""

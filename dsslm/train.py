@@ -199,6 +199,8 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
         job.clipper.commit()
     else:
         engine.skip_step()  # a rewind drops this step's gradients too, or they leak into the next
+        if reason == FP16_OVERFLOW:  # after skip_step: DeepSpeed's scaler backs off inside it
+            reason = f"{FP16_OVERFLOW} (loss scale now {engine.scaler.scale:g})"
     record = StepRecord(step=step, loss=result.loss, gnorm=result.gnorm, lr=lr, lr_scale=state.lr_scale,
                         verdict=verdict.value, data_position=fed.first, batch_sequences=fed.batch_size,
                         batch_tokens=result.batch_tokens, reason=reason, data_wait_s=job.feed.wait_s)
@@ -225,7 +227,7 @@ def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -
     rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
     scaler = job.engine.scaler
     overflow = not rerun and scaler is not None and scaler.update(gnorm)
-    skip = (Verdict.SKIP, f"{FP16_OVERFLOW} (loss scale now {scaler.scale:g})") if overflow else None
+    skip = (Verdict.SKIP, FP16_OVERFLOW) if overflow else None  # the scale it backs off to: train_step
     # A non-finite loss too goes to the monitor, which may call it a spike and rewind; but an
     # overflowed step is never applied, whatever the monitor says or whether there is one.
     if overflow and (math.isfinite(loss) or not job.cfg.monitor.enabled):

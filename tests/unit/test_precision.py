@@ -33,6 +33,7 @@ def test_fp16_overflow_steps_are_skipped_counted_and_change_nothing(tmp_path):
     skipped = [r["step"] for r in records if r["verdict"] == "skip_step"]
     assert skipped and skipped == list(range(1, len(skipped) + 1))  # the first steps, in a row
     assert all("fp16_overflow" in e["reason"] for e in events(tmp_path, "skip"))
+    assert records[0]["reason"] == f"fp16_overflow (loss scale now {2.0 ** 39:g})"  # the scale step 2 runs with
     state = json.loads((tmp_path / "checkpoints" / "step-00000060" / "state.json").read_text())
     assert state["scaler"]["overflows"] == len(skipped)
     assert state["scaler"]["scale"] == 2.0 ** (40 - len(skipped))

@@ -79,10 +79,10 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def check_hf_weights(folder: Path) -> None:
-    """The folder's safetensors files read, every float tensor finite: a folder someone else wrote,
-    checked before transformers loads it (a NaN weight would score as a number). The files are
-    the ones transformers will read (the index's, plain names inside the folder), not a glob: an
-    index naming sub/ or ../ files would have them loaded unchecked."""
+    """The folder's safetensors files readable, before transformers loads them: the files are the
+    ones transformers will read (the index's, plain names inside the folder), not a glob, since an
+    index naming sub/ or ../ files would have them loaded unchecked. Only headers are read here;
+    the values are checked once loaded (`check_finite`), so the weights are read once."""
     from safetensors import safe_open
 
     from dsslm.hf.folder import weight_files
@@ -93,14 +93,16 @@ def check_hf_weights(folder: Path) -> None:
     for path in (folder / name for name in names):
         try:
             with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    t = f.get_tensor(key)
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise ToolError(f"{path}: {key} holds non-finite values; the weights are damaged")
-        except ToolError:
-            raise
+                f.keys()
         except Exception as exc:  # noqa: BLE001 - safetensors' own errors: a truncated or foreign file
             raise ToolError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())[:200]})") from None
+
+
+def check_finite(model: torch.nn.Module, folder: Path) -> None:
+    """Every float tensor of a loaded model finite: a NaN weight would score as a number."""
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ToolError(f"{folder}: {name} holds non-finite values; the weights are damaged")
 
 
 def open_hf(folder: Path, device: torch.device):
@@ -130,6 +132,7 @@ def open_hf(folder: Path, device: torch.device):
         if keys:
             raise ToolError(f"{folder}: the weights do not fit its config.json ({what.replace('_', ' ')}: "
                             f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})")
+    check_finite(model, folder)
     seq_len = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ToolError(f"{folder}/config.json has no max_position_embeddings; dsslm.eval needs the context length")

@@ -267,6 +267,11 @@ def test_eval_of_a_folder_whose_weights_miss_a_tensor_exits_2(runs, tmp_path, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
     weights = load_file(hf_dir / "model.safetensors")
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    assert eval_cli.main([str(hf_dir), "--tasks", str(task), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.norm.weight holds non-finite values" in err[0], err
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
     assert eval_cli.main([str(hf_dir), "--tasks", str(task), "--device", "cpu"]) == 2

@@ -170,10 +170,14 @@ def test_eval_checks_a_folders_weights_before_transformers_loads_them(tmp_path):
     from safetensors.torch import save_file
 
     from dsslm.ckpt.trained import ToolError
-    from dsslm.eval import check_hf_weights
+    from dsslm.eval import check_finite, check_hf_weights
     save_file({"a": torch.ones(4), "b": torch.tensor([1.0, float("inf")])}, tmp_path / "model.safetensors")
-    with pytest.raises(ToolError, match="b holds non-finite values"):
-        check_hf_weights(tmp_path)
+    check_hf_weights(tmp_path)  # headers only: the values are checked once loaded, read once
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.bias.fill_(float("nan"))
+    with pytest.raises(ToolError, match="bias holds non-finite values"):
+        check_finite(model, tmp_path)
     raw = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(raw[:20])
     with pytest.raises(ToolError, match="not a readable safetensors file"):

@@ -279,9 +279,7 @@ class Triage:
         name = "transient" if verdict is Verdict.OK else "data"
         skip, deferred = [], {}
         if name == "data":
-            start, is_data, entries = self.engine.decide(lambda: (
-                self.monitor.spike_start or step, self._concentrated(step),
-                self.forensics.data_entries([step], self.rewinder.fed_of, state.skip_list)))
+            start, is_data = self.engine.decide(lambda: (self.monitor.spike_start or step, self._concentrated(step)))
             if self.replay is not None:
                 r = self.replay
                 deferred = {"deferred": f"in the {r.phase} replay of the spike at steps [{r.spike_start}, {r.target}]: "
@@ -290,8 +288,9 @@ class Triage:
             else:
                 if self._streak is None or self._streak[0] != start:
                     self._streak = (start, list(state.skip_list))
-                if is_data:
-                    skip = entries
+                if is_data:  # the documents read: only here, where they are committed (reading shards)
+                    skip = self.engine.decide(lambda: self.forensics.data_entries([step], self.rewinder.fed_of,
+                                                                                   state.skip_list))
                     state.skip_list = merge_skip_list(state.skip_list + skip)
                     self.engine.decide(lambda: self.rewinder.write_run_file(state))
                 else:

@@ -136,9 +136,11 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
     rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit, loader)
     triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
-    return Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
-               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
-               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)))
+    job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
+              clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
+              evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)))
+    triage.save_base = lambda: save(job, sync=True)  # an escalating triage's base, held only in memory
+    return job
 
 
 def start(job: Job) -> str:

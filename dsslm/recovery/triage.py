@@ -185,6 +185,7 @@ class Triage:
         self.cfg, self.engine, self.rewinder, self.monitor = cfg, engine, rewinder, monitor
         self.forensics, self.progress, self.emit = forensics, progress, emit
         self.enabled = cfg.monitor.enabled and cfg.monitor.triage
+        self.save_base: Callable[[], None] | None = None  # a synchronous save (job.setup sets it)
         # Where a step is not bitwise reproducible (CUDA kernels; the faults.replay_noise drill), a
         # replayed step counts as the spike coming back only beyond NOISE_MARGIN x the spread of one
         # step computed twice, measured on this job's first step (`note_spread`).
@@ -411,12 +412,26 @@ class Triage:
             window, lr_scale = None, r.lr_scale
         else:
             self.replay = None
+            held_in_memory = self._restore_base(state, r)
             self._decide(state, r, "state", escalated=True)
+            if held_in_memory and self.save_base is not None:  # with the escalation's record
+                self.save_base()
             self.rewinder.escalate(r.target, len(state.rewinds), f"the spike persists after {r.backoffs} lr backoffs")
         ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
         if not self._affordable(r, ckpt):
             return self._fall_back(state, r, ckpt)
         self._replay_from(state, ckpt, r, window, lr_scale)
+
+    def _restore_base(self, state: TrainState, r: Replay) -> bool:
+        """Before an escalation: the run as it was before the triage. The checkpoints a replay
+        saved hold its replay in progress, and a restart after exit 3 resumed it: at the trial
+        learning rate, escalating again at once, one more rewind record each time. They are set
+        aside (restore's leave_after). Returns whether the base is held only in memory: the
+        caller saves it, so the restart a person makes starts there, nothing of the triage in
+        flight."""
+        ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), r.lr_scale, None)
+        return not self.engine.decide(lambda: state.step in self.rewinder.checkpointer.store.valid_steps())
 
     def _widened(self, r: Replay) -> list | None:
         """The entries with all the data the planned window read added, or None when they add

@@ -180,8 +180,10 @@ def test_a_spike_on_the_first_of_three_bad_batches_is_data_not_state(tmp_path):
     assert final_state(tmp_path)["train"]["lr_scale"] == 1.0 and not events(tmp_path, "escalation")
 
 
-def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, capsys):
-    rc = main([f"run.dir={tmp_path}", *TINY, *RUN, "faults.lr_burst=[[50,54,30.0]]", "monitor.max_backoffs=1"])
+@pytest.mark.parametrize("base", ["checkpoint", "memory"])
+def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, capsys, base):
+    ring = ["ckpt.every=100", "monitor.rewind_every=5", "monitor.rewind_points=3"] if base == "memory" else []
+    rc = main([f"run.dir={tmp_path}", *TINY, *RUN, *ring, "faults.lr_burst=[[50,54,30.0]]", "monitor.max_backoffs=1"])
     assert rc == 3 and "escalated" in capsys.readouterr().err
     assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["skip_window", "skip_window", "backoff"]
     assert triages(tmp_path, "window")[-1]["escalated"] and len(events(tmp_path, "escalation")) == 1
@@ -190,6 +192,14 @@ def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, 
     run_file = json.loads((tmp_path / "skip_list.json").read_text())
     assert run_file["lr_scale"] == 1.0 and run_file["skip_list"] == []
     assert run_file["rewinds"][-1]["lr_scale_factor"] == 1.0 and triages(tmp_path, "window")[-1]["lr_scale"] == 1.0
+    # The restart a person makes (here with the fault gone) starts from the triage's base, step
+    # 45, with nothing of the triage in flight: the checkpoints its replays saved held the last
+    # backoff replay, and a restart resumed it at the trial learning rate (and escalated again).
+    assert main([f"run.dir={tmp_path}", *TINY, *RUN, *ring, "monitor.max_backoffs=1"]) == 0
+    assert events(tmp_path, "resume")[-1]["step"] == 45
+    after = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl")[-19:] if "lr" in r}
+    assert sorted(after) == list(range(46, 65)) and {r["lr"] for r in after.values()} == {3e-3}
+    assert final_state(tmp_path)["triage"]["replay"] is None
 
 
 def test_over_the_replay_budget_falls_back_before_any_replay_and_says_what_it_knows(tmp_path):

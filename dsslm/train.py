@@ -182,6 +182,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     """Forward, backward, the verdict, and the update (or not) for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
+    job.triage.before_step(state)  # a triage replay's data left out from its base on
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
     lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
     fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step

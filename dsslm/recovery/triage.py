@@ -338,6 +338,13 @@ class Triage:
                 factor *= low + (1.0 - low) * ramp
         return factor
 
+    def before_step(self, state: TrainState) -> None:
+        """Every rank, before each step is fed: a replay's phase leaves its data out from the
+        planned base on (idempotent: a resume at or after the base merges nothing new)."""
+        r = self.replay
+        if r is not None and r.phase == Phase.SKIP_WINDOW.value and state.step >= r.base_step:
+            state.skip_list = merge_skip_list(state.skip_list + (r.entries or [r.window]))
+
     def keep_rewind_point(self, step: int) -> None:
         """Every rank, after each applied or skipped step: a rewind point when one is due, but not
         during a replay (the points its later phases start from must stay in the ring)."""
@@ -357,7 +364,8 @@ class Triage:
                                                                          self.rewinder.fed_of, state.skip_list))
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
-        ckpt = self.rewinder.checkpoint_before(target, plan.to_step, spike_start)
+        base = self._planned_base(state, plan.to_step)
+        ckpt = self.rewinder.checkpoint_before(target, base, spike_start)
         # The streak's first outlier was re-run in place (same weights, batch and random state)
         # and reproduced: a same-data replay from the base would reach that step with the same
         # weights and batch and come back there, so it would only prove again that the spike is
@@ -369,7 +377,7 @@ class Triage:
         before = self._streak[1] if in_place else state.skip_list
         self._streak = None
         replay = Replay(phase=(Phase.SKIP_WINDOW if in_place else Phase.SAME_DATA).value, spike_start=spike_start,
-                        target=target, base_step=ckpt.state["step"], window=list(plan.window),
+                        target=target, base_step=base, window=list(plan.window),
                         skip_list=list(before), lr_scale=state.lr_scale, reason=reason, entries=entries)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
                                 "reason": reason, **({"reproduced_in_place": spike_start} if in_place else {})})
@@ -439,23 +447,43 @@ class Triage:
         wider = self.engine.decide(lambda: merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list)))
         return wider if wider != merge_skip_list(r.entries) else None
 
+    def _planned_base(self, state: TrainState, limit: int) -> int:
+        """The step a triage replays from: the newest step at or before `limit` where the run
+        keeps a rewind point (multiples of monitor.rewind_every) or a regular checkpoint
+        (multiples of ckpt.every, and the run's first step), whatever this job happens to hold.
+        A function of the config, not of the job's history: a job resumed from a preemption's
+        save, its rewind points gone, plans the base the uninterrupted run planned, and reaches
+        it from an older checkpoint by replaying the steps up to it as they were (`before_step`)."""
+        start = state.lineage[-1]["step"] if state.lineage else 0
+        m = self.cfg.monitor
+        every = [self.cfg.ckpt.every] + ([m.rewind_every] if m.rewind_points > 0 else [])
+        grid = [limit // e * e for e in every if e > 0] + ([start] if start <= limit else [])
+        return max(grid, default=0)
+
     def _affordable(self, r: Replay, ckpt: Checkpoint | None = None, phases: int = 1) -> bool:
-        base = ckpt.state["step"] if ckpt is not None else r.base_step
-        return r.replay_steps + phases * (r.target - base) <= self.cfg.monitor.triage_max_replay_steps
+        """Within monitor.triage_max_replay_steps, counted from the planned base: the same answer
+        whichever checkpoint this job must load to reach it (else a resumed job would decide
+        otherwise than the uninterrupted one). Reaching the base from an older checkpoint costs
+        more steps again; more than the budget, and the triage falls back."""
+        budget = self.cfg.monitor.triage_max_replay_steps
+        catch_up = r.base_step - ckpt.state["step"] if ckpt is not None else 0
+        return r.replay_steps + phases * (r.target - r.base_step) <= budget and catch_up <= budget
 
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
                      lr_scale: float) -> None:
         # r.base_step stays the planned base: a phase that must load an older checkpoint (after a
         # restart the rewind point is gone) changes nothing before it (window, lr_factor).
         loaded = ckpt.state["step"]
-        r.replay_steps += r.target - loaded
+        r.replay_steps += r.target - r.base_step  # a catch-up from an older checkpoint is not the triage's
         trial = self.cfg.monitor.lr_backoff ** r.backoffs if r.phase == Phase.BACKOFF.value else 1.0
         r.evidence.append({"phase": r.phase, "from_step": loaded, "lr_scale": lr_scale * trial, "steps": [],
                            **({"wide": r.wide or not r.entries} if r.phase == Phase.SKIP_WINDOW.value else {})})
-        # The skip_window phase leaves out the spike's data where it was named, else its window.
-        skip = (r.entries or [window]) if window else []
-        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list + skip), lr_scale, None)
+        # The skip_window phase leaves out the spike's data where it was named, else its window:
+        # from the base on (before_step), so that steps replayed up to it from an older
+        # checkpoint feed what they fed.
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), lr_scale, None)
         self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
+        self.before_step(state)
         self.emit("rewind", step=r.target, to_step=state.step, window=window if window and not r.entries else [],
                   skip=r.entries if window else [], checkpoint=str(ckpt.path), reason=r.reason,
                   triage_phase=r.phase, lr_scale=state.lr_scale * trial)

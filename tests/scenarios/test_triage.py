@@ -304,6 +304,48 @@ def test_preempted_mid_replay_resumes_the_triage_to_the_bit(clean, data_run, tmp
     assert final_state(tmp_path)["skip_list"] == final_state(ref)["skip_list"]
 
 
+@pytest.mark.parametrize("case", ["preempted_before_a_state_spike", "crashed_after_a_checkpoint"])
+def test_a_triage_after_a_restart_replays_from_the_base_the_uninterrupted_run_used(tmp_path, monkeypatch, case):
+    """Rewind points live in memory: a job resumed from a preemption's save at 48 (or from the
+    checkpoint at 50 after a crash) has none, and its triage replayed from whatever it held (48:
+    the backoff's lower learning rate from step 49, where the uninterrupted run's from 46; 0: a
+    budget fallback and another skip list). The base is planned from the config (a multiple of
+    monitor.rewind_every or ckpt.every), reached from an older checkpoint by replaying the steps
+    up to it as they were: the same losses, decisions and skip list to the bit."""
+    from dsslm.recovery import faults
+    ring = ["monitor.rewind_every=5", "monitor.rewind_points=3"]
+    preempted = case == "preempted_before_a_state_spike"
+    run = ([*ring, *STATE, "ckpt.every=100"] if preempted else
+           [*ring, DATA, "ckpt.every=50", "monitor.triage_max_replay_steps=100", "faults.crash_at_step=50",
+            "faults.crash_mode=raise"])
+    ref = tmp_path / "uninterrupted"
+    assert train(cfg(ref, *[o for o in run if not o.startswith("faults.crash")])) == 0
+    if preempted:
+        real = faults.Drills.maybe_crash
+
+        def preempt_once(self, step):
+            if step == 47 and not (self.run_dir / ".preempted").exists():
+                (self.run_dir / ".preempted").touch()
+                signal.raise_signal(signal.SIGUSR1)
+            return real(self, step)
+        monkeypatch.setattr(faults.Drills, "maybe_crash", preempt_once)
+    cut = tmp_path / "cut"
+    if preempted:
+        assert main([f"run.dir={cut}", *TINY, *RUN, *run]) == 0
+    else:
+        with pytest.raises(faults.DrillAbort):
+            main([f"run.dir={cut}", *TINY, *RUN, *run])
+    assert main([f"run.dir={cut}", *TINY, *RUN, *run]) == 0
+    resumed_at = events(cut, "resume")[-1]["step"]
+    assert resumed_at == (48 if preempted else 50)
+    decision, want = triages(cut, "window")[-1], triages(ref, "window")[-1]
+    assert (decision["verdict"], decision["from_step"]) == (want["verdict"], want["from_step"]) == (
+        ("state" if preempted else "data"), 45)
+    assert losses_by_step(cut) == losses_by_step(ref)
+    assert final_state(cut)["skip_list"] == final_state(ref)["skip_list"]
+    assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"]
+
+
 def test_a_resume_mid_replay_passes_over_the_left_trajectorys_checkpoints(tmp_path, monkeypatch):
     """Checkpoints every 5 steps: the original pass saved 50 before the spike over 51..53; the
     triage rewinds to 45 and is preempted at 46. The requeued run must resume the replay from

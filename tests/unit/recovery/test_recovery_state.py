@@ -359,7 +359,10 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
         monitor.judge(step, float(losses.mean()), 1.0)
     state.step = 53
     triage._start(state, 53)
-    assert triage.replay.phase == "skip_window" and restored == [[[0, 16], entry]]  # without the data
+    # The base's list restored; the skip_window phase leaves the streak's data out from the base
+    # on (before_step), here at once.
+    assert triage.replay.phase == "skip_window" and restored == [[[0, 16]]]
+    assert state.skip_list == [[0, 16], entry]
     assert read_recovery(tmp_path, 16)["skip_list"] == [[0, 16], entry]  # the file keeps it
     assert [f["skip"] for e, f in emitted if e == "skip_withheld"] == [[entry]]
     # The checkpoint part carries what the replay withholds.

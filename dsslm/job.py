@@ -89,12 +89,16 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
         where = f"run.init_from={cfg.run.init_from}'s vocab_size" if hf_dir_of(cfg.run.init_from) else "model.vocab_size"
         raise ConfigError(f"{where}={cfg.model.vocab_size} is below the {data_vocab} token ids of {data_dir}'s "
                           f"tokenizer; drop model.vocab_size (it follows the data) or set it >= {data_vocab}")
+    data_eos = manifest["tokenizer"]["eos_id"]
     if cfg.model.document_mask and cfg.model.eos_id < 0:  # documents end with the tokenizer's EOS
-        cfg.model.eos_id = manifest["tokenizer"]["eos_id"]
+        cfg.model.eos_id = data_eos
     if cfg.model.eos_id >= cfg.model.vocab_size:  # config checks it only against a vocab_size set there
         raise ConfigError(f"model.eos_id={cfg.model.eos_id} is not a token id of {data_dir}'s tokenizer "
                           f"({cfg.model.vocab_size} ids): no document would ever end; drop model.eos_id "
-                          f"(it follows the data's, {manifest['tokenizer']['eos_id']})")
+                          f"(it follows the data's, {data_eos})")
+    if cfg.model.document_mask and cfg.model.eos_id != data_eos:  # prepare ends documents with data_eos
+        raise ConfigError(f"model.eos_id={cfg.model.eos_id} but {data_dir}'s documents end with its tokenizer's "
+                          f"EOS, id {data_eos}: the mask would split them elsewhere; drop model.eos_id")
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
     cleanup.callback(engine.close)

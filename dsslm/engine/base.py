@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.clip import ClipBound
-from dsslm.config import Config, accumulation_for
+from dsslm.config import Config, ConfigError, accumulation_for
 from dsslm.engine.blocks import set_matmul_precision
 from dsslm.optim import MuonAdamW, adamw_impl, set_lr
 from dsslm.precision import LossScaler
@@ -170,8 +170,14 @@ def share_orthogonalisations(optimizer: torch.optim.Optimizer, cfg: Config) -> N
 
 def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():  # torch's own error is an AttributeError deep inside
+        raise ConfigError(f"train.device=cuda: no GPU is visible here (torch {torch.__version__}); use "
+                          "train.device=auto or cpu, or a torch build with CUDA")
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) are visible; "
+                              "launch at most one rank per GPU (--nproc_per_node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -54,6 +54,13 @@ def case_args(case: str, tmp_path) -> tuple[list[str], str]:
         return ["model.document_mask=true", "model.eos_id=100000", "model.vocab_size=257"], "model.eos_id=100000"
     if case == "eos_id past the data's vocabulary":  # vocab_size from the data: the mask never split a document
         return ["model.document_mask=true", "model.eos_id=999"], "model.eos_id=999 is not a token id"
+    if case == "eos_id other than the data's":  # the mask split documents at a token that ends none
+        return ["model.document_mask=true", "model.eos_id=5"], "model.eos_id=5 but"
+    if case == "cuda without a GPU":  # an AttributeError from torch's CPU build, exit 1
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible here")
+        return ["train.device=cuda"], "train.device=cuda: no GPU is visible here"
     if case == "no validation batches":
         return ["run.val_every=1", "run.val_batches=0"], "run.val_batches=0"
     raise KeyError(case)
@@ -65,7 +72,7 @@ def case_args(case: str, tmp_path) -> tuple[list[str], str]:
                                   "yaml list where a map belongs", "infinite learning rate", "infinite rope theta",
                                   "negative eps", "negative init_std", "negative keep_every",
                                   "eos_id past the vocabulary", "eos_id past the data's vocabulary",
-                                  "no validation batches"])
+                                  "eos_id other than the data's", "cuda without a GPU", "no validation batches"])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, case):
     args, phrase = case_args(case, tmp_path)
     capsys.readouterr()

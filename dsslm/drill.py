@@ -86,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     kill_at = args.kill_at or max(1, int(steps * 0.6))
     every = max(1, min(cfg.ckpt.every, kill_at // 2))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dsslm-drill-"))
+    # A drill that cannot kill anything must not pass: a step outside the run, or run folders of
+    # an earlier drill (finished runs, whose crash step had already fired once).
+    problem = (f"--nproc {args.nproc} must be >= 1" if args.nproc < 1 else
+               f"--kill-at {kill_at} must be a step inside the run, 1 to {steps - 1}" if not 1 <= kill_at < steps else
+               f"--workdir {workdir} holds an earlier drill's runs; name a new or empty folder"
+               if any(d.exists() for d in (workdir / "uninterrupted", workdir / "killed-and-resumed")) else "")
+    if problem:
+        print(f"dsslm drill: {problem}", file=sys.stderr)
+        return 2
     common = [*overrides, f"train.total_steps={steps}", f"ckpt.every={every}"]
     run = (lambda o: run_inprocess(args.config, o)) if launched else \
         (lambda o: run_subprocess(args.config, o, args.nproc))
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         leave_process_group()
     text, worst = verdict(losses(ref_dir), losses(cut_dir))
+    if killed == 0:  # the job finished: no kill happened, and the comparison would prove nothing
+        text = f"FAIL: the job to be killed at step {kill_at} finished (exit 0): nothing was killed or resumed"
     if is_first_process():
         print(f"dsslm drill resume: {steps} steps, checkpoint every {every}, killed at step {kill_at} "
               f"(exit {killed}), resumed (exit {resumed}); runs in {workdir}")

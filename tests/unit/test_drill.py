@@ -32,3 +32,19 @@ def test_a_bad_override_exits_2_before_any_job_starts(tmp_path, capsys):
     assert main(["resume", "--workdir", str(tmp_path), "train.no_such_key=1"]) == 2
     assert "train.no_such_key" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_drill_that_could_kill_nothing_is_refused(tmp_path, capsys):
+    """--kill-at past the run, a --workdir holding an earlier drill's finished runs, or --nproc 0:
+    each printed PASS (or a torchrun traceback) without killing anything."""
+    (tmp_path / "old" / "killed-and-resumed").mkdir(parents=True)
+    short = ["train.total_steps=40", "optim.warmup_steps=4"]
+    for argv, says in ((["--kill-at", "100", *short], "--kill-at 100 must be a step inside"),
+                       (["--kill-at", "-3", *short], "--kill-at -3"),
+                       (["--nproc", "0"], "--nproc 0 must be >= 1"),
+                       (["--workdir", str(tmp_path / "old")], "holds an earlier drill's runs")):
+        argv = argv if "--workdir" in argv else ["--workdir", str(tmp_path / "new"), *argv]
+        assert main(["resume", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "new").exists()

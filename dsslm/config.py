@@ -77,6 +77,12 @@ class BatchRampCfg:
     tokens: int = 0             # tokens of the stream over which it grows linearly to the full batch
 
 
+def ffn_hidden_of(d_model: int, ffn_hidden: int) -> int:
+    """The SwiGLU width model.ffn_hidden names: itself, or for 0 8/3 * d_model rounded up to a
+    multiple of 64 (one formula for the model, the HF export and the resume's shape check)."""
+    return ffn_hidden or 64 * math.ceil(8 * d_model / 3 / 64)
+
+
 @dataclass
 class TrainCfg:
     total_steps: int = 300

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsslm.config import ModelCfg
+from dsslm.config import ModelCfg, ffn_hidden_of
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -242,7 +242,7 @@ class _SwiGLUFn(torch.autograd.Function):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelCfg):
         super().__init__()
-        hidden = cfg.ffn_hidden or 64 * math.ceil(8 * cfg.d_model / 3 / 64)
+        hidden = ffn_hidden_of(cfg.d_model, cfg.ffn_hidden)
         self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 

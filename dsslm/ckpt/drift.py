@@ -17,7 +17,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dsslm.config import Config, ConfigError, _explain, to_dict, validate
+from dsslm.config import Config, ConfigError, _explain, ffn_hidden_of, to_dict, validate
 from dsslm.optim import lr_at
 
 # Keys that set a tensor's shape or what a data position means (a sequence of seq_len tokens):
@@ -66,7 +66,12 @@ def check_allow_drift(keys: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def shape_refusal(key: str, old: Any, new: Any, where: str, more: str = "") -> str:
-    """The refusal of a resume whose model shape changed, with advice that works."""
+    """The refusal of a resume (or a branch: `where` names a parent) whose model shape changed, with
+    advice that works."""
+    if where.startswith("parent"):
+        return (f"branch refused: {where} was made with {key}={old!r}, now {new!r}{more}: a branch continues "
+                f"its parent's weights in their shape; set {key}={old!r}, or train the new shape without "
+                f"run.init_from")
     return (f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}: a model of another shape "
             f"cannot continue this run, and --allow-drift cannot change that; restore {key}={old!r}, or "
             f"train the new shape in a new run.dir")
@@ -173,7 +178,17 @@ def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **saved}
     keys = set(saved) | set(now)
     return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
-            and not (k not in saved and k in defaults and now.get(k) == defaults[k])}
+            and not (k not in saved and k in defaults and now.get(k) == defaults[k])
+            and not (k == "model.ffn_hidden" and _same_width(saved, now))}
+
+
+def _same_width(saved: dict, now: dict) -> bool:
+    """model.ffn_hidden=0 (derived) and the number it derives are one shape."""
+    try:
+        return (ffn_hidden_of(int(saved["model.d_model"]), int(saved["model.ffn_hidden"])) ==
+                ffn_hidden_of(int(now["model.d_model"]), int(now["model.ffn_hidden"])))
+    except (KeyError, TypeError, ValueError):  # a hostile or partial saved config: differs, as it says
+        return False
 
 
 def _has_key(tree: dict, dotted: str) -> bool:

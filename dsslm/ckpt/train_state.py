@@ -92,6 +92,9 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
     # A shape key is never honoured, whatever was allowed (see ckpt.drift).
     refused = {k: v for k, v in differences.items() if k in SHAPE_KEYS or not _allowed(k, allow_drift)}
     if refused:
+        # Another tokenizer is the cause where model.vocab_size (following the data) differs too.
+        first = "tokenizer" if "tokenizer" in refused else next(iter(refused))
+        refused = {first: refused[first], **refused}
         key, (old, new) = next(iter(refused.items()))
         more = f" (and {len(refused) - 1} more: {', '.join(list(refused)[1:4])})" if len(refused) > 1 else ""
         if key in SHAPE_KEYS:
@@ -103,6 +106,7 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
         # The global batch is a product of three keys unless set: the one key that keeps it, first.
         restore = (f"set train.global_batch_size={old} (grad_accum then follows the world size)"
                    if key == "global_batch_size" else "restore it")
-        raise ResumeRefused(f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}; "
+        what = "branch" if where.startswith("parent") else "resume"
+        raise ResumeRefused(f"{what} refused: {where} was made with {key}={old!r}, now {new!r}{more}; "
                             f"{restore}, pass --allow-drift {key} to continue this run under the new value{branch}")
     return differences

@@ -23,12 +23,11 @@ Meta's interleaved layout, which is dsslm's). A reorder is exact: a round trip r
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 
-from dsslm.config import ConfigError, ModelCfg
+from dsslm.config import ConfigError, ModelCfg, ffn_hidden_of
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MODEL_TYPES = {"llama": LLAMA, "qwen3": QWEN3}
@@ -54,10 +53,6 @@ EXPORTED_KEYS = {
 
 class HFError(ConfigError):
     """A model or folder that does not fit Llama / Qwen3 as dsslm builds them; says why."""
-
-
-def ffn_hidden_of(cfg: ModelCfg) -> int:
-    return cfg.ffn_hidden or 64 * math.ceil(8 * cfg.d_model / 3 / 64)  # as model.SwiGLU builds it
 
 
 def rope_order(head_dim: int) -> torch.Tensor:
@@ -108,7 +103,8 @@ def to_hf(sd: dict[str, torch.Tensor], cfg: ModelCfg) -> dict[str, torch.Tensor]
 
 def hf_shapes(cfg: ModelCfg) -> dict[str, tuple[int, ...]]:
     """The HF tensors a model of `cfg` has, by name, at the true vocabulary."""
-    d, head_dim, hidden, vocab = cfg.d_model, cfg.d_model // cfg.n_heads, ffn_hidden_of(cfg), cfg.vocab_size
+    d, head_dim, vocab = cfg.d_model, cfg.d_model // cfg.n_heads, cfg.vocab_size
+    hidden = ffn_hidden_of(cfg.d_model, cfg.ffn_hidden)  # as model.SwiGLU builds it
     shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (vocab, d)
@@ -160,8 +156,9 @@ def export_config(cfg: ModelCfg, eos_id: int, dtype: torch.dtype):
     if not hasattr(transformers, arch):
         raise HFError(f"model.qk_norm=true exports as {arch}, which transformers {transformers.__version__} "
                       "lacks; upgrade transformers (Qwen3 arrived in 4.51)")
-    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn_hidden_of(cfg),
-                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                  intermediate_size=ffn_hidden_of(cfg.d_model, cfg.ffn_hidden), num_hidden_layers=cfg.n_layers,
+                  num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
                   head_dim=cfg.d_model // cfg.n_heads, hidden_act="silu", max_position_embeddings=cfg.seq_len,
                   rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
                   attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},

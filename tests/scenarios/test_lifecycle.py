@@ -87,7 +87,8 @@ def test_branch_refuses_another_model_shape(tmp_path, capsys):
     assert train(tiny_cfg(parent, "train.total_steps=10", "ckpt.every=10")) == 0
     rc = main([f"run.dir={tmp_path / 'child'}", *TINY, "model.d_model=64", "train.total_steps=20",
                f"run.init_from={parent / 'checkpoints' / 'step-00000010'}"])
-    assert rc == 2 and "model.d_model" in capsys.readouterr().err
+    err = capsys.readouterr().err  # a branch, into a new run.dir: not "resume refused ... a new run.dir"
+    assert rc == 2 and "branch refused" in err and "set model.d_model=32" in err, err
     # A branch at or past the run's length would train nothing and end with a "finished" run.
     rc = main([f"run.dir={tmp_path / 'short'}", *TINY, "train.total_steps=10",
                f"run.init_from={parent / 'checkpoints' / 'step-00000010'}"])

@@ -34,6 +34,17 @@ def test_allow_drift_takes_keys_sections_mix_domains_and_fingerprint_parts():
     assert check_allow_drift(keys) == tuple(keys)
 
 
+def test_a_derived_ffn_width_and_the_number_it_derives_are_one_shape():
+    """model.ffn_hidden=0 on d_model 32 is 128: a resume that spelled it out was refused as
+    "another shape", and one that dropped it after an HF import said to restore 128."""
+    from dsslm.ckpt.drift import drift, hashed_items
+    from dsslm.config import load
+    saved = hashed_items(load(None, ["model.d_model=32", "model.ffn_hidden=0"]))
+    assert drift(saved, load(None, ["model.d_model=32", "model.ffn_hidden=128"])) == {}
+    assert drift(saved, load(None, ["model.d_model=32", "model.ffn_hidden=192"])) == {"model.ffn_hidden": (0, 192)}
+    assert "model.d_model" in drift(saved, load(None, ["model.d_model=64", "model.ffn_hidden=128"]))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("drift") / "run"

@@ -22,6 +22,8 @@ import math
 import os
 import re
 import shutil
+import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +169,7 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
     if not out.exists():
         out.mkdir(parents=True)
         undo.append(out)
+    remove_leftovers(out)
     try:
         manifest = _existing_manifest(out, domain)
         tok = _get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, undo)
@@ -263,11 +266,45 @@ def _copy_tokenizer(src: Path, dst: Path, undo: list[Path]) -> BPETokenizer:
     return BPETokenizer.from_file(dst, "file", eos)
 
 
+OWNER_FILE = ".owner"
+_LEFTOVER = re.compile(r"\.tmp-.+-(\d+)")
+
+
+def remove_leftovers(out: Path) -> None:
+    """The temp folders of prepares killed mid-write (`.tmp-DOMAIN-PID`, PID no longer running):
+    each can be a corpus-sized partial shard, and nothing else ever removed them. A folder of
+    a live process, or of another host (its owner file says), is left alone."""
+    host = socket.gethostname()
+    for path in sorted(out.glob(".tmp-*")):
+        m = _LEFTOVER.fullmatch(path.name)
+        if not m or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            owner = (path / OWNER_FILE).read_text().strip()
+        except OSError:
+            owner = host  # written before the owner file: this host's, as prepares ran then
+        if owner != host or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"dsslm.data: removed {path}, left by a prepare that was killed", file=sys.stderr)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or not a pid at all: not ours to judge
+    return True
+
+
 def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, shard_tokens, undo) -> dict:
     tmp = out / f".tmp-{domain}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed run with our pid
     tmp.mkdir()
     undo.append(tmp)
+    (tmp / OWNER_FILE).write_text(socket.gethostname())  # remove_leftovers: whose pid the name holds
     byte_lengths = token_byte_lengths(tok)
     train = ShardWriter(tmp, domain, "train", dtype, shard_tokens, byte_lengths)
     val = ShardWriter(tmp, domain, "val", dtype, shard_tokens, byte_lengths)
@@ -282,6 +319,7 @@ def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, sh
     if byte_lengths is None or train.bytes + val.bytes != text_bytes[0]:
         for entry in train_entries + val_entries:  # not countable exactly: record no byte count
             del entry["bytes"]
+    (tmp / OWNER_FILE).unlink()  # the domain's folder holds its shards and nothing else
     publish_folder(tmp, out / domain)
     undo.append(out / domain)
     return {"train": train_entries, "val": val_entries, "text_bytes": text_bytes[0]}

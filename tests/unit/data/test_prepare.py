@@ -299,3 +299,24 @@ def test_no_span_between_two_eos_holds_text_of_two_documents(tmp_path):
     assert len(spans["train"]) > 15 and len(spans["val"]) > 3
     assert sum(e["bytes"] for e in manifest["domains"]["default"]["train"] + manifest["domains"]["default"]["val"]) \
         == 20 * 150  # each document's text, counted exactly: an EOS is no text
+
+
+def test_a_killed_prepares_temp_folder_is_removed_by_the_next(tmp_path, capsys):
+    """A prepare killed mid-write left .tmp-DOMAIN-PID (a partial shard) for good: later
+    prepares and trainers never removed it. A live process's folder, or another host's, stays."""
+    import os
+    import socket
+    (tmp_path / "a.txt").write_text(words(200, 0))
+    data = tmp_path / "data"
+    data.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    killed, alive, other = data / f".tmp-web-{pid}", data / f".tmp-web-{os.getpid()}", data / f".tmp-code-{pid}"
+    for folder, host in ((killed, socket.gethostname()), (alive, socket.gethostname()), (other, "elsewhere")):
+        folder.mkdir()
+        (folder / "train-00000.bin").write_bytes(b"\0" * 1000)
+        (folder / ".owner").write_text(host)
+    prepare([tmp_path / "a.txt"], data, domain="prose")
+    assert not killed.exists() and alive.exists() and other.exists()
+    assert f"removed {killed}" in capsys.readouterr().err
+    assert sorted(p.name for p in (data / "prose").iterdir() if p.name.startswith(".")) == []  # no owner file

@@ -220,6 +220,11 @@ def _get_tokenizer(out, manifest, kind, vocab_size, sources, text_field, undo):
     given = None if kind in (None, "byte", "bpe") else _tokenizer_file(kind)
     if manifest is not None:
         have = manifest["tokenizer"]["kind"]
+        if vocab_size is not None and vocab_size != manifest["tokenizer"]["vocab_size"]:  # never retrained
+            # Said, not refused: the command that made the first domain, repeated for the next,
+            # names the size it asked for, and BPE may have stopped short of it.
+            print(f"dsslm.data: --vocab-size {vocab_size} is not used: {out}'s tokenizer "
+                  f"({manifest['tokenizer']['vocab_size']} ids) is reused for every domain", file=sys.stderr)
         if given is not None and (have != "file" or file_sha256(given) != manifest["tokenizer"]["sha256"]):
             raise DataError(f"{out} holds data of another tokenizer than {given}; omit --tokenizer or use a new --out")
         if given is None and kind is not None and kind != have:

@@ -112,13 +112,15 @@ def test_prepare_save_to_disk_dataset(tmp_path):
     assert documents(tmp_path / "d") == ["s one", "s two", "s three"]
 
 
-def test_two_domains_each_with_its_own_val_split(tmp_path):
+def test_two_domains_each_with_its_own_val_split(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(words(2000, 1))
     (tmp_path / "b.txt").write_text(words(1000, 2))
     out = tmp_path / "d"
     prepare([tmp_path / "a.txt"], out, domain="prose", tokenizer="bpe", vocab_size=300, val_fraction=0.05)
     tokenizer_bytes = (out / "tokenizer.json").read_bytes()
-    manifest = prepare([tmp_path / "b.txt"], out, domain="code", val_fraction=0.05)  # kind comes from out
+    capsys.readouterr()
+    manifest = prepare([tmp_path / "b.txt"], out, domain="code", vocab_size=512, val_fraction=0.05)
+    assert "--vocab-size 512 is not used" in capsys.readouterr().err  # it was ignored without a word
     assert (out / "tokenizer.json").read_bytes() == tokenizer_bytes  # reused, not retrained
     assert sorted(manifest["domains"]) == ["code", "prose"]
     for domain in ("code", "prose"):

@@ -286,8 +286,8 @@ def warn_at_start(cfg: Any, device_type: str, n_params: int, tokens_per_step: in
                          f"configs/tiny.yaml")
     total_steps = cfg.train.total_steps
     if cfg.ckpt.every > total_steps:
-        lines.append(f"ckpt.every={cfg.ckpt.every} is more than train.total_steps={total_steps}: the run saves only "
-                     f"at its end, so a crash loses all of it; set e.g. ckpt.every={max(1, total_steps // 4)}")
+        lines.append(f"ckpt.every={cfg.ckpt.every} is more than train.total_steps={total_steps}: no trained step is "
+                     f"saved before the end, so a crash loses them all; set e.g. ckpt.every={max(1, total_steps // 4)}")
     if cfg.run.val_every > total_steps:
         lines.append(f"run.val_every={cfg.run.val_every} is more than train.total_steps={total_steps}: validation "
                      f"runs only at the last step; set e.g. run.val_every={max(1, total_steps // 4)}")

@@ -1,5 +1,6 @@
 """File mechanics, in one place: writes that survive a crash or a power cut (fsynced files, fsynced
-folders, an atomic replace of a file, an atomic publish of a folder) and the hash of a file."""
+folders, an atomic replace of a file, an atomic publish of a folder), the hash of a file, and
+whether the process that owns a file (a lock, a temp folder) is still running."""
 from __future__ import annotations
 
 import hashlib
@@ -53,3 +54,15 @@ def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, read in blocks (a checkpoint shard need not fit in memory)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` is running on this host (for a lock holder, or a killed prepare's
+    temp folder): another user's process counts as running, and so does a number no pid can be."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

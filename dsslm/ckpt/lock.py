@@ -36,7 +36,7 @@ from typing import Any
 
 from dsslm.fields import Fields, Int, Optional, StateError, Str, validate
 from dsslm.config import ConfigError
-from dsslm.durable import fsync_dir
+from dsslm.durable import fsync_dir, pid_running
 
 LOCK_FILE = "LOCK"
 HEARTBEAT_S = 10.0
@@ -98,7 +98,7 @@ def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> s
     if same_machine and holder["pid_ns"] == me["pid_ns"]:
         pid = holder["pid"]
         start = _pid_start(pid)
-        if not _pid_running(pid):
+        if not pid_running(pid):
             return f"pid {pid} is not running on {holder['host']}"
         if start is not None and holder["pid_start"] is not None and start != holder["pid_start"]:
             return f"pid {pid} on {holder['host']} is another process now (the holder's pid was reused)"
@@ -109,16 +109,6 @@ def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> s
     if age_s > stale_after_s:
         return f"its heartbeat is {age_s:.0f} s old (run.lock_stale_s={stale_after_s:g})"
     return None
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def describe(holder: dict) -> str:

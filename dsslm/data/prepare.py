@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dsslm.durable import file_sha256, publish_folder, write_json_atomic
+from dsslm.durable import file_sha256, pid_running, publish_folder, write_json_atomic
 from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
 from dsslm.data.manifest import FORMAT, MANIFEST_FILE, load_manifest
 from dsslm.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, eos_token_of,
@@ -288,20 +288,10 @@ def remove_leftovers(out: Path) -> None:
             owner = (path / OWNER_FILE).read_text().strip()
         except OSError:
             owner = host  # written before the owner file: this host's, as prepares ran then
-        if owner != host or _alive(int(m.group(1))):
+        if owner != host or pid_running(int(m.group(1))):
             continue
         shutil.rmtree(path, ignore_errors=True)
         print(f"dsslm.data: removed {path}, left by a prepare that was killed", file=sys.stderr)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # someone else's process, or not a pid at all: not ours to judge
-    return True
 
 
 def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, shard_tokens, undo) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 
 from dsslm.ckpt.format import inside_checkpoints
 from dsslm.ckpt.trained import OneLineParser
+from dsslm.observe.audit import last_stop
 from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
 from dsslm.recovery.forensics import spike_lines
 
@@ -65,17 +66,16 @@ def wall_time(run: Run) -> str:
 def status_of(events: list[dict]) -> str:
     """How the newest job ended: its own last word since its `start` (an older job's end or
     escalation says nothing of a run extended or fixed since)."""
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
-    for e in reversed(events[starts[-1] if starts else 0:]):
-        name = e.get("event")
-        if name in ("end", "finished"):
-            return "finished"
-        if name == "escalation":
-            return "escalated to a human"
-        if name == "preempt_save":
-            return f"stopped by {e.get('signal', 'a signal')} at step {e.get('step')}; the next job resumes there"
-        if name == "failed":
-            return f"failed at step {e.get('step')}: {e.get('error')}"
+    e = last_stop(reversed(events)) or {}
+    name = e.get("event")
+    if name in ("end", "finished"):
+        return "finished"
+    if name == "escalation":
+        return "escalated to a human"
+    if name == "preempt_save":
+        return f"stopped by {e.get('signal', 'a signal')} at step {e.get('step')}; the next job resumes there"
+    if name == "failed":
+        return f"failed at step {e.get('step')}: {e.get('error')}"
     return "no end event (still running, or killed)"
 
 

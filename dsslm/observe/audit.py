@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from dsslm.observe.sinks import read_jsonl_backward
 
@@ -109,20 +109,30 @@ def last_start_env(events: Path) -> dict | None:
     return None
 
 
+STOPS = ("end", "finished", "escalation", "preempt_save", "failed")  # how a job's events end
+
+
+def last_stop(newest_first: Iterable[dict], kinds: tuple[str, ...] = STOPS) -> dict | None:
+    """The newest job's own stop event of `kinds` (events newest first): None where that job
+    started and left none, since an older job's end says nothing of a run extended since."""
+    for event in newest_first:
+        name = event.get("event")
+        if name == "start":
+            return None
+        if name in kinds:
+            return event
+    return None
+
+
 def _why_nothing(events: Path, from_step: int) -> str:
     """Why no recorded step follows the checkpoint: the last job stopped there on purpose (a
     preemption's save, or the end of the run before train.total_steps was raised), or it died
     there or lost its records."""
-    for event in read_jsonl_backward(events):
-        name = event.get("event")
-        if name == "start":
-            break  # the last job started and left no stop of its own
-        if name in ("preempt_save", "end"):
-            if event.get("step") != from_step:
-                break
-            how = (f"stopped by {event.get('signal') or 'a stop signal'} and saved this checkpoint"
-                   if name == "preempt_save" else "finished at this checkpoint")
-            return f"the last job {how}; no step after it was trained"
+    stop = last_stop(read_jsonl_backward(events), ("preempt_save", "end"))
+    if stop is not None and stop.get("step") == from_step:
+        how = (f"stopped by {stop.get('signal') or 'a stop signal'} and saved this checkpoint"
+               if stop["event"] == "preempt_save" else "finished at this checkpoint")
+        return f"the last job {how}; no step after it was trained"
     return "no records of steps after the checkpoint (it was taken at the crash, or the log lost them)"
 
 

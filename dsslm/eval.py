@@ -112,7 +112,7 @@ def open_hf(folder: Path, device: torch.device):
 
     from dsslm.data.tokenizer import BPETokenizer, eos_token_of
 
-    from dsslm.export import quiet_transformers
+    from dsslm.hf.write import quiet_transformers
     quiet_transformers()  # its load report and progress bar would bury our one line
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():

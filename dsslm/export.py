@@ -24,7 +24,7 @@ from dsslm.ckpt.format import CheckpointError
 from dsslm.ckpt.trained import OneLineParser, ToolError
 from dsslm.config import ConfigError
 from dsslm.data import DataError
-from dsslm.hf.write import DTYPES, FP32_TOLERANCE, export
+from dsslm.hf.write import DTYPES, FP32_TOLERANCE, export, quiet_transformers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,13 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported step {record['step']} of {record['checkpoint']} to {args.out}: {record['architecture']}, "
           f"{record['dtype']}, in {record['total_s']:.1f}s; {figures}")
     return 0
-
-
-def quiet_transformers() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()  # its load reports would bury our one line
-    transformers.utils.logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -228,3 +228,10 @@ def export(source: str, out: Path, dtype_name: str = "fp32", check: bool = True,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def quiet_transformers() -> None:
+    """For the CLIs that load with transformers (export, eval): its load reports and progress bars
+    would bury their one line."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()

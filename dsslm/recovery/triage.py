@@ -36,15 +36,17 @@ it (the *base*) and replays to `target`:
                  a pure function of the rewind history, so every resume and replay agrees).
 
 "Comes back" means a step of [spike_start, target] is outside the monitor's thresholds again
-(an outlier or a rewind). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
+(an outlier or a rewind). A rewind earlier in a replay, before the spike, is a new spike that says
+nothing of the one replayed: that phase runs again once, then falls back (`_spiked_ahead`). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
 exactly; on GPU kernels are not bitwise, and a replayed step counts only beyond 3x the spread of
 one step computed twice (`note_spread`). The base is the newest rewind point (in memory, every
-`monitor.rewind_every` steps) or durable checkpoint at or before the planned step. Each spike may
+`monitor.rewind_every` steps) or durable checkpoint at or before the planned step (after a restart,
+reached from an older checkpoint by replaying the steps up to it as they were, once). Each spike may
 spend at most `triage_max_replay_steps` replayed steps, checked for the whole plan (same_data
 unless skipped, both skip_window replays and every backoff) before the first replay; a triage that does not fit falls back to
 the plain rewind policy (`Rewinder.rewind`: skip the window planned from the original pass, back
-off when the region repeats) with the verdict `unknown` (or `state`, when a base that moved after
-a restart leaves a later phase over budget and the skip-window replay had come back).
+off when the region repeats) with the verdict `unknown` (or `state`, when the wide skip-window replay or a backoff had come
+back before the fallback).
 
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A
@@ -236,6 +238,12 @@ class Triage:
         row = [step, _num(loss), _num(gnorm), verdict.value]
         if not self.replaying(step):
             self._recent.append(row)
+            r = self.replay
+            if r is not None and verdict is Verdict.REWIND:  # before the spike it replays: see rewind()
+                r.evidence[-1]["steps"].append(row)
+                r.evidence[-1]["spiked_ahead"] = step
+                return verdict, (f"triage: a new spike in the {r.phase} replay's run-up, before the spike at steps "
+                                 f"[{r.spike_start}, {r.target}] it replays ({reason})")
             return verdict, reason
         self.replay.evidence[-1]["steps"].append(row)
         if verdict is not Verdict.OK and spike and self.noise and \
@@ -252,7 +260,9 @@ class Triage:
     def rewind(self, state: TrainState, record: Any) -> None:
         """Act on a REWIND at step `record.step`: start a triage, take its next phase, or (triage
         off, or over budget) the plain rewind policy. Restores `state` in place on every rank."""
-        if self.replay is not None:
+        if self.replay is not None and record.step < self.replay.spike_start:
+            self._spiked_ahead(state)
+        elif self.replay is not None:
             self._next_phase(state, record.step)
         elif self.enabled:
             self._start(state, record.step)
@@ -342,7 +352,22 @@ class Triage:
         """Every rank, before each step is fed: a replay's phase leaves its data out from the
         planned base on (idempotent: a resume at or after the base merges nothing new)."""
         r = self.replay
-        if r is not None and r.phase == Phase.SKIP_WINDOW.value and state.step >= r.base_step:
+        if r is None:
+            return
+        if state.step == r.base_step and r.evidence[-1].get("from_step", r.base_step) < r.base_step:
+            # A phase that reached its base from an older checkpoint (after a restart the point is
+            # gone) keeps it as the point the uninterrupted run held there, without the replay in
+            # progress (taken with the base's own idle part): the later phases, and an escalation's
+            # restore, start there without the catch-up again.
+            ring = self.rewinder.ring
+            point = ring.newest(r.base_step)
+            if ring.every and ring.capacity and (point is None or point.step != r.base_step):
+                self.replay = None
+                try:
+                    ring.take(r.base_step)
+                finally:
+                    self.replay = r
+        if r.phase == Phase.SKIP_WINDOW.value and state.step >= r.base_step:
             state.skip_list = merge_skip_list(state.skip_list + (r.entries or [r.window]))
 
     def keep_rewind_point(self, step: int) -> None:
@@ -426,9 +451,29 @@ class Triage:
                 self.save_base()
             self.rewinder.escalate(r.target, len(state.rewinds), f"the spike persists after {r.backoffs} lr backoffs")
         ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
-        if not self._affordable(r, ckpt):
+        if not self._affordable(r):
             return self._fall_back(state, r, ckpt)
         self._replay_from(state, ckpt, r, window, lr_scale)
+
+    def _spiked_ahead(self, state: TrainState) -> None:
+        """A REWIND in a replay's run-up, before the spike it replays: a new spike (a fault of its
+        own; on GPU, a step outside the thresholds by the kernels' noise; or what this phase
+        changed reached an earlier step: a skipped document's other chunk, read before the spike,
+        moves the stream). The replay never reached the spike, so it shows nothing about it; it
+        was taken as the spike coming back (a transient fault then passed the skip-window replay
+        and was called data). The phase runs again from the base, once; a second one, or a
+        budget that cannot cover the phases left after it, falls back to the plain rewind."""
+        r = self.replay
+        ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
+        ahead = r.evidence[-1]["spiked_ahead"]
+        if r.evidence[-1].get("retry"):
+            return self._fall_back(state, r, ckpt, f"the {r.phase} replay spiked at step {ahead} again, before the "
+                                                   f"spike at steps [{r.spike_start}, {r.target}] it replays")
+        left = {Phase.SAME_DATA.value: 3, Phase.SKIP_WINDOW.value: 1 if r.wide else 2, Phase.BACKOFF.value: 1}[r.phase]
+        if not self._affordable(r, phases=left + self.cfg.monitor.max_backoffs - r.backoffs):
+            return self._fall_back(state, r, ckpt)
+        window = r.window if r.phase == Phase.SKIP_WINDOW.value else None
+        self._replay_from(state, ckpt, r, window, r.lr_scale, retry=True)
 
     def _restore_base(self, state: TrainState, r: Replay) -> bool:
         """Before an escalation: the run as it was before the triage. The checkpoints a replay
@@ -460,24 +505,27 @@ class Triage:
         grid = [limit // e * e for e in every if e > 0] + ([start] if start <= limit else [])
         return max(grid, default=0)
 
-    def _affordable(self, r: Replay, ckpt: Checkpoint | None = None, phases: int = 1) -> bool:
+    def _affordable(self, r: Replay, phases: int = 1) -> bool:
         """Within monitor.triage_max_replay_steps, counted from the planned base: the same answer
-        whichever checkpoint this job must load to reach it (else a resumed job would decide
-        otherwise than the uninterrupted one). Reaching the base from an older checkpoint costs
-        more steps again; more than the budget, and the triage falls back."""
-        budget = self.cfg.monitor.triage_max_replay_steps
-        catch_up = r.base_step - ckpt.state["step"] if ckpt is not None else 0
-        return r.replay_steps + phases * (r.target - r.base_step) <= budget and catch_up <= budget
+        whichever checkpoint this job must load to reach it, so a resumed job decides as the
+        uninterrupted one. The catch-up from an older checkpoint (after a restart) is not the
+        triage's: it is what the restart cost, at most the steps back to the checkpoint before
+        the base (ckpt.every), paid once per job (`before_step` keeps the base as a rewind
+        point). Counted against the budget, it made a job resumed near a spike fall back (at
+        ckpt.every=1000 up to 950 steps back, over the default 300) where the uninterrupted run
+        triaged: another verdict, and data skipped untested."""
+        return r.replay_steps + phases * (r.target - r.base_step) <= self.cfg.monitor.triage_max_replay_steps
 
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
-                     lr_scale: float) -> None:
+                     lr_scale: float, retry: bool = False) -> None:
         # r.base_step stays the planned base: a phase that must load an older checkpoint (after a
         # restart the rewind point is gone) changes nothing before it (window, lr_factor).
         loaded = ckpt.state["step"]
         r.replay_steps += r.target - r.base_step  # a catch-up from an older checkpoint is not the triage's
         trial = self.cfg.monitor.lr_backoff ** r.backoffs if r.phase == Phase.BACKOFF.value else 1.0
         r.evidence.append({"phase": r.phase, "from_step": loaded, "lr_scale": lr_scale * trial, "steps": [],
-                           **({"wide": r.wide or not r.entries} if r.phase == Phase.SKIP_WINDOW.value else {})})
+                           **({"wide": r.wide or not r.entries} if r.phase == Phase.SKIP_WINDOW.value else {}),
+                           **({"retry": True} if retry else {})})
         # The skip_window phase leaves out the spike's data where it was named, else its window:
         # from the base on (before_step), so that steps replayed up to it from an older
         # checkpoint feed what they fed.
@@ -517,30 +565,39 @@ class Triage:
                       recover_steps=self.cfg.monitor.lr_recover_steps)
         self.forensics.record_decision(list(range(r.spike_start, r.target + 1)), decision)
 
-    def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint) -> None:
-        """Over the replay budget: the plain rewind policy with the window planned before any
-        replay (the feed record now holds what the replays fed), recording what the replays
-        showed: `state` when the spike came back without its window's data, else `unknown` (a
-        skip_window replay without the narrowed data alone shows nothing: more of it may follow),
-        which also skips the spike's named documents (`entries`)."""
+    def _fall_back(self, state: TrainState, r: Replay, ckpt: Checkpoint, why: str = "") -> None:
+        """Over the replay budget (or `why`): the plain rewind policy with the window planned
+        before any replay (the feed record now holds what the replays fed), recording what the
+        replays showed: `state` when the spike came back without its window's data, else
+        `unknown` (a skip_window replay without the narrowed data alone shows nothing: more of it
+        may follow), which also skips the spike's named documents (`entries`)."""
         self.replay = None
-        # Every phase replayed so far came back.
+        # Every phase replayed so far came back, but for one that spiked before the spike (_spiked_ahead).
         shown = any(e["phase"] == Phase.BACKOFF.value or (e["phase"] == Phase.SKIP_WINDOW.value and e.get("wide", True))
-                    for e in r.evidence[1:])
+                    for e in r.evidence[1:] if "spiked_ahead" not in e)
         verdict = "state" if shown else "unknown"
         budget = self.cfg.monitor.triage_max_replay_steps
+        why = why or (f"replay budget: monitor.triage_max_replay_steps={budget} does not cover the triage's "
+                      f"replays of {r.target - ckpt.state['step']} steps each from step {ckpt.state['step']}")
         self.emit("triage", step=r.target, verdict=verdict, scope="window", spike_start=r.spike_start,
                   target=r.target, from_step=ckpt.state["step"], replay_steps=r.replay_steps, window=r.window,
-                  fallback=f"replay budget: monitor.triage_max_replay_steps={budget} does not cover the triage's "
-                  f"replays of {r.target - ckpt.state['step']} steps each from step {ckpt.state['step']}; the plain "
-                  f"rewind policy skips the planned window {r.window}"
+                  fallback=f"{why}; the plain rewind policy skips the planned window {r.window}"
                   f"{' and the documents its outlying sequences read' if verdict == 'unknown' and r.entries else ''}"
                   f" untested", evidence=r.evidence)
+        # The checkpoints the replay in flight saved after its base hold its trajectory (data left
+        # out, a trial learning rate), but for a same-data replay's: set aside (kept), so the plain
+        # rewind loads the run as it was, as the uninterrupted run, which saves none there, does.
+        if r.evidence[-1]["phase"] not in ("original", Phase.SAME_DATA.value):
+            self.rewinder.checkpointer.leave_after(r.base_step)
         # Where no replay showed the data innocent, its named documents go with the window: the
         # plain policy's best guess at the culprit, whose other chunks the window does not hold.
         self.rewinder.rewind(state, r.target, r.spike_start, fallback={
             "window": r.window, "skip_list": r.skip_list, "lr_scale": r.lr_scale, "verdict": verdict,
             "entries": r.entries if verdict == "unknown" else []})
+        # What it loaded may be a checkpoint the replay saved (its same-data run-up, or its
+        # catch-up to the base), holding that replay in progress: the run resumed a triage the
+        # fallback had ended, and concluded it with that phase's verdict.
+        self.replay = None
 
 
 def _relative(a: float, b: float) -> float:

@@ -6,6 +6,7 @@ sequences, so by step 50 the loss is steady enough that the drills stand out: a 
 (data) gives a grad norm ~7x the median, a 30x learning-rate burst (state) a loss z above 10, a
 gradient fault (transient) a non-finite or 1000x norm.
 """
+import collections
 import json
 import shutil
 import signal
@@ -344,6 +345,10 @@ def test_a_triage_after_a_restart_replays_from_the_base_the_uninterrupted_run_us
     assert losses_by_step(cut) == losses_by_step(ref)
     assert final_state(cut)["skip_list"] == final_state(ref)["skip_list"]
     assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"]
+    # The first replay reached 45 from step 0 and kept it as a rewind point: the later phases
+    # start there, not from step 0 again.
+    loaded = [e["from_step"] for e in decision["evidence"][1:]]
+    assert loaded[0] == 0 and set(loaded[1:]) <= {45} and (len(loaded) > 1) == preempted
 
 
 def test_a_resume_mid_replay_passes_over_the_left_trajectorys_checkpoints(tmp_path, monkeypatch):
@@ -369,6 +374,67 @@ def test_a_resume_mid_replay_passes_over_the_left_trajectorys_checkpoints(tmp_pa
     left = events(tmp_path, "left_trajectory")[0]
     assert left["rewound_to"] == 45 and [n[:len("left-step-00000050")] for n in left["checkpoints"]] == ["left-step-00000050"]
     assert (tmp_path / "checkpoints" / left["checkpoints"][0] / "MANIFEST").exists()
+
+
+def test_a_fault_in_a_replays_run_up_retries_that_replay_and_says_nothing_of_the_spike(clean, tmp_path, monkeypatch):
+    """A non-finite gradient at 52 (transient) is replayed from 45 with the same data; that
+    replay's step 47 gives a non-finite loss of its own (a second fault, before the spike it
+    replays). The replay had not reached the spike, so it showed nothing about it: it was taken
+    as the spike coming back, and the skip-window replay's clean pass called a transient fault
+    data, skipping text. Now the same-data replay runs again, and the run ends as a run without
+    the faults, to the bit."""
+    from dsslm.recovery import faults
+    real, seen = faults.Drills.loss_multiplier, collections.Counter()
+
+    def nan_in_the_replay(self, step):
+        seen[step] += 1
+        return float("nan") if step == 47 and seen[step] == 2 else real(self, step)
+
+    monkeypatch.setattr(faults.Drills, "loss_multiplier", nan_in_the_replay)
+    assert train(cfg(tmp_path, "faults.grad_fault_steps=[52]", "faults.grad_fault_mode=nan")) == 0
+    decision = triages(tmp_path, "window")
+    assert len(decision) == 1 and decision[0]["verdict"] == "transient"
+    phases = decision[0]["evidence"]
+    assert [e["phase"] for e in phases] == ["original", "same_data", "same_data"]
+    assert phases[1]["spiked_ahead"] == 47 and phases[1]["steps"][0][:2] == [47, "nan"]
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["same_data", "same_data"]
+    assert losses_by_step(tmp_path) == losses_by_step(clean)
+    assert final_state(tmp_path)["skip_list"] == final_state(clean)["skip_list"] == []
+
+
+def test_a_fallback_ends_the_replay_whose_save_it_loads(tmp_path, monkeypatch):
+    """A transient fault at 52, replayed from 45 with the same data; preempted at 46, in that
+    replay. The resumed job's step 47 faults too, before the spike it replays, and the budget
+    (40) has no room to run that replay again: the triage falls back to the plain rewind, which
+    loads the newest checkpoint at or before 49, the preemption's save, holding the same-data
+    replay in progress (its weights are the original pass's). The fallback ended the triage; the
+    replay loaded with the save must not go on and conclude a second verdict."""
+    from dsslm.recovery import faults
+    original, real = triage_module.Triage._replay_from, faults.Drills.loss_multiplier
+    resumed = []
+
+    def replay_then_preempt(self, state, ckpt, r, window, lr_scale):
+        original(self, state, ckpt, r, window, lr_scale)
+        signal.raise_signal(signal.SIGUSR1)
+
+    def nan_once_resumed(self, step):
+        if resumed and step == 47 and resumed.pop():
+            return float("nan")
+        return real(self, step)
+
+    run = ["faults.grad_fault_steps=[52]", "faults.grad_fault_mode=nan", "monitor.triage_max_replay_steps=40"]
+    monkeypatch.setattr(triage_module.Triage, "_replay_from", replay_then_preempt)
+    assert train(cfg(tmp_path, *run)) == 0
+    assert [e["step"] for e in events(tmp_path, "preempt_save")] == [46]
+    monkeypatch.setattr(triage_module.Triage, "_replay_from", original)
+    monkeypatch.setattr(faults.Drills, "loss_multiplier", nan_once_resumed)
+    resumed.append(True)
+    assert train(cfg(tmp_path, *run)) == 0
+    (decision,) = triages(tmp_path, "window")
+    assert decision["verdict"] == "unknown" and "triage_max_replay_steps=40" in decision["fallback"]
+    assert decision["evidence"][-1]["spiked_ahead"] == 47
+    assert [e["to_step"] for e in events(tmp_path, "rewind") if e.get("verdict") == "unknown"] == [46]
+    assert final_state(tmp_path)["triage"]["replay"] is None
 
 
 def test_spike_forensics_hold_the_batch_and_the_report_decodes_the_worst_sequences(data_run):
@@ -537,8 +603,12 @@ def test_where_kernels_are_not_bitwise_a_replay_must_exceed_the_measured_spread(
 def test_preempted_mid_replay_from_a_rewind_point_reaches_the_same_verdict(tmp_path, monkeypatch):
     """The state spike is triaged from the rewind point at 45 (durable checkpoints only at 0 and
     64). SIGUSR1 as the skip_window replay starts: the preemption checkpoint carries the replay;
-    the requeued job has no rewind points, so its backoff replay starts from the durable step 0
-    and replays 1..45 exactly as they were trained: the same verdict, lr_scale and losses."""
+    the requeued job has no rewind points, so its first backoff replay starts from the durable
+    step 0 and replays 1..45 exactly as they were trained, keeping 45 as a rewind point for the
+    second: the same verdict, lr_scale and losses. The catch-up is not counted against the replay
+    budget (40 here; the plan is 4 x 8 steps): counted, it made the requeued job fall back, and the
+    plain rewind loaded the preemption's save with the skip-window replay in it, which went on and
+    concluded `data` on a state spike."""
     original = triage_module.Triage._replay_from
 
     def replay_then_preempt(self, state, ckpt, r, window, lr_scale):
@@ -547,16 +617,18 @@ def test_preempted_mid_replay_from_a_rewind_point_reaches_the_same_verdict(tmp_p
             signal.raise_signal(signal.SIGUSR1)
 
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    assert train(cfg(ref, *STATE, *RING)) == 0
+    run = [*STATE, *RING, "monitor.triage_max_replay_steps=40"]
+    assert train(cfg(ref, *run)) == 0
     monkeypatch.setattr(triage_module.Triage, "_replay_from", replay_then_preempt)
-    assert train(cfg(cut, *STATE, *RING)) == 0
+    assert train(cfg(cut, *run)) == 0
     assert events(cut, "rewind")[-1]["checkpoint"] == "memory:step-00000045"
     assert final_state(cut, events(cut, "preempt_save")[0]["step"])["triage"]["replay"]["phase"] == "skip_window"
     monkeypatch.setattr(triage_module.Triage, "_replay_from", original)
-    assert train(cfg(cut, *STATE, *RING)) == 0
+    assert train(cfg(cut, *run)) == 0
     decide = lambda run: [(d["verdict"], d["window"], d["lr_scale"]) for d in triages(run, "window")]
-    assert decide(cut) == decide(ref) and decide(ref)[0][0] == "state"
-    assert events(cut, "rewind")[-1]["checkpoint"].endswith("step-00000000")
+    assert decide(cut) == decide(ref) and decide(ref)[0][0] == "state" and "fallback" not in triages(cut)[-1]
+    resumed = [e["checkpoint"] for e in events(cut, "rewind")][-2:]
+    assert resumed[0].endswith("step-00000000") and resumed[1] == "memory:step-00000045"
     assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"] == pytest.approx(0.01)
     assert final_state(cut)["skip_list"] == final_state(ref)["skip_list"] == []
     assert losses_by_step(cut) == losses_by_step(ref)

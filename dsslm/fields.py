@@ -158,16 +158,39 @@ class Json(Spec):
         return
 
 
+MAX_SHARD_PATH = 1000  # characters
+
+
+def shard_path_problem(value: Any) -> str | None:
+    """What is wrong with `value` as a shard's path (None: nothing): it must be relative,
+    "/"-separated, every part a name (no empty part, ".", ".."), with no backslash or control
+    character, at most MAX_SHARD_PATH characters. The one rule for manifest.json
+    (`data.manifest.check_manifest`) and for skip entries (`ShardPath`): the loader copies the
+    manifest's string into the skip entries it writes, so a path that one accepted and the other
+    refused would make a run write checkpoints and a skip_list.json its own resume refuses."""
+    if not isinstance(value, str) or not value:
+        return "it is empty or not a string"
+    if len(value) > MAX_SHARD_PATH:
+        return f"it is longer than {MAX_SHARD_PATH} characters"
+    if any(ord(c) < 32 or c == "\x7f" for c in value):
+        return "it holds a control character"
+    if "\\" in value:
+        return "it holds a backslash"
+    if value.startswith("/"):
+        return "it is absolute"
+    if any(p in ("", ".", "..") for p in value.split("/")):
+        return "it has an empty, '.' or '..' part"
+    return None
+
+
 class ShardPath(Spec):
-    """A shard's path as manifest.json names it: relative, "/"-separated, no "..", no control
-    characters (the loader then requires it to be one of its train shards)."""
+    """A shard's path as manifest.json names it (`shard_path_problem`; the loader then requires it
+    to be one of its train shards)."""
 
     def validate(self, value: Any, path: str) -> None:
-        Str(1000).validate(value, path)
-        parts = value.split("/")
-        if (not value or value.startswith("/") or "\\" in value or any(p in ("", ".", "..") for p in parts)
-                or any(ord(c) < 32 or c == "\x7f" for c in value)):
-            _fail(path, value, "a relative shard path such as web/train-00000.bin")
+        problem = shard_path_problem(value)
+        if problem is not None:
+            _fail(path, value, f"a relative shard path such as web/train-00000.bin ({problem})")
 
 
 class SkipEntry(Spec):

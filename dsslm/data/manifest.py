@@ -14,6 +14,7 @@ import numpy as np
 from dsslm.data.sources import DataError
 from dsslm.data.tokenizer import load_tokenizer
 from dsslm.durable import file_sha256
+from dsslm.fields import shard_path_problem
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1
@@ -50,14 +51,16 @@ _MAX_TOKENS = 2**62
 
 def check_manifest(data_dir: Path, manifest: dict) -> None:
     """Every field a reader relies on, before anything is read or allocated by it: a manifest may
-    come from another machine or tool. DataError naming the field. Shard paths must stay inside
-    DATA_DIR (relative, no `..`, no link leading out): a manifest cannot make a run read, or hash,
-    a file elsewhere, and each names a different file: a skip entry names a shard by its path, so a
-    file listed twice (to upweight it, or in two domains) would be skipped under one listing only."""
+    come from another machine or tool. DataError naming the field. A shard path is spelled as a
+    skip entry must spell it (`fields.shard_path_problem`: the loader copies it into skip entries)
+    and stays inside DATA_DIR (no link leading out): a manifest cannot make a run read, or hash, a
+    file elsewhere. Each names a different file: a skip entry names a shard by its path, so a file
+    listed twice (to upweight it, or in two domains) would be skipped under one listing only."""
     where = data_dir / MANIFEST_FILE
 
-    def bad(field: str, value, want: str) -> DataError:
-        return DataError(f"{where}: {field} is {str(value)[:80]!r}, expected {want}; rebuild {data_dir} with prepare")
+    def bad(field: str, value, want: str, fix: str = "") -> DataError:
+        return DataError(f"{where}: {field} is {str(value)[:80]!r}, expected {want}; {fix}rebuild {data_dir} "
+                         "with prepare")
 
     tok = manifest.get("tokenizer")
     if not isinstance(tok, dict) or tok.get("kind") not in ("byte", "bpe", "file"):
@@ -87,6 +90,10 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
                 if not isinstance(entry, dict):
                     raise bad(field, entry, "an object")
                 rel = entry.get("path")
+                problem = shard_path_problem(rel)
+                if problem is not None:  # the string itself: skip entries copy it (fields.shard_path_problem)
+                    raise bad(f"{field}.path", rel, f"a relative shard path such as {name}/train-00000.bin "
+                              f"({problem})", _respelled(rel))
                 try:  # a NUL, a lone surrogate or an over-long name is a bad path, not a crash
                     resolved = (data_dir / rel).resolve() if isinstance(rel, str) and rel else None
                 except (OSError, ValueError):
@@ -101,6 +108,15 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
                     raise bad(f"{field}.tokens", entry.get("tokens"), "a token count")
                 if not isinstance(entry.get("sha256"), str) or not _HEX64.fullmatch(entry["sha256"]):
                     raise bad(f"{field}.sha256", entry.get("sha256"), "64 hex digits")
+
+
+def _respelled(rel) -> str:
+    """'write it as X or ' where dropping empty and '.' parts (and reading a backslash as /) makes
+    `rel` a shard path, else ''."""
+    if not isinstance(rel, str):
+        return ""
+    fixed = "/".join(p for p in rel.replace("\\", "/").split("/") if p not in ("", "."))
+    return f"write it as {fixed!r} or " if shard_path_problem(fixed) is None else ""
 
 
 def _is_int(value) -> bool:

@@ -234,3 +234,26 @@ def test_a_shard_name_the_file_system_refuses_is_a_missing_shard(data_dir):
     _edit_manifest(data_dir, lambda m: _first_shard(m).update(path=f"{folder}/{'x' * 300}"))
     with pytest.raises(DataError, match="is missing"):
         load_manifest(data_dir, verify=False)
+
+
+@pytest.mark.parametrize("respell", [
+    lambda p: "./" + p, lambda p: p.replace("/", "//"), lambda p: p + "/", lambda p: "./" * 500 + p,
+    lambda p: p.replace("/", "\\"), lambda p: p + "\x01",
+])
+def test_a_shard_path_a_skip_entry_would_refuse_is_refused_in_the_manifest(data_dir, respell):
+    """The loader copies the manifest's path into the skip entries it writes, and ShardPath checks
+    those on resume: a spelling the manifest took but ShardPath refused made every checkpoint after
+    a rewind unreadable, and the skip list was rebuilt without the entry. (Before: './x', 'a//x', a
+    trailing '/' and a path over 1000 characters resolved inside DATA_DIR and were accepted.)"""
+    from dsslm.fields import SkipEntry, StateError, validate
+    path = _first_shard(load_manifest(data_dir, verify=False))["path"]
+    spelled = respell(path)
+    with pytest.raises(StateError):
+        validate({"shard": spelled, "tokens": [0, 2]}, SkipEntry(), "skip_list[0]")
+    _edit_manifest(data_dir, lambda m: _first_shard(m).update(path=spelled))
+    with pytest.raises(DataError, match=r"manifest.json: \S+\.train\[0\]\.path is .*expected a relative shard path"
+                                        r".*rebuild") as refused:
+        load_manifest(data_dir, verify=False)
+    assert "\n" not in str(refused.value)
+    if "\x01" not in spelled:  # what to write instead, where dropping './' and doubled '/' makes it one
+        assert f"write it as {path!r}" in str(refused.value)

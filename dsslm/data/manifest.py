@@ -106,6 +106,10 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
                 seen[resolved] = field
                 if not _is_int(entry.get("tokens")) or not 0 <= entry["tokens"] <= _MAX_TOKENS:
                     raise bad(f"{field}.tokens", entry.get("tokens"), "a token count")
+                if split == "train" and entry["tokens"] == 0:
+                    # prepare never writes one, and an empty file cannot be mapped: the loader maps a
+                    # train shard beside the one a document crosses out of (Loader._document_beyond).
+                    raise bad(f"{field}.tokens", 0, "at least 1 in a train shard", "drop the entry or ")
                 if not isinstance(entry.get("sha256"), str) or not _HEX64.fullmatch(entry["sha256"]):
                     raise bad(f"{field}.sha256", entry.get("sha256"), "64 hex digits")
 

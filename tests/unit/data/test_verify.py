@@ -257,3 +257,19 @@ def test_a_shard_path_a_skip_entry_would_refuse_is_refused_in_the_manifest(data_
     assert "\n" not in str(refused.value)
     if "\x01" not in spelled:  # what to write instead, where dropping './' and doubled '/' makes it one
         assert f"write it as {path!r}" in str(refused.value)
+
+
+def test_an_empty_train_shard_is_refused_in_the_manifest(data_dir):
+    """prepare never writes one; the loader maps the train shard after one whose last document has
+    no EOS (the document goes on there), and an empty file cannot be mapped. (Before: accepted,
+    then a traceback from np.memmap when a skip entry named that document.) An empty val shard
+    stays accepted (a small split)."""
+    import hashlib
+    manifest = load_manifest(data_dir, verify=False)
+    folder = _first_shard(manifest)["path"].split("/")[0]
+    (data_dir / folder / "train-99999.bin").write_bytes(b"")
+    empty = {"path": f"{folder}/train-99999.bin", "tokens": 0, "sha256": hashlib.sha256(b"").hexdigest()}
+    _edit_manifest(data_dir, lambda m: next(iter(m["domains"].values()))["train"].append(empty))
+    with pytest.raises(DataError, match=r"manifest.json: \S+\.train\[\d+\]\.tokens is '0', expected at least 1 "
+                                        r"in a train shard; drop the entry or rebuild"):
+        load_manifest(data_dir, verify=False)

@@ -4,8 +4,8 @@
 ctime_ns) are still those it had then, is not hashed again; everything else is. The digests
 are cached in `DATA_DIR/.dsslm-verified.json` (or, where DATA_DIR is read-only, in the run's
 folder), replaced atomically. The cache is read without being trusted: an entry that is
-malformed, names a file of another size or time, or holds a digest other than the manifest's,
-is a miss, and the shard is hashed. The ctime cannot be set by a user (touch, utime, a copy
+malformed, names a file of another size or time, holds a digest other than the manifest's, or
+read the tokens in another dtype than the manifest's, is a miss, and the shard is hashed. The ctime cannot be set by a user (touch, utime, a copy
 that keeps times all change it), so editing a shard in place and restoring its mtime is a miss
 too. What no file time reveals (bits rotting on the disk, a deliberately forged cache) is what
 `data.verify=full` is for: it ignores the cache, hashes every shard and rewrites the cache.
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from dsslm.data.manifest import verify_tokenizer
+from dsslm.data.manifest import DTYPES, verify_tokenizer
 from dsslm.data.sources import DataError
 from dsslm.durable import write_json_atomic
 
@@ -55,7 +55,8 @@ def _stat(path: Path) -> list[int]:
 
 def read_cache(path: Path) -> dict[str, dict]:
     """The well-formed entries of a cache file: {shard path: {"stat": [size, mtime_ns, ctime_ns],
-    "sha256": hex}}; anything else in it is dropped, and an unreadable file is an empty cache."""
+    "sha256": hex, "max_token": int, "dtype": name}}; anything else in it is dropped, and an
+    unreadable file is an empty cache."""
     try:
         if path.stat().st_size > MAX_CACHE_BYTES:
             return {}
@@ -74,6 +75,8 @@ def _well_formed(entry) -> bool:
     stat, top = entry.get("stat"), entry.get("max_token")
     if not isinstance(top, int) or isinstance(top, bool) or top < -1:
         return False  # a cache from before the token range was checked: hashed (and ranged) once more
+    if entry.get("dtype") not in DTYPES:
+        return False  # a cache from before max_token was tied to its dtype: hashed once more
     return (isinstance(stat, list) and len(stat) == 3
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in stat))
 
@@ -87,8 +90,10 @@ def plan_hashing(data_dir: Path, manifest: dict, cache: Path, full: bool) -> dic
     for entry in shard_entries(manifest):
         stat = _stat(data_dir / entry["path"])
         hit = known.get(entry["path"])
+        # max_token was read in the dtype of the manifest that hashed the shard: the same bytes read
+        # in another dtype hold other ids (two uint16 ids are one uint32), so that is a miss too.
         if (hit is not None and hit["stat"] == stat and hit["sha256"] == entry["sha256"]
-                and hit["max_token"] < manifest["tokenizer"]["vocab_size"]):
+                and hit["dtype"] == manifest["dtype"] and hit["max_token"] < manifest["tokenizer"]["vocab_size"]):
             cached, cached_bytes = cached + 1, cached_bytes + stat[0]
         else:
             todo.append([entry["path"], stat[0]])
@@ -109,8 +114,8 @@ def share_of(todo: list, rank: int, world_size: int) -> list[str]:
 
 def hash_shards(data_dir: Path, paths: list[str], progress: Callable[[int], None],
                  dtype: str = "uint16") -> dict[str, dict]:
-    """{path: {"stat", "sha256", "max_token"}} for these shards (tokens of `dtype`), hashed in
-    threads; `progress(bytes)` is called as they go (from the threads)."""
+    """{path: {"stat", "sha256", "max_token", "dtype"}} for these shards (tokens of `dtype`),
+    hashed in threads; `progress(bytes)` is called as they go (from the threads)."""
     if not paths:
         return {}
     threads = min(len(paths), MAX_THREADS, len(os.sched_getaffinity(0)))
@@ -136,7 +141,7 @@ def _hash_one(path: Path, progress: Callable[[int], None], dtype: np.dtype) -> d
     if _stat(path) != before:
         raise DataError(f"shard {path} changed while it was being hashed; is a prepare still writing "
                         f"{path.parent.parent}? Wait for it, then start again")
-    return {"stat": before, "sha256": digest.hexdigest(), "max_token": top}
+    return {"stat": before, "sha256": digest.hexdigest(), "max_token": top, "dtype": dtype.name}
 
 
 def check_digests(data_dir: Path, manifest: dict, found: dict[str, dict]) -> None:

@@ -84,7 +84,7 @@ def test_a_flipped_byte_that_kept_size_and_mtime_is_caught_and_full_ignores_a_fo
     name = shards(data_dir)[0]
     cache[name] = {"stat": [st.st_size, st.st_mtime_ns, st.st_ctime_ns],
                    "sha256": load_manifest(data_dir, verify=False)["domains"]["default"]["train"][0]["sha256"],
-                   "max_token": 0}
+                   "max_token": 0, "dtype": "uint16"}
     (data_dir / CACHE_FILE).write_text(json.dumps({"format": 1, "shards": cache}))
     assert start(data_dir) == {}  # true trusts a cache entry whose times match: that is its contract
     with pytest.raises(DataError, match=f"shard {shard} does not match"):
@@ -273,3 +273,42 @@ def test_an_empty_train_shard_is_refused_in_the_manifest(data_dir):
     with pytest.raises(DataError, match=r"manifest.json: \S+\.train\[\d+\]\.tokens is '0', expected at least 1 "
                                         r"in a train shard; drop the entry or rebuild"):
         load_manifest(data_dir, verify=False)
+
+
+def test_a_manifest_of_another_dtype_over_the_same_files_is_a_cache_miss(data_dir):
+    """The cache's max_token is the largest id read in the dtype of the manifest that hashed the
+    shard; the same bytes read as uint32 hold other ids. (Before: a manifest with the same sha256s
+    and dtype uint32 was accepted from the cache, and ids far beyond the vocabulary were fed.)"""
+    import hashlib
+    manifest = load_manifest(data_dir, verify=False)
+    for entry in (e for d in manifest["domains"].values() for e in d["train"] + d["val"]):
+        tokens = np.fromfile(data_dir / entry["path"], dtype=np.uint16)  # an even count, for uint32
+        tokens[: len(tokens) - len(tokens) % 2].tofile(data_dir / entry["path"])
+    def even(m):
+        for e in (e for d in m["domains"].values() for e in d["train"] + d["val"]):
+            e.update(tokens=e["tokens"] - e["tokens"] % 2,
+                     sha256=hashlib.sha256((data_dir / e["path"]).read_bytes()).hexdigest())
+    _edit_manifest(data_dir, even)
+    start(data_dir)
+    assert start(data_dir) == {}  # cached
+    def as_uint32(m):
+        m["dtype"] = "uint32"
+        for e in (e for d in m["domains"].values() for e in d["train"] + d["val"]):
+            e["tokens"] //= 2
+    _edit_manifest(data_dir, as_uint32)
+    manifest = load_manifest(data_dir, verify=False)
+    cache = data_dir / CACHE_FILE
+    plan = plan_hashing(data_dir, manifest, cache, full=False)
+    assert plan["cached"] == 0 and len(plan["hash"]) == len(shards(data_dir))
+    found = hash_shards(data_dir, [p for p, _ in plan["hash"]], lambda n: None, manifest["dtype"])
+    with pytest.raises(DataError, match=r"holds token id \d+, beyond the tokenizer's vocabulary"):
+        check_digests(data_dir, manifest, found)
+
+
+def test_a_cache_entry_from_before_the_dtype_was_recorded_is_a_miss(data_dir):
+    start(data_dir)
+    name = shards(data_dir)[0]
+    raw = json.loads((data_dir / CACHE_FILE).read_text())
+    del raw["shards"][name]["dtype"]
+    (data_dir / CACHE_FILE).write_text(json.dumps(raw))
+    assert list(start(data_dir)) == [name]

@@ -206,3 +206,16 @@ class SkipEntry(Spec):
             SkipEntry.data.validate(value, path)
         else:
             _fail(path, value, 'a window [start, end] or {"shard": PATH, "tokens": [a, b]}')
+
+
+# The most entries a skip list read back may hold (state.json, skip_list.json, a triage's lists):
+# its writer refuses to commit a longer one (recovery.rewind.check_skip_cap), else a run would
+# write checkpoints and a skip_list.json its own resume refuses.
+MAX_SKIP_ENTRIES = 100_000
+
+
+class SkipList(ListOf):
+    """A skip list: at most MAX_SKIP_ENTRIES `SkipEntry`s."""
+
+    def __init__(self):
+        super().__init__(SkipEntry(), max_len=MAX_SKIP_ENTRIES)

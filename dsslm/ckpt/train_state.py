@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipEntry,
+from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipList,
                                Str, Window)
 from dsslm.config import Config, ConfigError
 from dsslm.ckpt.drift import SHAPE_KEYS, config_hash, drift, hashed_items, shape_refusal
@@ -22,7 +22,7 @@ from dsslm.ckpt.drift import SHAPE_KEYS, config_hash, drift, hashed_items, shape
 # data it committed to the skip list (`skip`, data.skips entries).
 REWIND_RECORD = Fields(optional=("verdict", "target", "skip"), open=True, step=Int(0, MAX_STEP), window=Window(),
                        to_step=Int(0, MAX_STEP), lr_scale_factor=Float(0.0, 1.0), verdict=Str(32),
-                       target=Int(0, MAX_STEP), skip=ListOf(SkipEntry(), max_len=100_000))
+                       target=Int(0, MAX_STEP), skip=SkipList())
 
 
 @dataclass
@@ -45,7 +45,7 @@ class TrainState:
     state_spec = Fields(
         optional=("domain_tokens",),
         step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
-        skip_list=ListOf(SkipEntry(), max_len=100_000),
+        skip_list=SkipList(),
         lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
         skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
         lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000),

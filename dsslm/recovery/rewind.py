@@ -23,7 +23,7 @@ from typing import Any, Callable
 from dsslm.ckpt.format import Checkpoint
 from dsslm.ckpt.resume import Checkpointer
 from dsslm.ckpt.store import aside_stamp
-from dsslm.fields import Fields, Float, Int, ListOf, Optional, SkipEntry, StateError, validate
+from dsslm.fields import MAX_SKIP_ENTRIES, Fields, Float, Int, ListOf, Optional, SkipList, StateError, validate
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
 from dsslm.data.loader import Loader
@@ -37,12 +37,24 @@ from dsslm.recovery.rewind_points import RewindPoint, RewindRing
 RECOVERY_FILE = "skip_list.json"
 RECOVERY_SCHEMA_VERSION = 2
 RECOVERY_SPEC = Fields(optional=("schema",), schema=Int(1, RECOVERY_SCHEMA_VERSION),
-                         skip_list=ListOf(SkipEntry(), max_len=100_000), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
+                         skip_list=SkipList(), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
                          lr_scale=Optional(Float(1e-12, 1.0)))
 
 
 class Escalation(RuntimeError):
     """The spike policy ran out of rewinds: a human must look (exit code 3)."""
+
+
+def skip_cap_problem(skip_list: list, run_dir: Path) -> str | None:
+    """Why `skip_list` must not be committed (None: it may be): a resume reads at most
+    MAX_SKIP_ENTRIES entries back (fields.SkipList), so a longer list in a checkpoint or in
+    skip_list.json would be refused, and the run rebuilt without it, feeding the bad data again."""
+    if len(skip_list) <= MAX_SKIP_ENTRIES:
+        return None
+    return (f"the skip list would hold {len(skip_list)} entries, more than the {MAX_SKIP_ENTRIES} a checkpoint "
+            f"or skip_list.json may hold, so none was written with it: data this widely bad needs a person; "
+            f"see the rewinds in {run_dir / 'events.jsonl'}, take the bad text out of the corpus and prepare it "
+            f"again")
 
 
 @dataclass
@@ -226,9 +238,19 @@ class Rewinder:
 
     def write_run_file(self, state: TrainState) -> None:
         """Rank 0: rewrite skip_list.json, fenced like a checkpoint: a trainer that lost run.dir's
-        lock must not replace the new holder's record of bad data."""
+        lock must not replace the new holder's record of bad data. Escalation, writing nothing, for
+        a skip list a resume could not read back (`skip_cap_problem`)."""
+        self.check_skip_cap(state.skip_list, state.step)
         self.checkpointer.store.fence()
         write_recovery(self.run_dir, state)
+
+    def check_skip_cap(self, skip_list: list, step: int) -> None:
+        """Escalation (exit 3) for a skip list too long to commit; `skip_cap_problem` says why.
+        Every rank reaches the same verdict: the skip list is the same everywhere."""
+        problem = skip_cap_problem(skip_list, self.run_dir)
+        if problem is not None:
+            self.emit("escalation", step=step, reason=problem)
+            raise Escalation(problem)
 
     def fed_of(self, step: int) -> tuple[int, int]:
         """The [first, end) global sequences step `step` was fed (the oldest step noted when
@@ -272,6 +294,7 @@ class Rewinder:
         if fallback is not None and fallback.get("entries"):
             skipped = merge_skip_list(skipped + fallback["entries"])
         skip_list = merge_skip_list(base_skips + skipped)
+        self.check_skip_cap(skip_list, spike_step)  # before restore() leaves the newer checkpoints
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
         self.engine.decide(lambda: self.write_run_file(state))

@@ -72,8 +72,8 @@ from typing import Any, Callable
 import numpy as np
 
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, ListOf, Optional, SkipEntry, Spec, StateError,
-                          Str, Window)
+from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, ListOf, Optional, SkipList, Spec,
+                          StateError, Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
 from dsslm.data.skips import concentrated, merge_skip_list
@@ -615,10 +615,10 @@ class _TriageState(Spec):
     "sequences", "streak"} (the last four optional: older checkpoints lack them)."""
 
     replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
-                    window=Window(), skip_list=ListOf(SkipEntry(), max_len=100_000), lr_scale=Float(1e-12, 1.0),
+                    window=Window(), skip_list=SkipList(), lr_scale=Float(1e-12, 1.0),
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
-                    evidence=ListOf(Json(), max_len=10_000), entries=ListOf(SkipEntry(), max_len=100_000),
-                    wide=Bool(), withdrawn=ListOf(SkipEntry(), max_len=100_000),
+                    evidence=ListOf(Json(), max_len=10_000), entries=SkipList(),
+                    wide=Bool(), withdrawn=SkipList(),
                     optional=("entries", "wide", "withdrawn"))
 
     fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
@@ -627,7 +627,7 @@ class _TriageState(Spec):
     sequences = ListOf(ListOf(Json(), length=3), max_len=1000)
     steps, indices = Int(1, MAX_STEP), ListOf(Int(0, MAX_COUNT), max_len=10_000_000)
     losses = ListOf(Float(finite=False), max_len=10_000_000)
-    streak = Optional(Fields(start=Int(1, MAX_STEP), skip_list=ListOf(SkipEntry(), max_len=100_000)))
+    streak = Optional(Fields(start=Int(1, MAX_STEP), skip_list=SkipList()))
 
     def validate(self, value: Any, path: str) -> None:
         Fields(optional=("fed", "recent", "sequences", "streak"), format=Int(STATE_FORMAT, STATE_FORMAT),

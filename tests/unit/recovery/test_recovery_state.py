@@ -3,6 +3,7 @@
 scaler overflow."""
 import collections
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -414,3 +415,71 @@ def test_a_spike_folder_that_cannot_be_written_is_an_event_not_a_crash(tmp_path,
     forensics.capture(51, fed, [(inputs, targets)], result, "skip_step", "loss z=9", {"losses": []})
     assert [e for e, _ in emitted] == ["forensics_failed"] and "No space left" in emitted[0][1]["reason"]
     assert not list((tmp_path / "spikes").glob(".tmp-*"))  # the half-made folder is gone
+
+
+# --- a skip list too long to read back is never committed -------------------------------------------
+def test_the_skip_list_readers_take_exactly_the_cap_the_writer_checks(tmp_path):
+    """One constant for the readers (state.json's train part, skip_list.json) and the writer's
+    check: a list of MAX_SKIP_ENTRIES reads back, one more entry is refused by both."""
+    from dsslm.fields import MAX_SKIP_ENTRIES, validate
+    from dsslm.recovery.rewind import read_recovery, skip_cap_problem, write_recovery
+    full = [[2 * i, 2 * i + 1] for i in range(MAX_SKIP_ENTRIES)]
+    assert skip_cap_problem(full, tmp_path) is None
+    write_recovery(tmp_path, TrainState(skip_list=full))
+    assert len(read_recovery(tmp_path, 16)["skip_list"]) == MAX_SKIP_ENTRIES
+    validate(TrainState(skip_list=full).state_dict(), TrainState.state_spec, "state.train")
+    over = full + [[2 * MAX_SKIP_ENTRIES, 2 * MAX_SKIP_ENTRIES + 1]]
+    assert f"{MAX_SKIP_ENTRIES + 1} entries, more than the {MAX_SKIP_ENTRIES}" in skip_cap_problem(over, tmp_path)
+    with pytest.raises(StateError, match="at most"):
+        validate(TrainState(skip_list=over).state_dict(), TrainState.state_spec, "state.train")
+
+
+def test_a_skip_list_past_the_cap_escalates_before_skip_list_json_is_written(tmp_path):
+    """A run whose skip list grew past what a resume reads back wrote a skip_list.json (and
+    checkpoints) its own resume refused, and the list was rebuilt without it: the bad data fed
+    again. (Before: written.) Now Escalation (exit 3), one line, the old file left as it was."""
+    import torch
+
+    from dsslm.ckpt.store import CheckpointStore
+    from dsslm.fields import MAX_SKIP_ENTRIES
+    from dsslm.recovery.rewind import Escalation, Rewinder, read_recovery, recovery_path
+    store = CheckpointStore(tmp_path, keep_last=5)
+    store.save(4, {"model": {"w": torch.ones(4)}}, {"step": 4})
+    checkpointer = type("Checkpointer", (), {"store": store})()  # what write_run_file uses of one
+    emitted = []
+    rewinder = Rewinder(Config(), _Engine(), checkpointer, None, 16, tmp_path, lambda e, **f: emitted.append((e, f)))
+    rewinder.write_run_file(TrainState(skip_list=[[0, 16]]))
+    before = recovery_path(tmp_path).read_bytes()
+    state = TrainState(step=9, skip_list=[[2 * i, 2 * i + 1] for i in range(MAX_SKIP_ENTRIES + 1)])
+    with pytest.raises(Escalation, match=rf"the skip list would hold {MAX_SKIP_ENTRIES + 1} entries, more than the "
+                                         rf"{MAX_SKIP_ENTRIES} .* take the bad text out of the corpus") as raised:
+        rewinder.write_run_file(state)
+    assert "\n" not in str(raised.value)
+    assert recovery_path(tmp_path).read_bytes() == before and read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
+    assert [e for e, _ in emitted] == ["escalation"] and emitted[0][1]["step"] == 9
+
+
+def test_a_resume_whose_merged_skip_list_passes_the_cap_escalates_instead_of_saving(tmp_path):
+    """The checkpoint and skip_list.json each within the cap, their union past it: the next save
+    escalates (exit 3) instead of writing a checkpoint the next resume would refuse. (Before: it
+    was written, and the resume after it passed it over.)"""
+    from helpers import remanifest, tiny_cfg
+
+    from dsslm.fields import MAX_SKIP_ENTRIES
+    from dsslm.recovery.rewind import Escalation, write_recovery
+    from dsslm.train import train
+    cfg = ("train.total_steps=4", "optim.warmup_steps=0", "ckpt.every=2", "monitor.enabled=false",
+           "ckpt.async_save=false", "ckpt.keep_last=10")
+    assert train(tiny_cfg(tmp_path, *cfg)) == 0
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000004")  # resumes from step 2, saves at step 4
+    folder = tmp_path / "checkpoints" / "step-00000002"
+    state = json.loads((folder / "state.json").read_text())
+    far = 10**9  # windows the short run never reaches
+    state["skip_list"] = state["train"]["skip_list"] = [[far - 10, far - 5]]
+    (folder / "state.json").write_text(json.dumps(state))
+    remanifest(folder)
+    write_recovery(tmp_path, TrainState(skip_list=[[far + 2 * i, far + 2 * i + 1] for i in range(MAX_SKIP_ENTRIES)]))
+    with pytest.raises(Escalation, match=f"{MAX_SKIP_ENTRIES + 1} entries"):
+        train(tiny_cfg(tmp_path, *cfg))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == [
+        "step-00000002"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import resource
 import threading
 from pathlib import Path
@@ -33,9 +34,9 @@ import torch
 
 from dsslm.data.manifest import load_manifest
 from dsslm.data.mixture import Mixture, domain_key, weight_units
-from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, skip_key, windows_of
+from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, view_of
 from dsslm.data.sources import DataError
-from dsslm.data.stream import StepSlice, merge_windows, split_micro_batches, step_slice, take
+from dsslm.data.stream import StepSlice, merge_windows, slice_of_merged, split_micro_batches, take
 
 
 
@@ -93,7 +94,8 @@ class Loader:
         self._perm = (-1, np.empty(0, dtype=np.int64))          # (epoch, permutation of all chunks)
         self._domain_perm: dict[int, tuple[int, np.ndarray]] = {}  # domain -> (epoch, its permutation)
         self._shard_index = {path: i for i, (path, _) in enumerate(self._train)}
-        self._skipped: tuple[str, np.ndarray] = ("[]", np.empty(0, dtype=np.int64))  # (entries key, chunk ids)
+        # (the view's entries list, their JSON key, chunk ids): see skipped_chunks
+        self._skipped: tuple[list | None, str, np.ndarray] = (None, "[]", np.empty(0, dtype=np.int64))
         self._count_lock = threading.Lock()
         self.chunks_read = 0  # for the benchmarks and the rank-local reads test
 
@@ -105,8 +107,9 @@ class Loader:
              grad_accum: int) -> tuple[StepSlice, list[Batch]]:
         """The step starting at `position`: its bounds and tokens per domain (of the whole step),
         and this rank's share in `grad_accum` micro-batches (reading only this rank's chunks)."""
-        part = step_slice(position, windows_of(skip_list), batch_size, rank, world_size)
-        if entries_of(skip_list):
+        view = view_of(skip_list)  # merged once per change of the list, not once per use
+        part = slice_of_merged(position, view.windows, batch_size, rank, world_size)
+        if view.entries:
             # Which positions a data entry takes out needs each one's chunk: every rank maps the
             # whole step (arithmetic and a permutation lookup, no reads) and takes its share.
             whole = self.stream(position, batch_size, skip_list)
@@ -114,7 +117,7 @@ class Loader:
             part = dataclasses.replace(part, first=int(whole[0]), end=int(whole[-1]) + 1,
                                        indices=whole[rank * per_rank:(rank + 1) * per_rank])
         else:
-            whole = take(part.first, batch_size, windows_of(skip_list))  # arithmetic: no reads
+            whole = take(part.first, batch_size, view.windows)  # arithmetic: no reads
         inputs, targets = self.read(part.indices)
         pieces = split_micro_batches(len(part.indices), grad_accum)
         part = dataclasses.replace(part, domain_tokens=self.domain_tokens(whole))
@@ -123,7 +126,7 @@ class Loader:
     def stream(self, position: int, count: int, skip_list: list) -> np.ndarray:
         """The first `count` global sequences at or after `position` that the skip list lets
         through (outside every window, on no skipped chunk), ascending (int64)."""
-        windows, skipped = windows_of(skip_list), self.skipped_chunks(skip_list)
+        windows, skipped = view_of(skip_list).windows, self.skipped_chunks(skip_list)
         out, pos, need = [], position, count
         while need > 0:
             candidates = take(pos, 2 * need + 64, windows)
@@ -136,7 +139,7 @@ class Loader:
     def fed_between(self, first: int, end: int, skip_list: list) -> np.ndarray:
         """The global sequences in [first, end) that the skip list lets through."""
         g = np.arange(first, end, dtype=np.int64)
-        for lo, hi in windows_of(skip_list):
+        for lo, hi in view_of(skip_list).windows:
             g = g[(g < lo) | (g >= hi)]
         return g[self._fed(g, self.skipped_chunks(skip_list))]
 
@@ -148,10 +151,15 @@ class Loader:
     def skipped_chunks(self, skip_list: list) -> np.ndarray:
         """The chunk ids the skip list's data entries name (sorted, unique int64); DataError when
         an entry names a shard this data does not have, tokens past its end, or every chunk."""
-        entries = entries_of(skip_list)
-        key = skip_key(entries)
-        cached_key, chunks = self._skipped
+        # Keyed on the entries alone (a list that gains a window only maps to the same chunks),
+        # as JSON made once per view: the same view's entries are the same list, so no new key.
+        entries = view_of(skip_list).entries
+        made_from, cached_key, chunks = self._skipped
+        if entries is made_from:
+            return chunks
+        key = json.dumps(entries, separators=(",", ":"))
         if key == cached_key:
+            self._skipped = (entries, key, chunks)
             return chunks
         ranges = []
         for e in entries:
@@ -173,7 +181,7 @@ class Loader:
         if drawn and all(per_domain[d] >= self.domain_chunks[d] for d in drawn):
             raise DataError(f"the skip list names every chunk of {self.data_dir} that training draws from; "
                             "nothing is left to train on")
-        self._skipped = (key, chunks)  # one assignment: the prefetch thread sees the old pair or the new
+        self._skipped = (entries, key, chunks)  # one assignment: another thread sees the old triple or the new
         return chunks
 
     def data_entries(self, indices: np.ndarray, documents: np.ndarray | None = None) -> list[dict]:
@@ -240,7 +248,7 @@ class Loader:
         run trained up to there (for a checkpoint that did not record it)."""
         counts = self._count_before(position)
         # Windows only: a data entry's chunks were trained before its verdict, at least once.
-        for lo, hi in windows_of(skip_list):
+        for lo, hi in view_of(skip_list).windows:
             if lo < position:
                 counts -= self._count_before(min(hi, position)) - self._count_before(lo)
         return {name: int(n) * self.seq_len for name, n in zip(self.domains, counts)}
@@ -309,7 +317,10 @@ class Loader:
         """A mask of the global sequences in `g` whose chunk is not in `skipped`."""
         if len(skipped) == 0:
             return np.ones(len(g), dtype=bool)
-        return ~np.isin(self._chunk_ids(g), skipped)
+        # `skipped` is sorted and unique: a binary search per sequence, not a sort of both (np.isin).
+        chunks = self._chunk_ids(g)
+        at = np.minimum(np.searchsorted(skipped, chunks), len(skipped) - 1)
+        return skipped[at] != chunks
 
     def _domain_index(self, g: np.ndarray) -> np.ndarray:
         if self.mixture is not None:

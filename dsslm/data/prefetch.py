@@ -18,13 +18,12 @@ asynchronous copy; PyTorch's pinned-memory allocator keeps a block alive until i
 """
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from dsslm.data.loader import Batch, Loader
-from dsslm.data.skips import merge_skip_list, skip_key
+from dsslm.data.skips import SkipView, view_of
 from dsslm.data.stream import StepSlice
 
 Key = tuple[int, str, int]  # (position, the skip list's canonical JSON, batch size)
@@ -45,18 +44,21 @@ class Prefetcher:
     def step(self, position: int, skip_list: list) -> tuple[StepSlice, list[Batch]]:
         """The step starting at `position`: this rank's share, as `Loader.step` gives it."""
         started = time.perf_counter()
-        key = self._key(position, skip_list)
+        # Merged and keyed once per change of the list (skips.view_of): the same list every step
+        # costs nothing here, and its key is the same string object, compared by identity first.
+        view = view_of(skip_list)
+        key = self._key(position, view)
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == key:
             self.hits += 1
             fed, batches = pending[1].result()  # a read that failed raises here, as a synchronous one would
         else:
             self.misses += int(self._pool is not None)
-            fed, batches = self._read(key)
+            fed, batches = self._read(key, view)
         self.wait_s = time.perf_counter() - started
         if self._pool is not None:
-            ahead = self._key(fed.end, skip_list)
-            self._pending = (ahead, self._pool.submit(self._read, ahead))
+            ahead = self._key(fed.end, view)
+            self._pending = (ahead, self._pool.submit(self._read, ahead, view))
         return fed, batches
 
     def close(self) -> None:
@@ -65,14 +67,14 @@ class Prefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _key(self, position: int, skip_list: list) -> Key:
-        # A string copy: the loop may grow its skip list in place after this step was scheduled.
-        return position, skip_key(skip_list), self.batch_size_at(position)
+    def _key(self, position: int, view: SkipView) -> Key:
+        # The view is a copy: the loop may grow its skip list in place after this step was scheduled.
+        return position, view.key, self.batch_size_at(position)
 
-    def _read(self, key: Key) -> tuple[StepSlice, list[Batch]]:
-        position, skips, batch_size = key
-        fed, batches = self.loader.step(position, merge_skip_list(json.loads(skips)), batch_size, self.rank,
-                                        self.world_size, self.grad_accum)
+    def _read(self, key: Key, view: SkipView) -> tuple[StepSlice, list[Batch]]:
+        position, _, batch_size = key
+        fed, batches = self.loader.step(position, view.merged, batch_size, self.rank, self.world_size,
+                                        self.grad_accum)
         if self.pin_memory:
             batches = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in batches]
         return fed, batches

@@ -23,6 +23,7 @@ the batch stays a pure function of (seed, position, skip list) on every rank.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -89,6 +90,39 @@ def merge_skip_list(skip_list: Iterable) -> list:
 def skip_key(skip_list: Iterable) -> str:
     """A hashable, order-free key of what a skip list skips (for caches and the prefetcher)."""
     return json.dumps(merge_skip_list(skip_list), separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class SkipView:
+    """A skip list merged once: its windows (`windows_of`), its data entries (`entries_of`), both
+    together (`merged`, what `merge_skip_list` gives) and `key` (what `skip_key` gives). Read only."""
+    windows: list
+    entries: list
+    merged: list
+    key: str
+
+
+_VIEWS = 4  # the loop's list and the merged lists of the views it made: a few are enough
+_views: tuple = ()  # ((list, its length, its view), ...), newest first; replaced whole (threads)
+
+
+def view_of(skip_list: list) -> SkipView:
+    """`skip_list` merged, once per change: merging and keying 50K entries costs ~0.4 s, and the
+    loop hands the same list to the prefetcher and the loader every step. A list is known again by
+    its identity and length: skip lists are replaced whole when they change (`state.skip_list =
+    merge_skip_list(...)`), never edited in place but by growing (which its length shows). The
+    view's own `merged` list maps to the same view (merging is idempotent)."""
+    global _views
+    views = _views
+    for source, length, view in views:
+        if source is skip_list and length == len(skip_list):
+            return view
+    windows, entries = windows_of(skip_list), entries_of(skip_list)
+    merged = windows + entries
+    view = SkipView(windows, entries, merged, json.dumps(merged, separators=(",", ":")))
+    # The cache holds each source: its id cannot be reused by another list while it is here.
+    _views = ((skip_list, len(skip_list), view), (merged, len(merged), view), *views)[:_VIEWS]
+    return view
 
 
 def chunk_range(a: int, b: int, seq_len: int, n_chunks: int) -> tuple[int, int]:

@@ -82,10 +82,16 @@ class StepSlice:
 
 def step_slice(position: int, skip_list: list, batch_size: int, rank: int, world_size: int) -> StepSlice:
     """The step starting at `position`: the whole step's bounds, and rank `rank`'s share."""
+    return slice_of_merged(position, merge_windows(skip_list), batch_size, rank, world_size)
+
+
+def slice_of_merged(position: int, windows: list[list[int]], batch_size: int, rank: int,
+                    world_size: int) -> StepSlice:
+    """`step_slice` of windows already merged (`merge_windows`): the loader merges a skip list
+    once per change, not once per step."""
     if batch_size % world_size:
         raise ValueError(f"a global batch of {batch_size} sequences does not split over {world_size} ranks; "
                          "the global batch must be train.micro_batch_size * train.grad_accum * world_size")
-    windows = merge_windows(skip_list)
     per_rank = batch_size // world_size
     first = nth(position, 0, windows)
     end = nth(position, batch_size - 1, windows) + 1

@@ -2,6 +2,7 @@
 every kind of miss (a rewind, a grown skip list, a batch-size change by position)."""
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -99,4 +100,20 @@ def test_on_cuda_the_host_batches_are_pinned_and_copy_non_blocking(data_dir):
     torch.cuda.synchronize()
     want = loader.step(fed.end, [], 8, 0, 1, 2)[1]
     assert all(torch.equal(d.cpu(), w[0]) for d, w in zip(on_device, want))
+    feed.close()
+
+
+def test_a_skip_list_grown_in_place_is_merged_again(data_dir):
+    """Skip lists are merged once per change (skips.view_of, known by identity and length): one
+    that the loop grows in place must still be read as its new contents, by the loader and by the
+    prefetcher (its read ahead under the old list is a miss)."""
+    loader = Loader(data_dir, SEQ_LEN, seed=3)
+    feed = Prefetcher(loader, 0, 1, 1, lambda p: 8, enabled=True)
+    skip_list: list = [[4, 6]]
+    fed, _ = feed.step(0, skip_list)
+    skip_list += loader.window_entries(fed.end, fed.end + 8, skip_list)  # in place, as a loop might
+    got = feed.step(fed.end, skip_list)
+    fresh = Loader(data_dir, SEQ_LEN, seed=3).step(fed.end, json.loads(json.dumps(skip_list)), 8, 0, 1, 1)
+    assert feed.misses == 2 and same(got, fresh)
+    assert not np.isin(loader.chunk_ids(got[0].indices), loader.skipped_chunks(skip_list)).any()
     feed.close()

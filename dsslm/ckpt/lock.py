@@ -17,7 +17,11 @@ caller reports the old holder:
 - the same machine (boot id) and pid namespace, and that pid is not running, or is another process
   (its start time differs: the pid was reused);
 - the same Slurm job at a later SLURM_RESTART_COUNT (a requeue), or the same torchrun run at a
-  later TORCHELASTIC_RESTART_COUNT (a restart of the worker group);
+  later TORCHELASTIC_RESTART_COUNT (a restart of the worker group), and its heartbeat has stopped
+  (older than `restart_grace_s()`, two missed beats and a margin; acquire waits that long for a
+  fresh one to stop). An id is not proof: `accelerate launch` and torchrun without --rdzv_id give
+  every run TORCHELASTIC_RUN_ID=none (never trusted, like an empty one), and a user's --rdzv_id
+  may be reused by an unrelated trainer; only a live holder keeps its heartbeat fresh;
 - its heartbeat is older than `stale_after_s`, measured against a file just made in run.dir, so
   both times are the file server's clock and clock skew between nodes does not matter.
 A takeover renames the stale file aside first (only one contender's rename of it succeeds), so two
@@ -40,6 +44,8 @@ from dsslm.durable import fsync_dir, pid_running
 
 LOCK_FILE = "LOCK"
 HEARTBEAT_S = 10.0
+RESTART_GRACE_MARGIN_S = 5.0  # a slow beat on a loaded node or filesystem, on top of two missed beats
+UNSET_IDS = ("", "none")  # no job id: torchrun without --rdzv_id and accelerate's static rendezvous say "none"
 READ_RETRY_S = 30.0  # the longest a read error of LOCK is retried before the lock counts as lost
 MAX_LOCK_BYTES = 64 << 10  # a lock is a few hundred bytes; anything bigger was not written by us
 LOCK_SPEC = Fields(open=True, host=Str(255), boot_id=Str(64), pid_ns=Str(64), pid=Int(1, 2**31),
@@ -92,6 +98,21 @@ def identity() -> dict[str, Any]:
             "elastic_restart": int(env.get("TORCHELASTIC_RESTART_COUNT") or 0), "token": secrets.token_hex(8)}
 
 
+def restart_grace_s() -> float:
+    """How long a holder's heartbeat must have stopped before a restart rule may call it gone: a
+    live holder refreshes LOCK every HEARTBEAT_S."""
+    return 2 * HEARTBEAT_S + RESTART_GRACE_MARGIN_S
+
+
+def restarted(holder: dict, me: dict) -> str | None:
+    """The restart rule by which the holder's job came back as this process (a Slurm requeue, a
+    torchrun restart), or None. Says nothing about whether the holder stopped: ids can be shared."""
+    for job, restart in (("slurm_job_id", "slurm_restart"), ("elastic_run_id", "elastic_restart")):
+        if holder[job].lower() not in UNSET_IDS and holder[job] == me[job] and me[restart] > holder[restart]:
+            return f"{job} {holder[job]} restarted ({holder[restart]} -> {me[restart]})"
+    return None
+
+
 def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> str | None:
     """Why the holder of a lock is certainly gone, or None if it may be alive. Pure."""
     same_machine = holder["boot_id"] == me["boot_id"] if me["boot_id"] else holder["host"] == me["host"]
@@ -103,9 +124,9 @@ def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> s
         if start is not None and holder["pid_start"] is not None and start != holder["pid_start"]:
             return f"pid {pid} on {holder['host']} is another process now (the holder's pid was reused)"
         return None  # alive here: its heartbeat does not matter
-    for job, restart in (("slurm_job_id", "slurm_restart"), ("elastic_run_id", "elastic_restart")):
-        if holder[job] and holder[job] == me[job] and me[restart] > holder[restart]:
-            return f"{job} {holder[job]} restarted ({holder[restart]} -> {me[restart]}): its old processes are gone"
+    rule = restarted(holder, me)
+    if rule is not None and age_s > restart_grace_s():
+        return f"{rule} and its heartbeat stopped {age_s:.0f} s ago: its old processes are gone"
     if age_s > stale_after_s:
         return f"its heartbeat is {age_s:.0f} s old (run.lock_stale_s={stale_after_s:g})"
     return None
@@ -151,8 +172,18 @@ class RunLock:
             if raw is None:
                 continue  # released between our link and our read
             reason = self._gone(holder, me, age_s)
+            rule = restarted(holder, me) if reason is None and holder is not None else None
+            if rule is not None:  # our own job's earlier run, if its heartbeat stops: wait and see
+                settled = self._await_silence(raw)
+                if settled is None:
+                    continue  # LOCK changed meanwhile: judge it afresh
+                holder, age_s = settled
+                reason = self._gone(holder, me, age_s)
             if reason is None:
                 what = describe(holder) if holder else f"an unreadable {self.path}"
+                if rule is not None:
+                    what += (f" ({rule}, but its heartbeat went on for {restart_grace_s():g} s: another "
+                             f"trainer with the same id)")
                 raise LockHeld(f"run.dir={self.run_dir} is in use by {what}, lock refreshed {age_s:.0f} s ago; "
                                f"stop that trainer or use another run.dir (a holder that is gone is taken over "
                                f"after run.lock_stale_s={self.stale_after_s:g} s, or delete {self.path})")
@@ -221,6 +252,20 @@ class RunLock:
         if holder is None:
             return f"it is unreadable and {age_s:.0f} s old" if age_s > self.stale_after_s else None
         return gone_reason(holder, me, age_s, self.stale_after_s)
+
+    def _await_silence(self, raw: bytes) -> tuple[dict | None, float] | None:
+        """Watch LOCK for up to restart_grace_s(): (holder, heartbeat age) once its heartbeat is older
+        than that, or the last seen when time is up (a live holder kept it fresh); None when LOCK
+        changed (released, replaced) meanwhile."""
+        grace = restart_grace_s()
+        deadline = time.monotonic() + grace
+        while True:
+            time.sleep(max(0.0, min(HEARTBEAT_S / 10, deadline - time.monotonic())))
+            seen, holder, age_s = self._inspect()
+            if seen != raw:
+                return None
+            if age_s > grace or time.monotonic() >= deadline:
+                return holder, age_s
 
     def _fs_now(self) -> float:
         """Now, by the clock that stamps files in run.dir (the file server's, on a network filesystem)."""

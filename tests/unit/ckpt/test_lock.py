@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -73,7 +74,15 @@ def test_another_hosts_lock_without_a_heartbeat_is_taken_over(tmp_path):
     assert takeover["previous"]["host"] == "node-17" and "heartbeat" in takeover["reason"]
 
 
+def fast_heartbeat(monkeypatch) -> float:
+    """A heartbeat every 0.05 s: a restart rule waits restart_grace_s() (0.2 s) for one to stop."""
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(lock_module, "RESTART_GRACE_MARGIN_S", 0.1)
+    return 2 * 0.05 + 0.1
+
+
 def test_a_requeued_slurm_job_takes_its_own_lock(tmp_path, monkeypatch):
+    fast_heartbeat(monkeypatch)
     write_lock(tmp_path, host="node-17", boot_id="other-boot", pid=4242, slurm_job_id="777", slurm_restart=0)
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
@@ -81,6 +90,56 @@ def test_a_requeued_slurm_job_takes_its_own_lock(tmp_path, monkeypatch):
         RunLock(tmp_path).acquire()
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # scontrol requeue, a node failure's requeue
     assert "restarted" in RunLock(tmp_path).acquire()["reason"]
+
+
+def beating(path, stop, period_s: float = 0.02) -> threading.Thread:
+    """A live holder elsewhere: LOCK's mtime refreshed until `stop` is set."""
+    def beat():
+        while not stop.wait(period_s):
+            os.utime(path)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("job, restart, value", [("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "777"),
+                                                 ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "myrun")])
+def test_a_restart_rule_waits_for_the_heartbeat_to_stop(tmp_path, monkeypatch, job, restart, value):
+    """A job id can be shared (a literal --rdzv_id reused by an unrelated trainer on another node):
+    the restart rules trust it only once the holder's heartbeat has stopped. (Before: an unrelated
+    trainer restarted by torchrun took a live trainer's lock at once; that one exited 4.)"""
+    grace = fast_heartbeat(monkeypatch)
+    key = "slurm_job_id" if job == "SLURM_JOB_ID" else "elastic_run_id"
+    count = "slurm_restart" if job == "SLURM_JOB_ID" else "elastic_restart"
+    monkeypatch.setenv(job, value)
+    monkeypatch.setenv(restart, "1")
+    holder = write_lock(tmp_path, host="node-17", boot_id="other-boot", pid=4242, **{key: value, count: 0})
+    stop = threading.Event()
+    thread = beating(tmp_path / LOCK_FILE, stop)
+    started = time.monotonic()
+    with pytest.raises(LockHeld, match=rf"{key} {value} restarted \(0 -> 1\), but its heartbeat went on"):
+        RunLock(tmp_path).acquire()
+    assert time.monotonic() - started >= grace
+    stop.set()
+    thread.join()
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == holder  # untouched
+    started = time.monotonic()  # the heartbeat stopped just now: taken over once it is older than the grace
+    takeover = RunLock(tmp_path).acquire()
+    assert "restarted" in takeover["reason"] and "heartbeat stopped" in takeover["reason"]
+    assert grace * 0.5 <= time.monotonic() - started < grace + 5
+
+
+@pytest.mark.parametrize("run_id", ["none", "", "None"])
+def test_an_unset_torchrun_run_id_is_no_restart(tmp_path, monkeypatch, run_id):
+    """`accelerate launch` (static rendezvous) and torchrun without --rdzv_id give every run the id
+    "none": a lower restart count under it says nothing about the holder (before: taken over)."""
+    fast_heartbeat(monkeypatch)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    write_lock(tmp_path, age_s=60, host="node-17", boot_id="other-boot", pid=4242, elastic_run_id=run_id,
+               elastic_restart=0)
+    with pytest.raises(LockHeld, match="pid 4242 on host node-17"):
+        RunLock(tmp_path, stale_after_s=600).acquire()
 
 
 def test_an_unreadable_lock_is_respected_until_it_is_stale(tmp_path):

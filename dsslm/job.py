@@ -104,8 +104,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     cleanup.callback(engine.close)
     run_dir, state = Path(cfg.run.dir), TrainState()
     lock = RunLock(run_dir, cfg.run.lock_stale_s)
+    cleanup.callback(lock.release)  # first: a stop signal once LOCK is linked (in decide's broadcast) removes it
     takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
-    cleanup.callback(lock.release)
     verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)

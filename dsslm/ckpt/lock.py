@@ -158,16 +158,17 @@ class RunLock:
         try:
             return self._take(identity())
         except BaseException:
-            self._remove_created()
+            self.release()  # a stop signal just after the link: LOCK goes again, with the folders made
             raise
 
     def _take(self, me: dict) -> dict | None:
         takeover = None
         for _ in range(5):  # each lap either wins, meets a live holder, or clears a stale lock
+            self.me = me  # before the link: whatever interrupts us after it, release() removes LOCK
             if self._link(me):
-                self.me = me
                 self._start_heartbeat()
                 return takeover
+            self.me = None
             raw, holder, age_s = self._inspect()
             if raw is None:
                 continue  # released between our link and our read

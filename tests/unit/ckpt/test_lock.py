@@ -302,3 +302,42 @@ def test_a_trainer_that_lost_the_lock_sets_aside_none_of_the_new_holders_checkpo
         rewinder.write_run_file(__import__("dsslm.ckpt.train_state", fromlist=["x"]).TrainState())
     assert not (tmp_path / "skip_list.json").exists()
     mine.release()
+
+
+def test_a_stop_signal_just_after_the_link_removes_the_lock(tmp_path, monkeypatch):
+    """A signal's Preempted between link(2) and acquire's return (here in the fsync of run.dir that
+    follows the link) left LOCK behind: a new job on another node met it for run.lock_stale_s."""
+    from dsslm.exits import Preempted
+
+    def stopped(path):
+        raise Preempted(10)
+
+    monkeypatch.setattr(lock_module, "fsync_dir", stopped)
+    lock = RunLock(tmp_path / "run")
+    with pytest.raises(Preempted):
+        lock.acquire()
+    monkeypatch.undo()
+    lock.release()  # what the job's cleanup does too: nothing left to do
+    assert not (tmp_path / "run").exists()  # LOCK gone, and the folder acquire made
+
+
+def test_a_stop_signal_while_setup_shares_the_lock_decision_releases_it(tmp_path, monkeypatch):
+    """job.setup registers the lock's release before acquiring: a Preempted raised once rank 0 holds
+    LOCK (in engine.decide's broadcast of the result) still releases it (before: LOCK stayed)."""
+    from dsslm.engine.base import Engine
+    from dsslm.exits import Preempted
+    from dsslm.train import train
+    from helpers import tiny_cfg
+    decide = Engine.decide
+
+    def broadcast_interrupted(self, fn):
+        result = decide(self, fn)
+        if getattr(fn, "__func__", None) is RunLock.acquire:
+            raise Preempted(10)
+        return result
+
+    monkeypatch.setattr(Engine, "decide", broadcast_interrupted)
+    run_dir = tmp_path / "run"
+    with pytest.raises(Preempted):
+        train(tiny_cfg(run_dir, "train.total_steps=6"))
+    assert not (run_dir / LOCK_FILE).exists()

@@ -3,7 +3,9 @@
 The same entry point under plain python, torchrun, accelerate launch and srun. Exit codes:
 0 finished (or stopped by SIGTERM/SIGUSR1, saved where there was anything to save), 2 bad input or
 config, 3 escalated to a human, 4 the run could not write to run.dir (disk full, lost mount,
-another trainer took run.dir over; what was saved before is intact), 130 Ctrl-C.
+another trainer took run.dir over; what was saved before is intact), 130 Ctrl-C. With
+DSSLM_STATUS_FILE set, rank 0 also writes `finished` or `preempted` there as it leaves with exit 0
+(slurm/train.sbatch tells a preemption save from the run's end by it).
 
 Read top-down: `main` -> `train` -> `run_loop` -> `train_step` and its verbs. The job and its
 setup are in `job.py`.
@@ -21,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +50,9 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
 FP16_OVERFLOW = "fp16_overflow"
+# A file rank 0 writes one word into as it leaves, for a launcher that must tell a preemption save from
+# the run's end (both exit 0): `finished` or `preempted`. slurm/train.sbatch requeues only the second.
+STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
 
 
 @dataclass
@@ -130,6 +136,7 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, sinks, state = job.cfg, job.sinks, job.state
     if start(job) == "finished":
+        note_status(job, "finished")
         return EXIT_OK  # said so; nothing to train
     # Setup ends in one collective. Rank 0 does work of its own after setup's other collectives
     # (events, the audit, the start checkpoint's snapshot), so the others wait here for it. Each
@@ -166,6 +173,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job, sync=True)
             sinks.emit("preempt_save", step=state.step, signal=stop.name)
             check_health(job)
+            note_status(job, "preempted")
             return stop.exit_code
         if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
             save(job)
@@ -175,7 +183,21 @@ def run_loop(job: Job, stop: StopFlag) -> int:
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
     check_health(job)
+    note_status(job, "finished")
     return EXIT_OK
+
+
+def note_status(job: Job, word: str) -> None:
+    """Rank 0 tells the launcher how the run left, in $DSSLM_STATUS_FILE if set: `finished` (nothing
+    left to train) or `preempted` (saved on a stop signal; a requeue resumes it). Exit 0 either way."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path or not job.engine.is_main:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(word + "\n")
+    except OSError as exc:  # the launcher then decides as without the file
+        print(f"dsslm: cannot write {STATUS_FILE_ENV}={path} ({exc.strerror})", file=sys.stderr)
 
 
 def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:

@@ -19,3 +19,32 @@ def test_ctrl_c_is_said_by_the_first_rank_only(monkeypatch, capsys):
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_rank_0_says_in_the_status_file_whether_the_run_finished_or_was_preempted(tmp_path, monkeypatch):
+    """Both exit 0; slurm/train.sbatch requeues after a notice only what says `preempted` (before:
+    a run that finished in the step the notice came in was requeued too)."""
+    import os
+
+    from dsslm.recovery.faults import Drills
+    from dsslm.train import train
+    from helpers import events, tiny_cfg
+    status = tmp_path / "status"
+    monkeypatch.setenv("DSSLM_STATUS_FILE", str(status))
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        monkeypatch.setattr(Drills, "maybe_crash", lambda self, step: step == 2 and os.kill(os.getpid(), signal.SIGUSR1))
+        preempted = tmp_path / "preempted"
+        assert train(tiny_cfg(preempted, "train.total_steps=20", "ckpt.every=100")) == 0
+        assert events(preempted, "preempt_save") and status.read_text() == "preempted\n"
+        monkeypatch.undo()
+        monkeypatch.setenv("DSSLM_STATUS_FILE", str(status))
+        finished = tmp_path / "finished"
+        assert train(tiny_cfg(finished, "train.total_steps=6", "ckpt.every=100")) == 0
+        assert events(finished, "end") and status.read_text() == "finished\n"
+        status.unlink()
+        assert train(tiny_cfg(finished, "train.total_steps=6", "ckpt.every=100")) == 0  # nothing left to train
+        assert status.read_text() == "finished\n"
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

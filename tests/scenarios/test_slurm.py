@@ -148,6 +148,43 @@ def test_signals_reach_each_rank_once_and_the_job_resumes(slurm_cluster, tmp_pat
     assert "requeueing job" in log and "SIGTERM: the job is ending" in log, log
 
 
+# The script alone: stand-ins for srun and scontrol, no cluster (and so no root), for what a real
+# cluster cannot time.
+
+
+def run_alone(tmp_path: Path, srun: str, env: dict[str, str] = {}, slow_log_after_srun: bool = False):
+    """Run train.sbatch with `srun` standing in for srun (a bash body) and an scontrol that notes its
+    arguments in tmp_path/scontrol; `slow_log_after_srun`: from the stand-in srun's start on, each
+    log line of the script takes 0.5 s (its `date`). Returns (exit status, stdout, scontrol calls)."""
+    import os
+    import shutil
+    import subprocess
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {"srun": f"touch {tmp_path}/srun_started\n{srun}",
+                 "scontrol": 'echo "$@" >>' + f" {tmp_path}/scontrol; [[ $1 == show ]] && echo node1; exit 0"}
+    if slow_log_after_srun:
+        stand_ins["date"] = f"[[ -e {tmp_path}/srun_started ]] && sleep 0.5; exec {shutil.which('date')} \"$@\""
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node1", "DSSLM_ROOT": str(tmp_path), "DSSLM_NPROC_PER_NODE": "1", **env}
+    done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "scontrol").read_text() if (tmp_path / "scontrol").exists() else ""
+    return done.returncode, done.stdout + done.stderr, calls
+
+
+def test_a_notice_during_setup_requeues_without_starting_srun(tmp_path):
+    """The fast twin of the cluster test: a venv whose activation gets the notice (before: the
+    batch shell died of SIGUSR1, exit 138, and was never requeued)."""
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "activate").write_text("kill -USR1 $$\n")
+    rc, out, calls = run_alone(tmp_path, "exit 0", {"DSSLM_VENV": str(tmp_path / "venv")})
+    assert rc == 0 and "requeueing without starting them" in out and "requeue 42" in calls, (rc, out, calls)
+    assert not (tmp_path / "srun_started").exists()
+
+
 # dsslm.train under the launcher
 
 

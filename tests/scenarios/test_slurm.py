@@ -175,6 +175,15 @@ def run_alone(tmp_path: Path, srun: str, env: dict[str, str] = {}, slow_log_afte
     return done.returncode, done.stdout + done.stderr, calls
 
 
+def test_srun_exiting_during_a_trap_is_reported_with_its_own_code(tmp_path):
+    """`wait` returns 128+signal when a trap runs; srun ending while the trap runs was reported as
+    that (143) instead of srun's code. srun here signals the batch shell and exits 7 while the
+    trap's log line takes 0.5 s."""
+    rc, out, calls = run_alone(tmp_path, "kill -TERM $PPID; sleep 0.1; exit 7", slow_log_after_srun=True)
+    assert rc == 7 and "ranks exited with 7" in out and "SIGTERM: the job is ending" in out, (rc, out)
+    assert "requeue" not in calls
+
+
 def test_a_notice_during_setup_requeues_without_starting_srun(tmp_path):
     """The fast twin of the cluster test: a venv whose activation gets the notice (before: the
     batch shell died of SIGUSR1, exit 138, and was never requeued)."""

@@ -32,7 +32,8 @@ RUN_ARGS = ["engine.kind=ddp", "train.precision=fp32", "model.d_model=64", "mode
             "optim.warmup_steps=10", "run.val_every=0", "run.tensorboard=false", "train.device=cpu"]
 
 PROBE = '''\
-"""Stand-in trainer: a gloo all-reduce loop that saves and exits 0 on SIGTERM/SIGUSR1."""
+"""Stand-in trainer: a gloo all-reduce loop that saves and exits 0 on SIGTERM/SIGUSR1 (rank 0
+then writes $PROBE_STATUS, if set, into $DSSLM_STATUS_FILE, as dsslm.train would)."""
 import json, os, signal, sys, time
 from pathlib import Path
 got = []
@@ -56,6 +57,8 @@ while step < total:
         time.sleep(save_s)  # a save that takes a while: must not be cut short
         if rank == 0:
             ckpt.write_text(str(step))
+            if os.environ.get("PROBE_STATUS"):  # what dsslm.train's rank 0 says as it leaves
+                Path(os.environ["DSSLM_STATUS_FILE"]).write_text(os.environ["PROBE_STATUS"] + "\n")
         dist.barrier()
         log(event="saved", step=step, signals=got)
         sys.exit(0)
@@ -148,6 +151,34 @@ def test_signals_reach_each_rank_once_and_the_job_resumes(slurm_cluster, tmp_pat
     assert "requeueing job" in log and "SIGTERM: the job is ending" in log, log
 
 
+def test_a_notice_before_the_ranks_start_requeues_and_a_finished_run_is_not_requeued(slurm_cluster, tmp_path):
+    """A notice while the script sets up (here: a DSSLM_VENV whose activation takes 4 s) is answered
+    with a requeue, without starting the ranks (before: SIGUSR1 killed the batch shell, the job
+    ended FAILED and never came back). After the next notice rank 0 says `finished` in
+    DSSLM_STATUS_FILE: the job is not requeued (before: any exit 0 after a notice was)."""
+    (tmp_path / "gloo_probe.py").write_text(PROBE)
+    probe_dir, venv = tmp_path / "probe", tmp_path / "slowvenv"
+    probe_dir.mkdir()
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(
+        f'if [[ "${{SLURM_RESTART_COUNT:-0}}" == 0 ]]; then touch {tmp_path}/activating; sleep 4; fi\n')
+    env = {"DSSLM_MODULE": "gloo_probe", "PYTHONPATH": str(tmp_path), "PROBE_DIR": str(probe_dir),
+           "PROBE_STEPS": "600", "PROBE_STATUS": "finished", "DSSLM_VENV": str(venv)}
+    job_id = submit(slurm_cluster, tmp_path, [], env)
+    wait_for(lambda: (tmp_path / "activating").exists(), 60, "the venv's activation")
+    slurm_cluster.client(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    slurm_cluster.wait_job(job_id, lambda j: j["Restarts"] == "1", 60)
+    wait_for(lambda: sum(r["event"] == "start" for r in probe_records(probe_dir)) == 2, 60, "both ranks' start")
+    slurm_cluster.client(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    finish(slurm_cluster, tmp_path, job_id, restarts=1)
+
+    records, log = probe_records(probe_dir), job_log(tmp_path, job_id)
+    assert {(r["event"], r["restart"]) for r in records} == {("start", 1), ("saved", 1)}, (records, log)
+    assert "SIGUSR1 before the ranks started" in log and "requeueing without starting them" in log, log
+    assert "ranks exited with 0 (dsslm: finished)" in log and "end before the notice was answered" in log, log
+    assert not (ROOT / "slurm" / "logs" / f".status-{job_id}").exists()
+
+
 # The script alone: stand-ins for srun and scontrol, no cluster (and so no root), for what a real
 # cluster cannot time.
 
@@ -194,6 +225,17 @@ def test_a_notice_during_setup_requeues_without_starting_srun(tmp_path):
     assert not (tmp_path / "srun_started").exists()
 
 
+@pytest.mark.parametrize("status, requeued", [("finished", False), ("preempted", True), ("", True)])
+def test_after_a_notice_only_a_preemption_save_is_requeued(tmp_path, status, requeued):
+    """Rank 0's word in DSSLM_STATUS_FILE tells a save from the run's end, both exit 0; without one
+    (an older dsslm) the job is requeued as before. (Before: a finished run was requeued too.)"""
+    write = f'echo {status} >"$DSSLM_STATUS_FILE"; ' if status else ""
+    rc, out, calls = run_alone(tmp_path, f"trap '' USR1; kill -USR1 $PPID; sleep 0.2; {write}exit 0")
+    assert rc == 0 and ("requeue 42" in calls) == requeued, (out, calls)
+    assert f"ranks exited with 0{f' (dsslm: {status})' if status else ''}\n" in out, out
+    assert not list((tmp_path / "slurm" / "logs").glob(".status-*"))
+
+
 # dsslm.train under the launcher
 
 
@@ -237,6 +279,8 @@ def test_sbatch_trains_to_the_end(reference_run):
     start = events(reference_run)[0]
     assert start["world_size"] == 2 and start["engine"] == "ddp", start
     assert checkpoint_done(reference_run, TOTAL_STEPS)
+    (log,) = [path.read_text() for path in reference_run.parent.glob("dsslm-*.out")]
+    assert "ranks exited with 0 (dsslm: finished)" in log, log
 
 
 def test_scontrol_requeue_resumes_bit_exact(slurm_cluster, reference_run, tmp_path):
@@ -272,5 +316,5 @@ def test_usr1_saves_at_the_step_reached_and_requeues(slurm_cluster, reference_ru
     resumes = [e for e in events(run_dir) if e["event"] == "resume"]
     assert len(resumes) == 1 and f"step-{saved_step:08d}" in json.dumps(resumes[0]), events(run_dir)
     log = job_log(tmp_path, job_id)
-    assert "SIGUSR1: forwarding" in log and "requeueing job" in log, log
+    assert "SIGUSR1: forwarding" in log and "(dsslm: preempted)" in log and "requeueing job" in log, log
     assert last_loss_per_step(run_dir) == last_loss_per_step(reference_run)

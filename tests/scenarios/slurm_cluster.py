@@ -9,7 +9,7 @@ A machine that cannot have the cluster (not root, packages neither there nor ins
 Teardown cancels every job, then stops each process this module started, by pid: nothing is
 left running.
 
-Standalone check: `python tests/slurm_cluster.py` starts the cluster, runs `srun hostname`
+Standalone check: `python tests/scenarios/slurm_cluster.py` starts the cluster, runs `srun hostname`
 through sbatch, prints the timings and stops everything.
 """
 

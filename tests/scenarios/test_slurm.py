@@ -1,10 +1,13 @@
-"""slurm/train.sbatch on a real one-node Slurm cluster (tests/slurm_cluster.py), 2 CPU ranks per job.
+"""slurm/train.sbatch on a real one-node Slurm cluster (tests/scenarios/slurm_cluster.py), 2 CPU
+ranks per job.
 
 First the launcher on its own, with a 30-line gloo stand-in for the trainer: SIGUSR1 to the batch
 shell and SIGTERM from `scontrol requeue` each reach every rank exactly once, the ranks save, the
-job comes back and resumes. Then dsslm.train itself: a run to the end, a `scontrol requeue`
-mid-run and a SIGUSR1 preemption, both of which must end with the uninterrupted run's losses,
-bit for bit.
+job comes back and resumes; a notice during the script's setup requeues without starting the
+ranks, and one answered by a run that finished is not requeued. Then the script with stand-ins for
+srun and scontrol (no cluster): what a cluster cannot time. Then dsslm.train itself: a run to the
+end, a `scontrol requeue` mid-run and a SIGUSR1 preemption, both of which must end with the
+uninterrupted run's losses, bit for bit.
 """
 from __future__ import annotations
 

@@ -452,6 +452,22 @@ def test_every_test_a_page_names_exists(tmp_path):
         "no test test_no_such_test in tests/scenarios/test_resume.py", "no test file unit/test_nope.py"]
 
 
+TESTS_PATH = re.compile(r"(?<![\w/.])tests/[\w/]+\.py")
+
+
+def test_every_tests_path_named_exists():
+    """A `tests/....py` path named in a page, slurm/README.md, a script or a docstring is a file:
+    slurm/README.md and the Slurm tests' docstrings named test_slurm.py and slurm_cluster.py under
+    tests/ after their move to tests/scenarios/."""
+    files = [*doc_files(), ROOT / "slurm" / "README.md", *sorted((ROOT / ".ci").iterdir()),
+             *sorted((ROOT / "scripts").glob("*")), *sorted(ROOT.glob("tests/**/*.py")),
+             *sorted(ROOT.glob("dsslm/**/*.py"))]
+    missing = [f"{path.relative_to(ROOT)}:{number}: {name}" for path in files if path.is_file()
+               for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+               for name in TESTS_PATH.findall(line) if not (ROOT / name).is_file()]
+    assert missing == []
+
+
 def test_the_docs_are_there():
     names = {p.name for p in doc_files()}
     assert {"README.md", "design.md"} <= names

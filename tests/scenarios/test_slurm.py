@@ -61,7 +61,7 @@ while step < total:
         if rank == 0:
             ckpt.write_text(str(step))
             if os.environ.get("PROBE_STATUS"):  # what dsslm.train's rank 0 says as it leaves
-                Path(os.environ["DSSLM_STATUS_FILE"]).write_text(os.environ["PROBE_STATUS"] + "\n")
+                Path(os.environ["DSSLM_STATUS_FILE"]).write_text(os.environ["PROBE_STATUS"] + "\\n")
         dist.barrier()
         log(event="saved", step=step, signals=got)
         sys.exit(0)

@@ -209,7 +209,7 @@ class SkipEntry(Spec):
 
 
 # The most entries a skip list read back may hold (state.json, skip_list.json, a triage's lists):
-# its writer refuses to commit a longer one (recovery.rewind.check_skip_cap), else a run would
+# its writer refuses to commit a longer one (recovery.rewind.check_skip_list), else a run would
 # write checkpoints and a skip_list.json its own resume refuses.
 MAX_SKIP_ENTRIES = 100_000
 

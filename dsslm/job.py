@@ -186,7 +186,7 @@ def start(job: Job) -> str:
 def save(job: Job, sync: bool = False) -> None:
     """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes).
     Escalation instead of a checkpoint whose skip list a resume would refuse (too many entries)."""
-    job.rewinder.check_skip_cap(job.state.skip_list, job.state.step)
+    job.rewinder.check_skip_list(job.state.skip_list, job.state.step)
     if job.engine.is_main:
         job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
     job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)

@@ -27,6 +27,7 @@ from dsslm.fields import MAX_SKIP_ENTRIES, Fields, Float, Int, ListOf, Optional,
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
 from dsslm.data.loader import Loader
+from dsslm.data.sources import DataError
 from dsslm.data.skips import is_window, merge_skip_list
 from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
@@ -240,14 +241,24 @@ class Rewinder:
         """Rank 0: rewrite skip_list.json, fenced like a checkpoint: a trainer that lost run.dir's
         lock must not replace the new holder's record of bad data. Escalation, writing nothing, for
         a skip list a resume could not read back (`skip_cap_problem`)."""
-        self.check_skip_cap(state.skip_list, state.step)
+        self.check_skip_list(state.skip_list, state.step)
         self.checkpointer.store.fence()
         write_recovery(self.run_dir, state)
 
-    def check_skip_cap(self, skip_list: list, step: int) -> None:
-        """Escalation (exit 3) for a skip list too long to commit; `skip_cap_problem` says why.
-        Every rank reaches the same verdict: the skip list is the same everywhere."""
+    def check_skip_list(self, skip_list: list, step: int) -> None:
+        """Escalation (exit 3) for a skip list that must not be committed: too long to read back
+        (`skip_cap_problem`), or naming every chunk training draws from. The second was a DataError
+        at the next step's read (exit 2), after skip_list.json had it: every resume then exited 2
+        until a person edited the file (a rewind's window is widened by position, and on a small
+        corpus, or a small domain of a mixture, its chunks can be all there are). Every rank reaches
+        the same verdict: the skip list is the same everywhere."""
         problem = skip_cap_problem(skip_list, self.run_dir)
+        if problem is None and self.loader is not None:
+            try:
+                self.loader.skipped_chunks(skip_list)  # cached: the next step's read reuses it
+            except DataError as err:
+                problem = (f"{err}; none was written with it: see the rewinds in {self.run_dir / 'events.jsonl'}, "
+                           f"then lower monitor.skip_batches or add data")
         if problem is not None:
             self.emit("escalation", step=step, reason=problem)
             raise Escalation(problem)
@@ -294,7 +305,7 @@ class Rewinder:
         if fallback is not None and fallback.get("entries"):
             skipped = merge_skip_list(skipped + fallback["entries"])
         skip_list = merge_skip_list(base_skips + skipped)
-        self.check_skip_cap(skip_list, spike_step)  # before restore() leaves the newer checkpoints
+        self.check_skip_list(skip_list, spike_step)  # before restore() leaves the newer checkpoints
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
         self.restore(state, ckpt, skip_list, old_scale * rewind_plan.lr_scale_factor, record)
         self.engine.decide(lambda: self.write_run_file(state))

@@ -368,7 +368,10 @@ class Triage:
                 finally:
                     self.replay = r
         if r.phase == Phase.SKIP_WINDOW.value and state.step >= r.base_step:
-            state.skip_list = merge_skip_list(state.skip_list + (r.entries or [r.window]))
+            merged = merge_skip_list(state.skip_list + (r.entries or [r.window]))
+            if merged != state.skip_list:  # a phase's data that would leave nothing to train on escalates
+                self.rewinder.check_skip_list(merged, state.step)
+            state.skip_list = merged
 
     def keep_rewind_point(self, step: int) -> None:
         """Every rank, after each applied or skipped step: a rewind point when one is due, but not

@@ -100,6 +100,9 @@ class _Rewinder:
         from dsslm.recovery.rewind import write_recovery
         write_recovery(self.run_dir, state)
 
+    def check_skip_list(self, skip_list, step):
+        pass  # no loader here; tests/unit/recovery has its own test of the check
+
 
 def test_a_scaler_overflow_in_a_replay_is_not_the_spike_coming_back():
     progress = ReplayProgress()
@@ -457,6 +460,35 @@ def test_a_skip_list_past_the_cap_escalates_before_skip_list_json_is_written(tmp
     assert "\n" not in str(raised.value)
     assert recovery_path(tmp_path).read_bytes() == before and read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
     assert [e for e, _ in emitted] == ["escalation"] and emitted[0][1]["step"] == 9
+
+
+def test_a_skip_list_naming_every_chunk_escalates_before_skip_list_json_is_written(tmp_path):
+    """A rewind's window is widened by position, so on a small corpus its data can be every chunk
+    training draws from. That was a DataError at the next step's read (exit 2) after skip_list.json
+    had the list: every resume exited 2 until a person edited the file. Now Escalation (exit 3)
+    before anything is written, naming what to change."""
+    import torch
+
+    from dsslm.ckpt.store import CheckpointStore
+    from dsslm.data.corpus import default_data_dir
+    from dsslm.data.loader import Loader
+    from dsslm.recovery.rewind import Escalation, Rewinder, read_recovery, recovery_path
+    store = CheckpointStore(tmp_path, keep_last=5)
+    store.save(4, {"model": {"w": torch.ones(4)}}, {"step": 4})
+    checkpointer = type("Checkpointer", (), {"store": store})()
+    loader = Loader(default_data_dir(), 32, 1337)
+    emitted = []
+    rewinder = Rewinder(Config(), _Engine(), checkpointer, None, 16, tmp_path,
+                        lambda e, **f: emitted.append((e, f)), loader=loader)
+    rewinder.write_run_file(TrainState(skip_list=[[0, 16]]))
+    before = recovery_path(tmp_path).read_bytes()
+    everything = [{"shard": path, "tokens": [0, tokens]} for path, tokens in loader._train]
+    with pytest.raises(Escalation, match=r"names every chunk .* lower monitor.skip_batches or add data") as raised:
+        rewinder.write_run_file(TrainState(step=9, skip_list=everything))
+    assert "\n" not in str(raised.value)
+    assert recovery_path(tmp_path).read_bytes() == before and read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
+    assert [e for e, _ in emitted] == ["escalation"]
+    rewinder.write_run_file(TrainState(step=9, skip_list=everything[:1]))  # a part of the data is no problem
 
 
 def test_a_resume_whose_merged_skip_list_passes_the_cap_escalates_instead_of_saving(tmp_path):

@@ -184,6 +184,16 @@ class Loader:
         self._skipped = (entries, key, chunks)  # one assignment: another thread sees the old triple or the new
         return chunks
 
+    def emptied_domains(self, skip_list: list) -> list[str]:
+        """The domains training draws from whose every chunk the skip list names (with the others
+        left: else skipped_chunks raises). Their draws go to the next sequences of the stream, so
+        the run trains on the other domains only, and data.mix's weights no longer hold."""
+        chunks = self.skipped_chunks(skip_list)
+        per_domain = np.bincount(np.searchsorted(self._domain_first, chunks, side="right") - 1,
+                                 minlength=len(self.domains))
+        return [name for d, name in enumerate(self.domains) if self.domain_chunks[d] > 0
+                and (self.mixture is None or self.mixture.units[d] > 0) and per_domain[d] >= self.domain_chunks[d]]
+
     def data_entries(self, indices: np.ndarray, documents: np.ndarray | None = None) -> list[dict]:
         """Skip entries naming the data of these global sequences: each one's chunk and, where
         `documents` (a bool mask) says so, the documents its targets belong to (delimited by the

@@ -144,6 +144,7 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "recovery_rebuilt": (logging.WARNING, lambda f: f"rebuilt the run's skip list: {f.get('reason')}"),
     "forensics_failed": (logging.WARNING, lambda f: f"spike forensics at step {f.get('step')} not written: "
                                                     f"{f.get('reason')}"),
+    "domain_emptied": (logging.WARNING, lambda f: f"step {f.get('step')}: {f.get('reason')}"),
     "domain_epoch": (logging.INFO, lambda f: f"domain {f.get('domain')} starts pass {f.get('epoch')} at step "
                                              f"{f.get('step')}"),
     "finished": (logging.INFO, lambda f: f"this run is finished: step {f.get('step')} of train.total_steps="

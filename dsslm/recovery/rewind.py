@@ -192,6 +192,7 @@ class Rewinder:
                  batch_size: int, run_dir: Path, emit: Callable[..., Any], loader: Loader | None = None):
         self.cfg, self.engine, self.checkpointer, self.monitor = cfg, engine, checkpointer, monitor
         self.batch_size, self.run_dir, self.emit, self.loader = batch_size, run_dir, emit, loader
+        self._emptied: set[str] = set()  # domains whose every chunk the skip list names (said once)
         # step -> [first, end) sequences it was fed, for the few steps a spike can span.
         self._fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
         self.ring = RewindRing(engine, checkpointer, cfg.monitor.rewind_every if cfg.monitor.enabled else 0,
@@ -255,10 +256,15 @@ class Rewinder:
         problem = skip_cap_problem(skip_list, self.run_dir)
         if problem is None and self.loader is not None:
             try:
-                self.loader.skipped_chunks(skip_list)  # cached: the next step's read reuses it
+                emptied = self.loader.emptied_domains(skip_list)  # cached: the next step's read reuses it
             except DataError as err:
                 problem = (f"{err}; none was written with it: see the rewinds in {self.run_dir / 'events.jsonl'}, "
                            f"then lower monitor.skip_batches or add data")
+            else:  # said once per domain: the run goes on, on the other domains
+                for name in sorted(set(emptied) - self._emptied):
+                    self.emit("domain_emptied", step=step, domain=name, reason=f"every chunk of domain {name} is in "
+                              f"the skip list: training goes on without it, and data.mix's weights no longer hold")
+                self._emptied.update(emptied)
         if problem is not None:
             self.emit("escalation", step=step, reason=problem)
             raise Escalation(problem)

@@ -462,7 +462,7 @@ def test_a_skip_list_past_the_cap_escalates_before_skip_list_json_is_written(tmp
     assert [e for e, _ in emitted] == ["escalation"] and emitted[0][1]["step"] == 9
 
 
-def test_a_skip_list_naming_every_chunk_escalates_before_skip_list_json_is_written(tmp_path):
+def test_a_skip_list_naming_every_chunk_escalates_and_one_emptying_a_domain_is_said(tmp_path):
     """A rewind's window is widened by position, so on a small corpus its data can be every chunk
     training draws from. That was a DataError at the next step's read (exit 2) after skip_list.json
     had the list: every resume exited 2 until a person edited the file. Now Escalation (exit 3)
@@ -488,7 +488,11 @@ def test_a_skip_list_naming_every_chunk_escalates_before_skip_list_json_is_writt
     assert "\n" not in str(raised.value)
     assert recovery_path(tmp_path).read_bytes() == before and read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
     assert [e for e, _ in emitted] == ["escalation"]
-    rewinder.write_run_file(TrainState(step=9, skip_list=everything[:1]))  # a part of the data is no problem
+    # One domain's data, all of it: the run goes on with the other, and says so once.
+    rewinder.write_run_file(TrainState(step=9, skip_list=everything[1:]))
+    rewinder.write_run_file(TrainState(step=10, skip_list=everything[1:]))
+    assert [(e, f.get("domain")) for e, f in emitted[1:]] == [("domain_emptied", loader.domains[1])]
+    assert read_recovery(tmp_path, 16)["skip_list"] == everything[1:]
 
 
 def test_a_resume_whose_merged_skip_list_passes_the_cap_escalates_instead_of_saving(tmp_path):

@@ -115,8 +115,7 @@ def restarted(holder: dict, me: dict) -> str | None:
 
 def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> str | None:
     """Why the holder of a lock is certainly gone, or None if it may be alive. Pure."""
-    same_machine = holder["boot_id"] == me["boot_id"] if me["boot_id"] else holder["host"] == me["host"]
-    if same_machine and holder["pid_ns"] == me["pid_ns"]:
+    if _here(holder, me):
         pid = holder["pid"]
         start = _pid_start(pid)
         if not pid_running(pid):
@@ -130,6 +129,19 @@ def gone_reason(holder: dict, me: dict, age_s: float, stale_after_s: float) -> s
     if age_s > stale_after_s:
         return f"its heartbeat is {age_s:.0f} s old (run.lock_stale_s={stale_after_s:g})"
     return None
+
+
+def _here(holder: dict, me: dict) -> bool:
+    """The holder runs on this machine, in this pid namespace: its pid says whether it is alive."""
+    same_machine = holder["boot_id"] == me["boot_id"] if me["boot_id"] else holder["host"] == me["host"]
+    return same_machine and holder["pid_ns"] == me["pid_ns"]
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def describe(holder: dict) -> str:
@@ -173,8 +185,10 @@ class RunLock:
             if raw is None:
                 continue  # released between our link and our read
             reason = self._gone(holder, me, age_s)
-            rule = restarted(holder, me) if reason is None and holder is not None else None
-            if rule is not None:  # our own job's earlier run, if its heartbeat stops: wait and see
+            # Our own job's earlier run, if its heartbeat stops: wait and see. Not a holder alive on
+            # this machine (the pid rule said so; waiting would only delay the refusal).
+            rule = restarted(holder, me) if reason is None and holder is not None and not _here(holder, me) else None
+            if rule is not None:
                 settled = self._await_silence(raw)
                 if settled is None:
                     continue  # LOCK changed meanwhile: judge it afresh
@@ -183,8 +197,7 @@ class RunLock:
             if reason is None:
                 what = describe(holder) if holder else f"an unreadable {self.path}"
                 if rule is not None:
-                    what += (f" ({rule}, but its heartbeat went on for {restart_grace_s():g} s: another "
-                             f"trainer with the same id)")
+                    what += f" ({rule}, but it refreshed the lock while we watched: another trainer with the same id)"
                 raise LockHeld(f"run.dir={self.run_dir} is in use by {what}, lock refreshed {age_s:.0f} s ago; "
                                f"stop that trainer or use another run.dir (a holder that is gone is taken over "
                                f"after run.lock_stale_s={self.stale_after_s:g} s, or delete {self.path})")
@@ -255,18 +268,26 @@ class RunLock:
         return gone_reason(holder, me, age_s, self.stale_after_s)
 
     def _await_silence(self, raw: bytes) -> tuple[dict | None, float] | None:
-        """Watch LOCK for up to restart_grace_s(): (holder, heartbeat age) once its heartbeat is older
-        than that, or the last seen when time is up (a live holder kept it fresh); None when LOCK
-        changed (released, replaced) meanwhile."""
+        """Watch LOCK until its heartbeat is older than restart_grace_s() (gone) or it beats again
+        (alive): (holder, heartbeat age) either way; None when LOCK changed (released, replaced)
+        meanwhile. Ends on what LOCK shows, not on a clock started here: a deadline from the start
+        of the watch refused a holder whose age was a hair under the grace (file times are coarser
+        than the watch), and one that beat once and stopped, as "went on"."""
         grace = restart_grace_s()
-        deadline = time.monotonic() + grace
-        while True:
-            time.sleep(max(0.0, min(HEARTBEAT_S / 10, deadline - time.monotonic())))
+        first = None
+        for _ in range(int(4 * grace / (HEARTBEAT_S / 10)) + 2):  # bounded: an age that never grows (a clock jump)
             seen, holder, age_s = self._inspect()
             if seen != raw:
                 return None
-            if age_s > grace or time.monotonic() >= deadline:
+            if age_s > grace:
                 return holder, age_s
+            beat = _mtime(self.path)
+            if first is None:
+                first = beat
+            elif beat != first:
+                return holder, age_s  # it refreshed LOCK: alive
+            time.sleep(min(HEARTBEAT_S / 10, max(0.0, grace - age_s) + 0.01))
+        return holder, age_s
 
     def _fs_now(self) -> float:
         """Now, by the clock that stamps files in run.dir (the file server's, on a network filesystem)."""

@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_WRITE_FAILED
     except Preempted as stopped:
         say(stopped, f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save")
+        # Requeued all the same: the launcher's log then says so, not "no word from rank 0".
+        note_status("preempted", int(os.environ.get("RANK", "0")) == 0)
         return EXIT_OK
     except KeyboardInterrupt:
         where = f" in {cfg.run.dir}/checkpoints" if cfg is not None else ""
@@ -136,7 +138,7 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
 def run_loop(job: Job, stop: StopFlag) -> int:
     cfg, sinks, state = job.cfg, job.sinks, job.state
     if start(job) == "finished":
-        note_status(job, "finished")
+        note_status("finished", job.engine.is_main)
         return EXIT_OK  # said so; nothing to train
     # Setup ends in one collective. Rank 0 does work of its own after setup's other collectives
     # (events, the audit, the start checkpoint's snapshot), so the others wait here for it. Each
@@ -173,7 +175,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job, sync=True)
             sinks.emit("preempt_save", step=state.step, signal=stop.name)
             check_health(job)
-            note_status(job, "preempted")
+            note_status("preempted", job.engine.is_main)
             return stop.exit_code
         if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
             save(job)
@@ -183,15 +185,15 @@ def run_loop(job: Job, stop: StopFlag) -> int:
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
     check_health(job)
-    note_status(job, "finished")
+    note_status("finished", job.engine.is_main)
     return EXIT_OK
 
 
-def note_status(job: Job, word: str) -> None:
+def note_status(word: str, is_main: bool) -> None:
     """Rank 0 tells the launcher how the run left, in $DSSLM_STATUS_FILE if set: `finished` (nothing
     left to train) or `preempted` (saved on a stop signal; a requeue resumes it). Exit 0 either way."""
     path = os.environ.get(STATUS_FILE_ENV)
-    if not path or not job.engine.is_main:
+    if not path or not is_main:
         return
     try:
         with open(path, "w") as f:

@@ -177,8 +177,10 @@ def test_sigterm_during_the_resume_exits_0_at_once_with_an_event(tmp_path):
             return real(self, *args, **kwargs)
         resume.Checkpointer.resume_or_init = slow
     """
+    status = tmp_path / "status"  # slurm/train.sbatch's: rank 0's word for the launcher's log
     proc = start_train(run_dir, "train.total_steps=20", "ckpt.every=5",
-                       env={**hook_env(tmp_path / "hook", slow_resume), "MARKER": str(marker)})
+                       env={**hook_env(tmp_path / "hook", slow_resume), "MARKER": str(marker),
+                            "DSSLM_STATUS_FILE": str(status)})
     wait_for(marker.exists, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -189,6 +191,7 @@ def test_sigterm_during_the_resume_exits_0_at_once_with_an_event(tmp_path):
     assert len(preempted) == 1 and preempted[0]["signal"] == "SIGTERM" and preempted[0]["saved"] is False
     said = [line for line in err.splitlines() if "before the first step" in line]
     assert said == ["dsslm: SIGTERM before the first step: nothing trained, nothing to save"], err  # once
+    assert status.read_text() == "preempted\n"  # before: nothing, and the log said "no word from rank 0"
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["step-00000000", "step-00000005", "step-00000010"]  # the start checkpoint, then the run's
     assert not (run_dir / "LOCK").exists()

@@ -228,6 +228,16 @@ def test_a_notice_during_setup_requeues_without_starting_srun(tmp_path):
     assert not (tmp_path / "srun_started").exists()
 
 
+def test_a_sigterm_during_setup_ends_the_script_without_starting_srun(tmp_path):
+    """With the traps first, a SIGTERM during setup (the job ending) only logged, and srun started
+    ranks Slurm was about to kill mid-setup. Now the script ends with 143 and starts nothing."""
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "activate").write_text("kill -TERM $$\n")
+    rc, out, calls = run_alone(tmp_path, "exit 0", {"DSSLM_VENV": str(tmp_path / "venv")})
+    assert rc == 143 and "not starting them" in out and "requeue" not in calls, (rc, out, calls)
+    assert not (tmp_path / "srun_started").exists()
+
+
 @pytest.mark.parametrize("status, requeued", [("finished", False), ("preempted", True), ("", True)])
 def test_after_a_notice_only_a_preemption_save_is_requeued(tmp_path, status, requeued):
     """Rank 0's word in DSSLM_STATUS_FILE tells a save from the run's end, both exit 0; without one

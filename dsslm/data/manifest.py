@@ -117,8 +117,8 @@ def check_manifest(data_dir: Path, manifest: dict) -> None:
 def _respelled(rel) -> str:
     """'write it as X or ' where dropping empty and '.' parts (and reading a backslash as /) makes
     `rel` a shard path, else ''."""
-    if not isinstance(rel, str):
-        return ""
+    if not isinstance(rel, str) or rel.startswith(("/", "\\")):
+        return ""  # absolute: dropping the root would name another file, under DATA_DIR
     fixed = "/".join(p for p in rel.replace("\\", "/").split("/") if p not in ("", "."))
     return f"write it as {fixed!r} or " if shard_path_problem(fixed) is None else ""
 

@@ -259,6 +259,15 @@ def test_a_shard_path_a_skip_entry_would_refuse_is_refused_in_the_manifest(data_
         assert f"write it as {path!r}" in str(refused.value)
 
 
+def test_an_absolute_shard_path_gets_no_respelling(data_dir):
+    """Dropping the root of '/srv/data/web/x.bin' names 'srv/data/web/x.bin' under DATA_DIR: another
+    file. (Before: suggested as the fix.)"""
+    _edit_manifest(data_dir, lambda m: _first_shard(m).update(path="/srv/data/web/train-00000.bin"))
+    with pytest.raises(DataError) as refused:
+        load_manifest(data_dir, verify=False)
+    assert "write it as" not in str(refused.value) and "srv/data" in str(refused.value)
+
+
 def test_an_empty_train_shard_is_refused_in_the_manifest(data_dir):
     """prepare never writes one; the loader maps the train shard after one whose last document has
     no EOS (the document goes on there), and an empty file cannot be mapped. (Before: accepted,

@@ -35,7 +35,7 @@ import torch
 from dsslm.data.manifest import load_manifest
 from dsslm.data.mixture import Mixture, domain_key, weight_units
 from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, view_of
-from dsslm.data.sources import DataError
+from dsslm.data.sources import DataError, NothingLeft
 from dsslm.data.stream import StepSlice, merge_windows, slice_of_merged, split_micro_batches, take
 
 
@@ -179,7 +179,7 @@ class Loader:
         drawn = [d for d in range(len(self.domains))
                  if self.domain_chunks[d] > 0 and (self.mixture is None or self.mixture.units[d] > 0)]
         if drawn and all(per_domain[d] >= self.domain_chunks[d] for d in drawn):
-            raise DataError(f"the skip list names every chunk of {self.data_dir} that training draws from; "
+            raise NothingLeft(f"the skip list names every chunk of {self.data_dir} that training draws from; "
                             "nothing is left to train on")
         self._skipped = (entries, key, chunks)  # one assignment: another thread sees the old triple or the new
         return chunks

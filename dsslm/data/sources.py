@@ -26,6 +26,10 @@ class DataError(ValueError):
     """Bad input, or a DATA_DIR that does not verify; the message says what to fix."""
 
 
+class NothingLeft(DataError):
+    """A skip list names every chunk training draws from: nothing is left to train on."""
+
+
 @dataclass(frozen=True)
 class Source:
     path: Path

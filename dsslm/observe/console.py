@@ -144,6 +144,8 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "recovery_rebuilt": (logging.WARNING, lambda f: f"rebuilt the run's skip list: {f.get('reason')}"),
     "forensics_failed": (logging.WARNING, lambda f: f"spike forensics at step {f.get('step')} not written: "
                                                     f"{f.get('reason')}"),
+    "triage_phase_not_run": (logging.WARNING, lambda f: f"triage of the spike at step {f.get('spike_start')}: the "
+                                                        f"{f.get('phase')} replay is not run ({f.get('reason')})"),
     "domain_emptied": (logging.WARNING, lambda f: f"step {f.get('step')}: {f.get('reason')}"),
     "domain_epoch": (logging.INFO, lambda f: f"domain {f.get('domain')} starts pass {f.get('epoch')} at step "
                                              f"{f.get('step')}"),

@@ -27,7 +27,7 @@ from dsslm.fields import MAX_SKIP_ENTRIES, Fields, Float, Int, ListOf, Optional,
 from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
 from dsslm.data.loader import Loader
-from dsslm.data.sources import DataError
+from dsslm.data.sources import NothingLeft
 from dsslm.data.skips import is_window, merge_skip_list
 from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
@@ -242,29 +242,30 @@ class Rewinder:
         """Rank 0: rewrite skip_list.json, fenced like a checkpoint: a trainer that lost run.dir's
         lock must not replace the new holder's record of bad data. Escalation, writing nothing, for
         a skip list a resume could not read back (`skip_cap_problem`)."""
-        self.check_skip_list(state.skip_list, state.step)
+        self.check_skip_list(state.skip_list, state.step, committed=True)
         self.checkpointer.store.fence()
         write_recovery(self.run_dir, state)
 
-    def check_skip_list(self, skip_list: list, step: int) -> None:
+    def check_skip_list(self, skip_list: list, step: int, committed: bool = False) -> None:
         """Escalation (exit 3) for a skip list that must not be committed: too long to read back
         (`skip_cap_problem`), or naming every chunk training draws from. The second was a DataError
         at the next step's read (exit 2), after skip_list.json had it: every resume then exited 2
         until a person edited the file (a rewind's window is widened by position, and on a small
-        corpus, or a small domain of a mixture, its chunks can be all there are). Every rank reaches
-        the same verdict: the skip list is the same everywhere."""
+        corpus, or a small domain of a mixture, its chunks can be all there are). A `committed` list
+        (skip_list.json's) that takes a domain's every chunk is said once (`domain_emptied`). Every
+        rank reaches the same verdict: the skip list is the same everywhere."""
         problem = skip_cap_problem(skip_list, self.run_dir)
         if problem is None and self.loader is not None:
             try:
                 emptied = self.loader.emptied_domains(skip_list)  # cached: the next step's read reuses it
-            except DataError as err:
+            except NothingLeft as err:
                 problem = (f"{err}; none was written with it: see the rewinds in {self.run_dir / 'events.jsonl'}, "
                            f"then lower monitor.skip_batches or add data")
-            else:  # said once per domain: the run goes on, on the other domains
-                for name in sorted(set(emptied) - self._emptied):
+            else:  # said once per domain, of the list the run commits (not a replay's trial): training goes on
+                for name in sorted(set(emptied) - self._emptied if committed else ()):
                     self.emit("domain_emptied", step=step, domain=name, reason=f"every chunk of domain {name} is in "
                               f"the skip list: training goes on without it, and data.mix's weights no longer hold")
-                self._emptied.update(emptied)
+                self._emptied.update(emptied if committed else ())
         if problem is not None:
             self.emit("escalation", step=step, reason=problem)
             raise Escalation(problem)

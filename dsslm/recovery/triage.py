@@ -77,6 +77,7 @@ from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, L
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
 from dsslm.data.skips import concentrated, merge_skip_list
+from dsslm.data.sources import NothingLeft
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
@@ -369,9 +370,8 @@ class Triage:
                     self.replay = r
         if r.phase == Phase.SKIP_WINDOW.value and state.step >= r.base_step:
             merged = merge_skip_list(state.skip_list + (r.entries or [r.window]))
-            if merged != state.skip_list:  # a phase's data that would leave nothing to train on escalates
-                self.rewinder.check_skip_list(merged, state.step)
-            state.skip_list = merged
+            if merged != state.skip_list:  # the same list object else: the loader's merged view stays cached
+                state.skip_list = merged
 
     def keep_rewind_point(self, step: int) -> None:
         """Every rank, after each applied or skipped step: a rewind point when one is due, but not
@@ -474,7 +474,11 @@ class Triage:
                                                    f"spike at steps [{r.spike_start}, {r.target}] it replays")
         left = {Phase.SAME_DATA.value: 3, Phase.SKIP_WINDOW.value: 1 if r.wide else 2, Phase.BACKOFF.value: 1}[r.phase]
         if not self._affordable(r, phases=left + self.cfg.monitor.max_backoffs - r.backoffs):
-            return self._fall_back(state, r, ckpt)
+            budget = self.cfg.monitor.triage_max_replay_steps
+            return self._fall_back(state, r, ckpt, f"the {r.phase} replay spiked at step {ahead}, before the spike at "
+                                   f"steps [{r.spike_start}, {r.target}] it replays, and the replay budget "
+                                   f"(monitor.triage_max_replay_steps={budget}, {r.replay_steps} replayed so far) "
+                                   f"does not cover running it again and the phases after it")
         window = r.window if r.phase == Phase.SKIP_WINDOW.value else None
         self._replay_from(state, ckpt, r, window, r.lr_scale, retry=True)
 
@@ -521,6 +525,14 @@ class Triage:
 
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
                      lr_scale: float, retry: bool = False) -> None:
+        if r.phase == Phase.SKIP_WINDOW.value and not retry:
+            nothing_left = self._leaves_nothing(r)
+            if nothing_left:  # it cannot run: the next phase (the wide one, or a backoff) instead
+                r.evidence.append({"phase": r.phase, "from_step": ckpt.state["step"], "steps": [],
+                                   "wide": r.wide or not r.entries, "not_run": nothing_left})
+                self.emit("triage_phase_not_run", step=r.target, spike_start=r.spike_start, phase=r.phase,
+                          reason=nothing_left)
+                return self._next_phase(state, r.target)
         # r.base_step stays the planned base: a phase that must load an older checkpoint (after a
         # restart the rewind point is gone) changes nothing before it (window, lr_factor).
         loaded = ckpt.state["step"]
@@ -538,6 +550,20 @@ class Triage:
         self.emit("rewind", step=r.target, to_step=state.step, window=window if window and not r.entries else [],
                   skip=r.entries if window else [], checkpoint=str(ckpt.path), reason=r.reason,
                   triage_phase=r.phase, lr_scale=state.lr_scale * trial)
+
+    def _leaves_nothing(self, r: Replay) -> str:
+        """Why a skip-window replay without its data cannot run (its list names every chunk
+        training draws from: on a small corpus, a wide window's data can be all of it), or ''. It
+        was a DataError at the replay's first read (exit 2), and every resume of the replay hit it
+        again."""
+        loader = self.rewinder.loader
+        if loader is None:
+            return ""
+        try:
+            loader.skipped_chunks(merge_skip_list(r.skip_list + (r.entries or [r.window])))
+        except NothingLeft as err:
+            return str(err)
+        return ""
 
     def _conclude(self, state: TrainState) -> None:
         r, self.replay = self.replay, None
@@ -577,11 +603,12 @@ class Triage:
         self.replay = None
         # Every phase replayed so far came back, but for one that spiked before the spike (_spiked_ahead).
         shown = any(e["phase"] == Phase.BACKOFF.value or (e["phase"] == Phase.SKIP_WINDOW.value and e.get("wide", True))
-                    for e in r.evidence[1:] if "spiked_ahead" not in e)
+                    for e in r.evidence[1:] if "spiked_ahead" not in e and "not_run" not in e)
         verdict = "state" if shown else "unknown"
         budget = self.cfg.monitor.triage_max_replay_steps
         why = why or (f"replay budget: monitor.triage_max_replay_steps={budget} does not cover the triage's "
-                      f"replays of {r.target - ckpt.state['step']} steps each from step {ckpt.state['step']}")
+                      f"replays of {r.target - r.base_step} steps each from its base at step {r.base_step} "
+                      f"({r.replay_steps} replayed so far)")
         self.emit("triage", step=r.target, verdict=verdict, scope="window", spike_start=r.spike_start,
                   target=r.target, from_step=ckpt.state["step"], replay_steps=r.replay_steps, window=r.window,
                   fallback=f"{why}; the plain rewind policy skips the planned window {r.window}"
@@ -599,8 +626,11 @@ class Triage:
             "entries": r.entries if verdict == "unknown" else []})
         # What it loaded may be a checkpoint the replay saved (its same-data run-up, or its
         # catch-up to the base), holding that replay in progress: the run resumed a triage the
-        # fallback had ended, and concluded it with that phase's verdict.
-        self.replay = None
+        # fallback had ended, and concluded it with that phase's verdict. Ended here, and that
+        # save set aside (kept): a crash before the next save resumed the replay from it again.
+        if self.replay is not None:
+            self.replay = None
+            self.rewinder.checkpointer.leave_after(state.step - 1)
 
 
 def _relative(a: float, b: float) -> float:

@@ -429,11 +429,17 @@ def test_a_fallback_ends_the_replay_whose_save_it_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(triage_module.Triage, "_replay_from", original)
     monkeypatch.setattr(faults.Drills, "loss_multiplier", nan_once_resumed)
     resumed.append(True)
+    with pytest.raises(faults.DrillAbort):  # killed at 48, before the next save
+        train(cfg(tmp_path, *run, "faults.crash_at_step=48", "faults.crash_mode=raise"))
+    assert [e["to_step"] for e in events(tmp_path, "rewind") if e.get("verdict") == "unknown"] == [46]
+    # The save the fallback loaded was set aside with the replay in it; the restart resumes
+    # from the one before, with the fallback's skip list, and no replay.
+    assert not (tmp_path / "checkpoints" / "step-00000046").exists()
     assert train(cfg(tmp_path, *run)) == 0
+    assert events(tmp_path, "resume")[-1]["step"] == 45
     (decision,) = triages(tmp_path, "window")
     assert decision["verdict"] == "unknown" and "triage_max_replay_steps=40" in decision["fallback"]
     assert decision["evidence"][-1]["spiked_ahead"] == 47
-    assert [e["to_step"] for e in events(tmp_path, "rewind") if e.get("verdict") == "unknown"] == [46]
     assert final_state(tmp_path)["triage"]["replay"] is None
 
 

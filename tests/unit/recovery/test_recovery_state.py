@@ -93,6 +93,8 @@ def test_the_triage_part_carries_the_open_streaks_sequence_losses_and_its_skip_l
 
 
 class _Rewinder:
+    loader = None  # no data: a skip-window replay is always runnable (Triage._leaves_nothing)
+
     def __init__(self):
         self._fed = collections.OrderedDict()
 
@@ -519,3 +521,48 @@ def test_a_resume_whose_merged_skip_list_passes_the_cap_escalates_instead_of_sav
         train(tiny_cfg(tmp_path, *cfg))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-")) == [
         "step-00000002"]
+
+
+def test_a_skip_window_replay_that_would_leave_nothing_to_train_on_is_not_run():
+    """A wide skip-window replay leaves out all the data its planned window read: on a small
+    corpus that can be every chunk there is. It was a DataError at the replay's first read (exit
+    2), and every resume of the replay hit it again. Now that phase is not run: the triage goes on
+    to the backoff, and the evidence says why."""
+    from dsslm.data.sources import NothingLeft
+    calls, emitted = [], []
+    entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
+    window_data = [{"shard": "web/train-00000.bin", "tokens": [0, 9000]}]
+
+    class Loader:
+        def skipped_chunks(self, skip_list):
+            if window_data[0] in skip_list:
+                raise NothingLeft("the skip list names every chunk of DATA that training draws from")
+
+    class Ckpt:
+        state, path = {"step": 45}, "memory:step-00000045"
+
+    class Rewinder(_Rewinder):
+        loader = Loader()
+
+        def data_of(self, window, skip_list):
+            return list(window_data)
+
+        def checkpoint_before(self, target, base, spike_start):
+            return Ckpt()
+
+        def restore(self, state, ckpt, skip_list, lr_scale, record):
+            calls.append(("restore", ckpt.state["step"], skip_list))
+            state.step = ckpt.state["step"]
+
+    progress = ReplayProgress()
+    triage = Triage(Config(), _Engine(), Rewinder(), None, None, progress, lambda e, **f: emitted.append((e, f)))
+    r = Replay(phase="skip_window", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[],
+               lr_scale=1.0, evidence=[{"phase": "original", "steps": []}, {"phase": "skip_window", "steps": []}],
+               entries=[entry], replay_steps=8)
+    progress.replay = r
+    triage._next_phase(TrainState(step=53), 53)
+    assert r.phase == "backoff" and r.backoffs == 1 and r.wide
+    not_run = r.evidence[2]
+    assert not_run["phase"] == "skip_window" and "every chunk" in not_run["not_run"] and not not_run["steps"]
+    assert r.evidence[3]["phase"] == "backoff" and [c[0] for c in calls] == ["restore"]
+    assert [e for e, _ in emitted] == ["triage_phase_not_run", "rewind"]

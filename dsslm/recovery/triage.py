@@ -37,16 +37,17 @@ it (the *base*) and replays to `target`:
 
 "Comes back" means a step of [spike_start, target] is outside the monitor's thresholds again
 (an outlier or a rewind). A rewind earlier in a replay, before the spike, is a new spike that says
-nothing of the one replayed: that phase runs again once, then falls back (`_spiked_ahead`). On CPU in fp32 a replay is bitwise, so a data or state spike comes back
-exactly; on GPU kernels are not bitwise, and a replayed step counts only beyond 3x the spread of
-one step computed twice (`note_spread`). The base is the newest rewind point (in memory, every
-`monitor.rewind_every` steps) or durable checkpoint at or before the planned step (after a restart,
-reached from an older checkpoint by replaying the steps up to it as they were, once). Each spike may
-spend at most `triage_max_replay_steps` replayed steps, checked for the whole plan (same_data
-unless skipped, both skip_window replays and every backoff) before the first replay; a triage that does not fit falls back to
-the plain rewind policy (`Rewinder.rewind`: skip the window planned from the original pass, back
-off when the region repeats) with the verdict `unknown` (or `state`, when the wide skip-window replay or a backoff had come
-back before the fallback).
+nothing of the one replayed: that phase runs again once, then falls back (`_spiked_ahead`). On
+CPU in fp32 a replay is bitwise, so a data or state spike comes back exactly; on GPU kernels are
+not bitwise, and a replayed step counts only beyond 3x the spread of one step computed twice
+(`note_spread`). The base is the newest rewind point (in memory, every `monitor.rewind_every`
+steps) or durable checkpoint at or before the planned step (after a restart, reached from an older
+checkpoint by replaying the steps up to it as they were, once). Each spike may spend at most
+`triage_max_replay_steps` replayed steps, checked for the whole plan (same_data unless skipped,
+both skip_window replays and every backoff) before the first replay; a triage that does not fit
+falls back to the plain rewind policy (`Rewinder.rewind`: skip the window planned from the original pass, back
+off when the region repeats) with the verdict `unknown` (or `state`, when the wide skip-window
+replay or a backoff had come back before the fallback).
 
 An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
 the same step again with the same weights, batch and random state, gradients dropped first. A

@@ -73,8 +73,8 @@ from typing import Any, Callable
 import numpy as np
 
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, ListOf, Optional, SkipList, Spec,
-                          StateError, Str, Window)
+from dsslm.fields import (MAX_COUNT, MAX_SKIP_ENTRIES, MAX_STEP, Bool, Fields, Float, Int, Json, ListOf, Optional,
+                          SkipList, Spec, StateError, Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
 from dsslm.data.skips import concentrated, merge_skip_list
@@ -527,12 +527,12 @@ class Triage:
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
                      lr_scale: float, retry: bool = False) -> None:
         if r.phase == Phase.SKIP_WINDOW.value and not retry:
-            nothing_left = self._leaves_nothing(r)
-            if nothing_left:  # it cannot run: the next phase (the wide one, or a backoff) instead
+            why_not = self._cannot_run(r)
+            if why_not:  # the next phase (the wide one, or a backoff) instead
                 r.evidence.append({"phase": r.phase, "from_step": ckpt.state["step"], "steps": [],
-                                   "wide": r.wide or not r.entries, "not_run": nothing_left})
+                                   "wide": r.wide or not r.entries, "not_run": why_not})
                 self.emit("triage_phase_not_run", step=r.target, spike_start=r.spike_start, phase=r.phase,
-                          reason=nothing_left)
+                          reason=why_not)
                 return self._next_phase(state, r.target)
         # r.base_step stays the planned base: a phase that must load an older checkpoint (after a
         # restart the rewind point is gone) changes nothing before it (window, lr_factor).
@@ -552,16 +552,23 @@ class Triage:
                   skip=r.entries if window else [], checkpoint=str(ckpt.path), reason=r.reason,
                   triage_phase=r.phase, lr_scale=state.lr_scale * trial)
 
-    def _leaves_nothing(self, r: Replay) -> str:
-        """Why a skip-window replay without its data cannot run (its list names every chunk
-        training draws from: on a small corpus, a wide window's data can be all of it), or ''. It
-        was a DataError at the replay's first read (exit 2), and every resume of the replay hit it
-        again."""
+    def _cannot_run(self, r: Replay) -> str:
+        """Why a skip-window replay without its data cannot run, or ''. Its list names every chunk
+        training draws from (on a small corpus, a wide window's data can be all of it): a DataError
+        at the replay's first read (exit 2), on every resume of it. Or its list is longer than a
+        checkpoint may hold (a wide window at a large batch, doubled per repeat of the region: 8
+        batches x 1024 x 16 is 131,072 chunks): the replay's checkpoints would be refused on
+        resume, and the run resumed from before the triage without knowing it."""
+        listed = merge_skip_list(r.skip_list + (r.entries or [r.window]))
+        longest = max(len(listed), len(r.entries))
+        if longest > MAX_SKIP_ENTRIES:
+            return (f"its skip list would hold {longest} entries, more than the {MAX_SKIP_ENTRIES} a checkpoint "
+                    f"may hold")
         loader = self.rewinder.loader
         if loader is None:
             return ""
         try:
-            loader.skipped_chunks(merge_skip_list(r.skip_list + (r.entries or [r.window])))
+            loader.skipped_chunks(listed)
         except NothingLeft as err:
             return str(err)
         return ""

@@ -93,7 +93,7 @@ def test_the_triage_part_carries_the_open_streaks_sequence_losses_and_its_skip_l
 
 
 class _Rewinder:
-    loader = None  # no data: a skip-window replay is always runnable (Triage._leaves_nothing)
+    loader = None  # no data: a skip-window replay is always runnable (Triage._cannot_run)
 
     def __init__(self):
         self._fed = collections.OrderedDict()
@@ -523,19 +523,23 @@ def test_a_resume_whose_merged_skip_list_passes_the_cap_escalates_instead_of_sav
         "step-00000002"]
 
 
-def test_a_skip_window_replay_that_would_leave_nothing_to_train_on_is_not_run():
-    """A wide skip-window replay leaves out all the data its planned window read: on a small
-    corpus that can be every chunk there is. It was a DataError at the replay's first read (exit
-    2), and every resume of the replay hit it again. Now that phase is not run: the triage goes on
-    to the backoff, and the evidence says why."""
+@pytest.mark.parametrize("why", ["every chunk", "more than the 100000"])
+def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
+    """A wide skip-window replay leaves out all the data its planned window read. On a small corpus
+    that can be every chunk there is: a DataError at the replay's first read (exit 2), on every
+    resume of it. At a large batch it can be more entries than a checkpoint may hold: the replay's
+    checkpoints would be refused on resume. Now that phase is not run: the triage goes on to the
+    backoff, and the evidence says why."""
     from dsslm.data.sources import NothingLeft
+    from dsslm.fields import MAX_SKIP_ENTRIES
     calls, emitted = [], []
     entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
-    window_data = [{"shard": "web/train-00000.bin", "tokens": [0, 9000]}]
+    window_data = ([{"shard": "web/train-00000.bin", "tokens": [0, 9000]}] if why == "every chunk" else
+                   [{"shard": "web/train-00000.bin", "tokens": [100 * i, 100 * i + 33]} for i in range(20, MAX_SKIP_ENTRIES + 20)])
 
     class Loader:
         def skipped_chunks(self, skip_list):
-            if window_data[0] in skip_list:
+            if why == "every chunk" and window_data[0] in skip_list:
                 raise NothingLeft("the skip list names every chunk of DATA that training draws from")
 
     class Ckpt:
@@ -563,6 +567,6 @@ def test_a_skip_window_replay_that_would_leave_nothing_to_train_on_is_not_run():
     triage._next_phase(TrainState(step=53), 53)
     assert r.phase == "backoff" and r.backoffs == 1 and r.wide
     not_run = r.evidence[2]
-    assert not_run["phase"] == "skip_window" and "every chunk" in not_run["not_run"] and not not_run["steps"]
+    assert not_run["phase"] == "skip_window" and why in not_run["not_run"] and not not_run["steps"]
     assert r.evidence[3]["phase"] == "backoff" and [c[0] for c in calls] == ["restore"]
     assert [e for e, _ in emitted] == ["triage_phase_not_run", "rewind"]

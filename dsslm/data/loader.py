@@ -174,11 +174,8 @@ class Loader:
             lo, hi = chunk_range(a, b, self.seq_len, self._n_chunks(self._train[shard][1]))
             ranges.append(np.arange(lo, hi, dtype=np.int64) + self._first_chunk[shard])
         chunks = np.unique(np.concatenate(ranges)) if ranges else np.empty(0, dtype=np.int64)
-        per_domain = np.bincount(np.searchsorted(self._domain_first, chunks, side="right") - 1,
-                                 minlength=len(self.domains))
-        drawn = [d for d in range(len(self.domains))
-                 if self.domain_chunks[d] > 0 and (self.mixture is None or self.mixture.units[d] > 0)]
-        if drawn and all(per_domain[d] >= self.domain_chunks[d] for d in drawn):
+        drawn, emptied = self._drawn_and_emptied(chunks)
+        if drawn and len(emptied) == len(drawn):
             raise NothingLeft(f"the skip list names every chunk of {self.data_dir} that training draws from; "
                             "nothing is left to train on")
         self._skipped = (entries, key, chunks)  # one assignment: another thread sees the old triple or the new
@@ -188,11 +185,16 @@ class Loader:
         """The domains training draws from whose every chunk the skip list names (with the others
         left: else skipped_chunks raises). Their draws go to the next sequences of the stream, so
         the run trains on the other domains only, and data.mix's weights no longer hold."""
-        chunks = self.skipped_chunks(skip_list)
+        return [self.domains[d] for d in self._drawn_and_emptied(self.skipped_chunks(skip_list))[1]]
+
+    def _drawn_and_emptied(self, chunks: np.ndarray) -> tuple[list[int], list[int]]:
+        """The domains training draws from (chunks, and weight in the mix), and those of them whose
+        every chunk is in `chunks` (skipped chunk ids, sorted and unique)."""
         per_domain = np.bincount(np.searchsorted(self._domain_first, chunks, side="right") - 1,
                                  minlength=len(self.domains))
-        return [name for d, name in enumerate(self.domains) if self.domain_chunks[d] > 0
-                and (self.mixture is None or self.mixture.units[d] > 0) and per_domain[d] >= self.domain_chunks[d]]
+        drawn = [d for d in range(len(self.domains))
+                 if self.domain_chunks[d] > 0 and (self.mixture is None or self.mixture.units[d] > 0)]
+        return drawn, [d for d in drawn if per_domain[d] >= self.domain_chunks[d]]
 
     def data_entries(self, indices: np.ndarray, documents: np.ndarray | None = None) -> list[dict]:
         """Skip entries naming the data of these global sequences: each one's chunk and, where

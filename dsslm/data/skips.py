@@ -87,15 +87,11 @@ def merge_skip_list(skip_list: Iterable) -> list:
     return windows_of(skip_list) + entries_of(skip_list)
 
 
-def skip_key(skip_list: Iterable) -> str:
-    """A hashable, order-free key of what a skip list skips (for caches and the prefetcher)."""
-    return json.dumps(merge_skip_list(skip_list), separators=(",", ":"))
-
-
 @dataclass(frozen=True)
 class SkipView:
     """A skip list merged once: its windows (`windows_of`), its data entries (`entries_of`), both
-    together (`merged`, what `merge_skip_list` gives) and `key` (what `skip_key` gives). Read only."""
+    together (`merged`, what `merge_skip_list` gives) and `key` (`merged` as compact JSON: a
+    hashable, order-free key of what the list skips, for the prefetcher). Read only."""
     windows: list
     entries: list
     merged: list

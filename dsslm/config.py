@@ -156,7 +156,9 @@ class MonitorCfg:
     max_rewinds: int = 4        # rewinds before escalating to a human (exit 3)
     lr_backoff: float = 0.7     # lr_scale factor when the same region spikes again
     region_steps: int = 50      # spikes closer than this to a past rewind count as the same region
-    skip_batches: int = 8       # a rewind skips at least this many data batches (doubling per repeat)
+    # A rewind skips at least this many batches of the stream (doubling per repeat): the spike
+    # steps' data by chunk, for good; the rest by position, this pass only (random chunks).
+    skip_batches: int = 8
     detector: str = "mad"       # mad (median/MAD) | zscore (mean/std, OLMo-core) | max_multiple (Megatron)
     max_multiple: float = 10.0  # max_multiple: a loss this many times the largest of the first steps...
     max_multiple_steps: int = 100  # ...of these first clean steps is an outlier

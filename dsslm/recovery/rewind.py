@@ -3,9 +3,14 @@ record of bad data (`run.dir/skip_list.json`), and escalate to a human when rewi
 
 Steps are step counts, as in metrics.jsonl: a spike "at step s" is the step whose update would
 have made the run's step s. A rewind plans a window of the stream, half-open ranges of global
-sequence indices (`data.stream`), and skips the data that window read (`data.skips`: the chunks
-themselves, so the next epoch's shuffle does not bring them back); the window stays in the rewind
-record, where it tells whether a later spike is in the same region.
+sequence indices (`data.stream`): the sequences the spike steps read, widened to at least
+`monitor.skip_batches` batches. What the spike steps read is skipped as data (`data.skips`: the
+chunks themselves, so the next epoch's shuffle does not bring them back); the widening is skipped
+by position only. The loader shuffles chunks over the whole corpus, so the positions after a
+spike hold random text: named as data, they took healthy chunks out of every later epoch (one
+rewind at skip_batches=200 and a batch of 16 named every chunk of a 1,027-chunk corpus); as
+positions they cost this pass a few batches and nothing after it. The window stays in the
+rewind record, where it tells whether a later spike is in the same region.
 
 The run-level file holds the skip list, every rewind carried out and the lowest lr_scale. Every
 resume merges it into what its checkpoint restored: a checkpoint older than a spike does not know
@@ -61,9 +66,12 @@ def skip_cap_problem(skip_list: list, run_dir: Path) -> str | None:
 @dataclass
 class RewindPlan:
     to_step: int              # newest checkpoint step allowed; the caller loads latest_before(to_step)
-    window: list[int]         # [start, end) global sequences to add to the skip list
+    window: list[int]         # [start, end) global sequences the rewind skips
     lr_scale_factor: float    # multiply the run's lr_scale by this (1.0, or lr_backoff)
     escalate: bool            # too many rewinds: alert a human instead of rewinding
+    # The end of the sequences the spike steps read: the window's data up to here is skipped as
+    # data, the rest of the window by position (`Rewinder.data_of`). None: all of it as data.
+    fed_end: int | None = None
 
 
 def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], tuple[int, int]],
@@ -81,13 +89,15 @@ def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], 
     if not 1 <= spike_start <= spike_end:
         raise ValueError(f"spike steps [{spike_start}, {spike_end}] must satisfy 1 <= start <= end")
     window = [sequences_of(spike_start)[0], sequences_of(spike_end)[1]]
+    fed_end = window[1]
     same_region = [past for past in rewind_history if _same_region(spike_start, window, past, cfg.region_steps)]
     # A transient fault says nothing about the region's data or learning rate; it still counts
     # towards escalation (a flaky node faulting again and again needs a human too).
     repeats = sum(past.get("verdict") != "transient" for past in same_region)
-    # Bad data comes in runs longer than the few batches the detector has seen (a corrupt file,
-    # a dedup failure): skip at least `skip_batches` batches, doubling each time the region spikes
-    # again, so a long bad region costs a few rewinds, not one per batch.
+    # A skip gives the freed slots to the next sequences of the stream: skip at least
+    # `skip_batches` batches of it, doubling each time the region spikes again, so bad data that
+    # fills the stream there costs a few rewinds, not one per batch. By position (`fed_end`): in
+    # a shuffled stream those sequences are random text, not the spike's neighbours.
     window[1] = max(window[1], window[0] + cfg.skip_batches * batch_size * 2 ** repeats)
     return RewindPlan(
         # The checkpoint after step spike_start - 1 - margin: `margin` clean steps before the spike.
@@ -96,6 +106,7 @@ def plan_rewind(spike_start: int, spike_end: int, sequences_of: Callable[[int], 
         # The same steps spiking again on other data points at the optimizer, not the data.
         lr_scale_factor=cfg.lr_backoff if repeats else 1.0,
         escalate=len(same_region) >= cfg.max_rewinds,
+        fed_end=fed_end,
     )
 
 
@@ -260,7 +271,7 @@ class Rewinder:
                 emptied = self.loader.emptied_domains(skip_list)  # cached: the next step's read reuses it
             except NothingLeft as err:
                 problem = (f"{err}; none was written with it: see the rewinds in {self.run_dir / 'events.jsonl'}, "
-                           f"then lower monitor.skip_batches or add data")
+                           f"then take the bad text out of the corpus or add data")
             else:  # said once per domain, of the list the run commits (not a replay's trial): training goes on
                 for name in sorted(set(emptied) - self._emptied if committed else ()):
                     self.emit("domain_emptied", step=step, domain=name, reason=f"every chunk of domain {name} is in "
@@ -296,7 +307,7 @@ class Rewinder:
             start = spike_start or self.monitor.spike_start or spike_step
             p = plan_rewind(start, spike_step, self._sequences_of, state.rewinds, self.cfg.monitor, self.batch_size)
             if fallback is not None:
-                p.window = list(fallback["window"])
+                p.window, p.fed_end = list(fallback["window"]), fallback.get("fed_end")
             return p, rewind_record(start, p), self.monitor.last_reason
 
         rewind_plan, record, reason = self.engine.decide(plan)
@@ -308,7 +319,7 @@ class Rewinder:
         if fallback is not None:
             base_skips, old_scale = fallback["skip_list"], fallback["lr_scale"]
             record["verdict"] = fallback["verdict"]
-        skipped = self.engine.decide(lambda: self.data_of(rewind_plan.window, base_skips))
+        skipped = self.engine.decide(lambda: self.data_of(rewind_plan.window, base_skips, rewind_plan.fed_end))
         if fallback is not None and fallback.get("entries"):
             skipped = merge_skip_list(skipped + fallback["entries"])
         skip_list = merge_skip_list(base_skips + skipped)
@@ -322,14 +333,18 @@ class Rewinder:
         if rewind_plan.lr_scale_factor != 1.0:
             self.emit("lr_scale", step=state.step, old=old_scale, new=state.lr_scale)
 
-    def data_of(self, window: list[int], skip_list: list) -> list:
-        """The skip entries for a window of the stream: the data the window's sequences read
-        (what the skip list let through), so that text is never fed again, in any epoch (a
-        position window's chunks would come back in the next epoch's shuffle). The window
-        itself where there is no loader to name its data."""
+    def data_of(self, window: list[int], skip_list: list, fed_end: int | None = None) -> list:
+        """The skip entries for a rewind's window of the stream: the data its sequences before
+        `fed_end` (the spike steps') read, where the skip list let them through, so that text is
+        never fed again, in any epoch (a position window's chunks would come back in the next
+        epoch's shuffle); the rest of the window, [fed_end, end), as a window of positions: the
+        widening past the spike is random text of the whole corpus, not to be taken out of every
+        later epoch. `fed_end` None (a replay saved before it was kept): all of it as data. The
+        window itself where there is no loader to name its data."""
         if self.loader is None:
             return [list(window)]
-        return self.loader.window_entries(window[0], window[1], skip_list)
+        end = window[1] if fed_end is None else min(max(fed_end, window[0]), window[1])
+        return merge_skip_list(self.loader.window_entries(window[0], end, skip_list) + [[end, window[1]]])
 
     def plan(self, state: TrainState, spike_start: int, spike_step: int) -> RewindPlan:
         """Rank 0's plan for the spike over steps [spike_start, spike_step], on every rank."""

@@ -22,12 +22,15 @@ it (the *base*) and replays to `target`:
                  entries are committed to the skip list and skip_list.json, and the loader never
                  feeds that data again, in any epoch. Still there, and the planned window (the
                  spike steps widened to `skip_batches` batches, as the plain policy plans it)
-                 read data those entries do not name: once more without all of that window's
-                 data (`wide`) before calling it state, because the slots a skip frees go to the
-                 next sequences of the stream, and where bad data fills several batches in a row
-                 they are bad too (measured: a hard spike on the first of three bad batches was
-                 called state, backed off twice and exited 3). (A replay from before this version
-                 resumes with its position `window` instead, at least `skip_batches` batches.)
+                 holds more than those entries name: once more without all of it (`wide`)
+                 before calling it state, because the slots a skip frees go to the next sequences
+                 of the stream, and where bad data fills several batches in a row they are bad
+                 too (measured: a hard spike on the first of three bad batches was called state,
+                 backed off twice and exited 3). The spike steps' data is left out as data, the
+                 widening past them by position (`fed_end`, `Rewinder.data_of`): the stream is
+                 shuffled, so those are random chunks of the corpus, and a data verdict must not
+                 take them out of every later epoch. (A replay from before this version resumes
+                 with its position `window` instead, at least `skip_batches` batches.)
     backoff      still there: from the base again with the original data and the learning rate
                  x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
                  `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
@@ -122,6 +125,10 @@ class Replay:
     # Data the streak's re-runs in place committed (`note_rerun`) that this triage tries again:
     # skip_list.json keeps it, and a resume of this replay does not merge it from there.
     withdrawn: list = field(default_factory=list)
+    # The end of the sequences the spike steps read: the wide replay leaves out their data and
+    # the rest of `window` by position (`Rewinder.data_of`). None in a replay saved before this
+    # version, which left out all of the window's data.
+    fed_end: int | None = None
 
 
 class ReplayProgress:
@@ -415,7 +422,8 @@ class Triage:
         self._streak = None
         replay = Replay(phase=(Phase.SKIP_WINDOW if in_place else Phase.SAME_DATA).value, spike_start=spike_start,
                         target=target, base_step=base, window=list(plan.window),
-                        skip_list=list(before), lr_scale=state.lr_scale, reason=reason, entries=entries)
+                        skip_list=list(before), lr_scale=state.lr_scale, reason=reason, entries=entries,
+                        fed_end=plan.fed_end)
         replay.evidence.append({"phase": "original", "steps": [r for r in self._recent if r[0] >= spike_start],
                                 "reason": reason, **({"reproduced_in_place": spike_start} if in_place else {})})
         # The whole plan before the first replay: same_data (unless the re-run in place stood for
@@ -505,7 +513,8 @@ class Triage:
     def _widened(self, r: Replay) -> list | None:
         """The entries with all the data the planned window read added, or None when they add
         nothing (the narrowed entries already name every sequence of the window)."""
-        wider = self.engine.decide(lambda: merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list)))
+        wider = self.engine.decide(lambda: merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list,
+                                                                                              r.fed_end)))
         return wider if wider != merge_skip_list(r.entries) else None
 
     def _planned_base(self, state: TrainState, limit: int) -> int:
@@ -638,7 +647,8 @@ class Triage:
         # Where no replay showed the data innocent, its named documents go with the window: the
         # plain policy's best guess at the culprit, whose other chunks the window does not hold.
         self.rewinder.rewind(state, r.target, r.spike_start, fallback={
-            "window": r.window, "skip_list": r.skip_list, "lr_scale": r.lr_scale, "verdict": verdict,
+            "window": r.window, "fed_end": r.fed_end, "skip_list": r.skip_list, "lr_scale": r.lr_scale,
+            "verdict": verdict,
             "entries": r.entries if verdict == "unknown" else []})
         # What it loaded may be a checkpoint the replay saved (its same-data run-up, or its
         # catch-up to the base), holding that replay in progress: the run resumed a triage the
@@ -667,8 +677,8 @@ class _TriageState(Spec):
                     window=Window(), skip_list=SkipList(), lr_scale=Float(1e-12, 1.0),
                     reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
                     evidence=ListOf(Json(), max_len=10_000), entries=SkipList(),
-                    wide=Bool(), withdrawn=SkipList(),
-                    optional=("entries", "wide", "withdrawn"))
+                    wide=Bool(), withdrawn=SkipList(), fed_end=Optional(Int(0, MAX_COUNT)),
+                    optional=("entries", "wide", "withdrawn", "fed_end"))
 
     fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
     recent = ListOf(ListOf(Json(), length=4), max_len=1000)
@@ -698,3 +708,6 @@ class _TriageState(Spec):
         if not r["base_step"] < r["spike_start"] <= r["target"]:
             raise StateError(f"{path}.replay.base_step: {r['base_step']} must come before spike_start "
                              f"{r['spike_start']} <= target {r['target']}")
+        fed_end = r.get("fed_end")
+        if fed_end is not None and not r["window"][0] <= fed_end <= r["window"][1]:
+            raise StateError(f"{path}.replay.fed_end: {fed_end} is outside the window {r['window']}")

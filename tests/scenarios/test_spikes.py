@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from dsslm.data.corpus import default_data_dir
 from dsslm.data.loader import Loader
-from dsslm.data.skips import entries_of, windows_of
+from dsslm.data.skips import windows_of
 from dsslm.train import main, train
 from helpers import TINY, events, read_jsonl, run_train, tiny_cfg
 
@@ -70,13 +70,16 @@ def test_poisoned_window_rewinds_once_and_its_data_is_never_fed_again(tmp_path):
     assert len(rewinds) == 1
     start, end = rewinds[0]["window"]  # in global sequences
     assert start <= 70 * B and end >= 74 * B and rewinds[0]["to_step"] <= 68  # skip_batches=8 covers the rest
-    # The skip list names the window's data, not its positions: the chunks themselves, which a
-    # position window would let back in with the next epoch's shuffle.
+    # The skip list names the data the spike steps read, not their positions: the chunks
+    # themselves, which a position window would let back in with the next epoch's shuffle. The
+    # widening past them (random chunks of the shuffled corpus) is skipped by position only.
     state_skip = json.loads((tmp_path / "checkpoints" / "step-00000100" / "state.json").read_text())["skip_list"]
     lo = Loader(default_data_dir(), 32, 1337)
-    window_chunks = set(lo.chunk_ids(np.arange(start, end)).tolist())
-    assert not windows_of(state_skip) and set(lo.skipped_chunks(state_skip).tolist()) == window_chunks
-    assert rewinds[0]["skip"] == entries_of(state_skip)  # as a triage's rewind events name it
+    (fed_end, window_end), = windows_of(state_skip)
+    assert start < fed_end < 74 * B and window_end == end
+    window_chunks = set(lo.chunk_ids(np.arange(start, fed_end)).tolist())
+    assert set(lo.skipped_chunks(state_skip).tolist()) == window_chunks
+    assert rewinds[0]["skip"] == state_skip  # as a triage's rewind events name it
     records = read_jsonl(tmp_path / "metrics.jsonl")
     kept = {r["step"]: r for r in records if "data_position" in r}.values()  # a replayed step's last record
     assert not chunks_fed(kept, state_skip) & window_chunks  # no update of the poisoned data was kept

@@ -212,7 +212,7 @@ def data_batch_of(skip_list):
 
 def test_plan_rewind_without_skip_windows():
     plan = plan_rewind(201, 203, batch_of([]), [], MonitorCfg(skip_batches=1), 1)
-    assert plan == RewindPlan(to_step=195, window=[200, 203], lr_scale_factor=1.0, escalate=False)
+    assert plan == RewindPlan(to_step=195, window=[200, 203], lr_scale_factor=1.0, escalate=False, fed_end=203)
     with pytest.raises(ValueError):
         plan_rewind(0, 0, batch_of([]), [], MonitorCfg(), 1)  # step counts start at 1
 
@@ -279,11 +279,13 @@ def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
     cfg = MonitorCfg(skip_batches=8, region_steps=50)
     first = plan_rewind(301, 301, batch_of([]), [], cfg, 1)
     assert first.window == [300, 308]  # one bad batch seen, eight skipped
+    assert first.fed_end == 301  # the batch the spike step read: as data; the other seven by position
     history = [rewind_record(301, first)]
     again = plan_rewind(301, 301, batch_of([first.window]), history, cfg, 1)
     assert again.window == [308, 324] and again.lr_scale_factor == cfg.lr_backoff
     # In sequences with a batch of 4: eight batches are 32 sequences.
-    assert plan_rewind(301, 301, lambda step: (1200, 1204), [], cfg, 4).window == [1200, 1232]
+    wide = plan_rewind(301, 301, lambda step: (1200, 1204), [], cfg, 4)
+    assert (wide.window, wide.fed_end) == ([1200, 1232], 1204)
     far = plan_rewind(901, 903, batch_of([first.window]), history, cfg, 1)
     assert far.window == [908, 916]  # another region: back to the minimum
 

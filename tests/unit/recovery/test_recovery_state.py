@@ -13,7 +13,7 @@ from dsslm.config import Config
 from dsslm.fields import StateError
 from dsslm.recovery.monitor import Verdict
 from dsslm.recovery.rewind import merge_history, merge_recovery
-from dsslm.data.skips import merge_skip_list
+from dsslm.data.skips import merge_skip_list, windows_of
 from dsslm.recovery.triage import Replay, ReplayProgress, Triage
 
 
@@ -37,7 +37,7 @@ def test_the_triage_part_carries_the_feed_record_and_the_original_rows():
     fed[51], fed[52] = (800, 816), (816, 832)
     recent.extend([[51, 3.1, 9.0, "skip_step"], [52, 3.2, 9.5, "skip_step"]])
     progress.replay = Replay(phase="same_data", spike_start=51, target=53, base_step=45, window=[800, 928],
-                             skip_list=[], lr_scale=1.0)
+                             skip_list=[], lr_scale=1.0, fed_end=848)
     saved = json.loads(json.dumps(progress.state_dict()))
     progress.state_spec.validate(saved, "state.triage")
     other_fed, other_recent = collections.OrderedDict({9: (1, 2)}), collections.deque(maxlen=8)
@@ -52,6 +52,14 @@ def test_the_triage_part_carries_the_feed_record_and_the_original_rows():
     assert not other_fed and not other_recent
     with pytest.raises(StateError, match=r"state.triage.fed\[0\]"):
         restored.state_spec.validate({**saved, "fed": [[51, 800]]}, "state.triage")
+    # A replay saved before fed_end existed loads with None (its wide phase names the whole window
+    # as data, as it did); one whose fed_end is outside its window is refused.
+    legacy = {**saved, "replay": {k: v for k, v in saved["replay"].items() if k != "fed_end"}}
+    restored.state_spec.validate(legacy, "state.triage")
+    restored.load_state_dict(legacy)
+    assert restored.replay.fed_end is None
+    with pytest.raises(StateError, match=r"state.triage.replay.fed_end: 999 is outside the window \[800, 928\]"):
+        restored.state_spec.validate({**saved, "replay": {**saved["replay"], "fed_end": 999}}, "state.triage")
 
 
 def test_the_triage_part_carries_the_open_streaks_sequence_losses_and_its_skip_list_before_reruns():
@@ -182,7 +190,7 @@ def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_wind
     evidence = [{"phase": "original", "steps": []}] + [{"phase": p, "steps": []} for p in replayed]
     entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
     r = Replay(phase="backoff", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[[0, 16]],
-               lr_scale=0.5, backoffs=1, evidence=evidence, entries=[entry])
+               lr_scale=0.5, backoffs=1, evidence=evidence, entries=[entry], fed_end=848)
     triage._fall_back(TrainState(), r, Ckpt())
     assert triage.replay is None
     (name, fields), = emitted
@@ -193,8 +201,8 @@ def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_wind
     assert ("documents" in fields["fallback"]) == bool(named)
     # A skip-window (or backoff) replay's saves after its base hold its trajectory: set aside first.
     aside = [("leave_after", 45)] if replayed[-1:] == ["skip_window"] else []
-    assert calls == aside + [(53, 51, {"window": [800, 928], "skip_list": [[0, 16]], "lr_scale": 0.5,
-                                       "verdict": verdict, "entries": named})]
+    assert calls == aside + [(53, 51, {"window": [800, 928], "fed_end": 848, "skip_list": [[0, 16]],
+                                       "lr_scale": 0.5, "verdict": verdict, "entries": named})]
 
 
 def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_path):
@@ -231,6 +239,50 @@ def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_p
     assert state.skip_list == [[0, 16], [800, 864], entry] == read_recovery(tmp_path, 16)["skip_list"]
     (name, fields), = [(e, f) for e, f in emitted if e == "rewind"]
     assert fields["skip"] == [[800, 864], entry] and fields["verdict"] == "unknown"
+
+
+def test_a_plain_rewind_names_the_spike_steps_data_and_skips_its_widening_by_position(tmp_path):
+    """The window is widened past the spike to monitor.skip_batches batches. The loader shuffles
+    chunks over the whole corpus, so those positions hold random text: named as data they were
+    taken out of every later epoch (one rewind at skip_batches=200 named every chunk of a 1,027-chunk
+    corpus). Now only what the spike steps read is named as data; the widening is a window of
+    positions, skipped this pass and no other."""
+    import types
+
+    from dsslm.config import load
+    from dsslm.data.corpus import default_data_dir
+    from dsslm.data.loader import Loader
+    from dsslm.recovery.rewind import Rewinder, read_recovery
+    emitted = []
+
+    class Monitor:
+        spike_start, last_reason = 51, "loss z=9"
+
+    class Ckpt:
+        state, path = {"step": 45}, "memory:step-00000045"
+
+    class Probe(Rewinder):
+        def checkpoint_before(self, spike_step, to_step, spike_start):
+            return Ckpt()
+
+        def restore(self, state, ckpt, skip_list, lr_scale, record):
+            state.step, state.skip_list, state.rewinds = 45, merge_skip_list(skip_list), [record]
+
+    loader = Loader(default_data_dir(), 32, 1337)
+    checkpointer = types.SimpleNamespace(store=types.SimpleNamespace(fence=lambda: None))
+    cfg = load(None, ["monitor.skip_batches=8"])
+    rewinder = Probe(cfg, _Engine(), checkpointer, Monitor(), 16, tmp_path, lambda e, **f: emitted.append((e, f)),
+                     loader=loader)
+    for step in (51, 52):
+        rewinder.note(step, 800 + 16 * (step - 51), 816 + 16 * (step - 51))
+    state = TrainState(step=52, skip_list=[])
+    rewinder.rewind(state, 52, 51)
+    spike_chunks = set(loader.chunk_ids(np.arange(800, 832)).tolist())
+    assert windows_of(state.skip_list) == [[832, 800 + 8 * 16]]
+    assert set(loader.skipped_chunks(state.skip_list).tolist()) == spike_chunks
+    assert read_recovery(tmp_path, 16)["skip_list"] == state.skip_list
+    (fields,) = [f for e, f in emitted if e == "rewind"]
+    assert fields["window"] == [800, 928] and fields["skip"] == state.skip_list
 
 
 class _Forensics:
@@ -485,7 +537,7 @@ def test_a_skip_list_naming_every_chunk_escalates_and_one_emptying_a_domain_is_s
     rewinder.write_run_file(TrainState(skip_list=[[0, 16]]))
     before = recovery_path(tmp_path).read_bytes()
     everything = [{"shard": path, "tokens": [0, tokens]} for path, tokens in loader._train]
-    with pytest.raises(Escalation, match=r"names every chunk .* lower monitor.skip_batches or add data") as raised:
+    with pytest.raises(Escalation, match=r"names every chunk .* take the bad text out of the corpus or add data") as raised:
         rewinder.write_run_file(TrainState(step=9, skip_list=everything))
     assert "\n" not in str(raised.value)
     assert recovery_path(tmp_path).read_bytes() == before and read_recovery(tmp_path, 16)["skip_list"] == [[0, 16]]
@@ -548,7 +600,7 @@ def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
     class Rewinder(_Rewinder):
         loader = Loader()
 
-        def data_of(self, window, skip_list):
+        def data_of(self, window, skip_list, fed_end=None):
             return list(window_data)
 
         def checkpoint_before(self, target, base, spike_start):

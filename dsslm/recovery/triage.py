@@ -26,10 +26,12 @@ it (the *base*) and replays to `target`:
                  before calling it state, because the slots a skip frees go to the next sequences
                  of the stream, and where bad data fills several batches in a row they are bad
                  too (measured: a hard spike on the first of three bad batches was called state,
-                 backed off twice and exited 3). The spike steps' data is left out as data, the
-                 widening past them by position (`fed_end`, `Rewinder.data_of`): the stream is
-                 shuffled, so those are random chunks of the corpus, and a data verdict must not
-                 take them out of every later epoch. (A replay from before this version resumes
+                 backed off twice and exited 3). Left out as data: what the spike steps read and
+                 what the narrow replay read up to where it came back (the sequences that took
+                 the skipped ones' slots brought it back); the rest of the window by position
+                 (`fed_end`, `Rewinder.data_of`): the stream is shuffled, so those are random
+                 chunks of the corpus, and a data verdict must not take them out of every later
+                 epoch. (A replay from before this version resumes
                  with its position `window` instead, at least `skip_batches` batches.)
     backoff      still there: from the base again with the original data and the learning rate
                  x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
@@ -125,9 +127,10 @@ class Replay:
     # Data the streak's re-runs in place committed (`note_rerun`) that this triage tries again:
     # skip_list.json keeps it, and a resume of this replay does not merge it from there.
     withdrawn: list = field(default_factory=list)
-    # The end of the sequences the spike steps read: the wide replay leaves out their data and
-    # the rest of `window` by position (`Rewinder.data_of`). None in a replay saved before this
-    # version, which left out all of the window's data.
+    # The end of what the wide replay leaves out as data, the rest of `window` by position
+    # (`Rewinder.data_of`): the spike steps' sequences, and once the narrow replay came back, what
+    # it read up to there (`_widened`). None in a replay saved before this version, which left
+    # out all of the window's data.
     fed_end: int | None = None
 
 
@@ -454,11 +457,11 @@ class Triage:
 
     def _next_phase(self, state: TrainState, step: int) -> None:
         r = self.replay
-        wider = self._widened(r) if r.phase == Phase.SKIP_WINDOW.value and not r.wide and r.entries else None
+        wider = self._widened(r, step) if r.phase == Phase.SKIP_WINDOW.value and not r.wide and r.entries else None
         if r.phase == Phase.SAME_DATA.value:
             r.phase, window, lr_scale = Phase.SKIP_WINDOW.value, r.window, r.lr_scale
-        elif wider is not None:  # without the whole window's data before calling it state
-            r.entries, r.wide, window, lr_scale = wider, True, r.window, r.lr_scale
+        elif wider is not None:  # without the whole window before calling it state
+            (r.entries, r.fed_end), r.wide, window, lr_scale = wider, True, r.window, r.lr_scale
         elif r.phase == Phase.SKIP_WINDOW.value or r.backoffs < self.cfg.monitor.max_backoffs:
             r.phase, r.backoffs = Phase.BACKOFF.value, r.backoffs + 1
             # On trial through lr_factor (from the base on); a lasting verdict sets lr_scale in _decide.
@@ -510,12 +513,19 @@ class Triage:
         self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), r.lr_scale, None)
         return not self.engine.decide(lambda: state.step in self.rewinder.checkpointer.store.valid_steps())
 
-    def _widened(self, r: Replay) -> list | None:
-        """The entries with all the data the planned window read added, or None when they add
-        nothing (the narrowed entries already name every sequence of the window)."""
-        wider = self.engine.decide(lambda: merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list,
-                                                                                              r.fed_end)))
-        return wider if wider != merge_skip_list(r.entries) else None
+    def _widened(self, r: Replay, step: int) -> tuple[list, int | None] | None:
+        """The entries with all of the planned window added, and the end of what is named as data
+        (`fed_end`); None when they add nothing (the narrowed entries already name all of it).
+        Named as data: what the spike steps read, and what the narrow replay read up to `step`,
+        where it came back: the sequences that took the skipped ones' slots are what brought the
+        spike back, not random text. The rest of the window by position (`Rewinder.data_of`)."""
+        def widen() -> tuple[list, int | None]:
+            fed_end = r.fed_end
+            if fed_end is not None:
+                fed_end = min(max(fed_end, self.rewinder.fed_of(step)[1]), r.window[1])
+            return merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list, fed_end)), fed_end
+        wider, fed_end = self.engine.decide(widen)
+        return (wider, fed_end) if wider != merge_skip_list(r.entries) else None
 
     def _planned_base(self, state: TrainState, limit: int) -> int:
         """The step a triage replays from: the newest step at or before `limit` where the run

@@ -170,9 +170,10 @@ def test_a_spike_on_the_first_of_three_bad_batches_is_data_not_state(tmp_path):
     """max_skips=0: the first outlier rewinds at once, so the triage knows step 51's data alone.
     Skipping it hands step 51's slots to the next sequences of the stream, batch 51's, bad too, so
     the narrow skip_window replay comes back; without all of the planned window it does not:
-    data, the run goes on. (Before: called state, backed off twice, exited 3.) What step 51 read is
-    skipped as data; the widening past it by position: in a corpus the loader shuffles, the
-    sequences after a spike are random chunks, not its neighbours (the drill makes them bad)."""
+    data, the run goes on. (Before: called state, backed off twice, exited 3.) Skipped as data:
+    what step 51 read, and what the narrow replay's step 51 read (batch 51, which brought the spike
+    back); the rest of the window by position: in a corpus the loader shuffles, the sequences
+    after a spike are random chunks, not its neighbours (the drill makes them bad)."""
     assert train(cfg(tmp_path, DATA, "monitor.max_skips=0")) == 0
     decision = triages(tmp_path, "window")[0]
     assert decision["verdict"] == "data" and decision["spike_start"] == decision["target"] == 51, decision
@@ -180,8 +181,8 @@ def test_a_spike_on_the_first_of_three_bad_batches_is_data_not_state(tmp_path):
     assert [e.get("wide") for e in decision["evidence"][2:]] == [False, True]
     lo = Loader(default_data_dir(), 32, 1337)
     skip = final_state(tmp_path)["skip_list"]
-    assert set(lo.skipped_chunks(skip).tolist()) == set(lo.chunk_ids(np.arange(50 * B, 51 * B)).tolist())
-    assert windows_of(skip) == [[51 * B, 58 * B]]  # monitor.skip_batches=8 from batch 50
+    assert set(lo.skipped_chunks(skip).tolist()) == set(lo.chunk_ids(np.arange(50 * B, 52 * B)).tolist())
+    assert windows_of(skip) == [[52 * B, 58 * B]]  # monitor.skip_batches=8 from batch 50
     assert final_state(tmp_path)["train"]["lr_scale"] == 1.0 and not events(tmp_path, "escalation")
 
 

@@ -94,11 +94,16 @@ def _triage(f: dict) -> str:
 
 
 def _skipped(f: dict) -> str:
-    """What a decision leaves out from now on: the documents it named (skip_list entries), else
-    a window of positions; an empty window ([a, a], as non-data verdicts write it) is nothing."""
+    """What a decision leaves out from now on: the documents it named (skip_list entries) and the
+    positions it skips this pass only (its windows: the widening past the spike steps), else its
+    window of positions; an empty window ([a, a], as non-data verdicts write it) is nothing."""
     skip, window = f.get("skip") or [], f.get("window") or []
     if skip:
-        return f"; skips the data it read ({len(skip)} span(s) of documents)"
+        spans = [e for e in skip if isinstance(e, dict)]
+        positions = [e for e in skip if isinstance(e, (list, tuple)) and len(e) == 2]
+        said = [f"the data it read ({len(spans)} span(s) of documents)"] if spans else []
+        said += [f"sequences {', '.join(f'[{a}, {b})' for a, b in positions)} of this pass"] if positions else []
+        return "; skips " + " and ".join(said) if said else ""
     if len(window) == 2 and isinstance(window[0], int) and isinstance(window[1], int) and window[1] > window[0]:
         return f"; skips sequences {window}"
     return ""

@@ -99,6 +99,9 @@ def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, 
            replay_steps=5, window=[280, 312], skip=[{"shard": "a.bin", "tokens": [0, 9]}] * 2, escalated=False)
     s.emit("triage", step=71, verdict="unknown", scope="window", spike_start=70, target=71, from_step=65,
            replay_steps=5, window=[280, 280], skip=[], escalated=False)
+    # The widening past the spike steps is a window of positions (random text: this pass only).
+    s.emit("rewind", step=71, to_step=65, window=[280, 312], skip=[[284, 312], {"shard": "a.bin", "tokens": [0, 9]}],
+           checkpoint="x", reason="loss z=30")
     # A triage replay's rewind is one of its phases, not a second spike.
     s.emit("rewind", step=73, to_step=65, window=[], skip=[{"shard": "a.bin", "tokens": [0, 9]}],
            checkpoint="x", reason="3 outliers in a row", triage_phase="skip_window", lr_scale=1.0)
@@ -110,6 +113,8 @@ def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, 
         "skips the data it read (2 span(s) of documents)",
         "triage of the spike at step 70: cause unknown (the replays told neither data nor state) "
         "(after replaying 5 step(s) from step 65)",
+        "spike at step 71 (loss z=30): rewound to step 65; skips the data it read (1 span(s) of documents) and "
+        "sequences [284, 312) of this pass",
         "triage of the spike at step 73: skip_window replay from step 65; its data left out"], lines
 
 

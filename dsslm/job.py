@@ -160,11 +160,17 @@ def start(job: Job) -> str:
         job.sinks.emit("finished", step=job.state.step, total_steps=cfg.train.total_steps)
         return "finished"
     job.rewinder.merge_run_file(job.state, job.triage.replay.withdrawn if job.triage.replay else [])
+    # The mutable keys that schedule the same math another way: a resume may change them, and the
+    # recomputed steps are then equal within rounding, not to the bit (the audit's tolerance).
+    schedule = {"optim.impl": engine.optim_impl, "train.compile": cfg.train.compile,
+                "train.activation_checkpointing": cfg.train.activation_checkpointing,
+                "train.activation_checkpointing_every": cfg.train.activation_checkpointing_every,
+                "train.tf32": cfg.train.tf32, "optim.muon_ns_dtype": cfg.optim.muon_ns_dtype}
     env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
-                  cfg.train.grad_accum, torch.__version__, torch.get_num_threads())
+                  cfg.train.grad_accum, torch.__version__, torch.get_num_threads(), schedule)
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
         job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
-                                             cfg.train.total_steps, job.sinks.emit)
+                                             cfg.train.total_steps, job.sinks.emit, job.checkpointer.resume_drift)
         job.sinks.listeners.append(job.audit.observe)  # the triage decisions must come again too
     if cfg.monitor.enabled:
         job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind

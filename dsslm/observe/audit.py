@@ -41,10 +41,12 @@ NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def run_env(device: str, world_size: int, engine: str, micro_batch_size: int, grad_accum: int,
-            torch_version: str, torch_threads: int) -> dict[str, Any]:
-    """What must match for a recomputed step to be bitwise equal (recorded in the `start` event)."""
+            torch_version: str, torch_threads: int, schedule: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What must match for a recomputed step to be bitwise equal (recorded in the `start` event).
+    `schedule`: the keys a resume may change that schedule the same math another way (optim.impl,
+    train.compile, ...: rounding-level differences, drift.RESUME_MUTABLE_KEYS), by their names."""
     return {"device": device, "world_size": world_size, "engine": engine, "micro_batch_size": micro_batch_size,
-            "grad_accum": grad_accum, "torch": torch_version, "torch_threads": torch_threads}
+            "grad_accum": grad_accum, "torch": torch_version, "torch_threads": torch_threads, **(schedule or {})}
 
 
 def _number(value: Any) -> float | None:
@@ -148,6 +150,7 @@ class ResumeAudit:
         self.compared: list[int] = []
         self.incomparable = 0
         self.changed_inputs: dict[str, int] = {}  # an input key that differed -> the first step it did
+        self.unreadable: dict[str, int] = {}      # loss or gnorm missing in a record -> the first step
         self.worst = {"loss": 0.0, "gnorm": 0.0}
         self.first_mismatch: dict | None = None
         self.decisions: list[dict] = []   # recorded triage decisions still to come again
@@ -159,8 +162,16 @@ class ResumeAudit:
 
     @classmethod
     def after_resume(cls, run_dir: Path, from_step: int, env: dict, tol: float, total_steps: int,
-                     emit: Callable[..., Any]) -> "ResumeAudit":
-        """Read what the crashed job recorded after `from_step` (call before this job writes)."""
+                     emit: Callable[..., Any], drift: Iterable[str] = ()) -> "ResumeAudit":
+        """Read what the crashed job recorded after `from_step` (call before this job writes).
+        `drift`: the keys this resume changed with --allow-drift. The recorded steps ran another
+        config then, so nothing is compared: an alert there said "the resume did not restore
+        everything" of a change the user asked for, and paged someone through run.alert_command."""
+        drift = sorted(drift)
+        if drift:
+            emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",
+                 reason=f"the resume changed {', '.join(drift)} (--allow-drift): the recorded steps ran another config")
+            return cls(emit, None, from_step)
         expected = recorded_after(run_dir / "metrics.jsonl", from_step)
         audit = cls(emit, expected, from_step, _why_not_exact(last_start_env(run_dir / "events.jsonl"), env),
                     tol, total_steps)
@@ -172,9 +183,22 @@ class ResumeAudit:
         return audit
 
     def compare(self, record: Any) -> None:
-        """One recomputed step (a StepRecord, or its dict)."""
+        """One recomputed step (a StepRecord, or its dict). Never raises: the audit runs on rank 0
+        alone, and an exception here would leave the other ranks in the next step's collectives."""
         if not self.expected:
             return
+        try:
+            self._compare_step(record)
+        except Exception as exc:  # noqa: BLE001 - a record another writer left malformed, or a bug here
+            self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        """Stop auditing this job, saying why (no alert: it is the records that are in doubt)."""
+        self.expected, self.decisions = {}, []
+        self.emit("resume_audit", step=self.from_step, from_step=self.from_step, compared=len(self.compared),
+                  verdict="nothing_to_compare", reason=f"the records could not be compared ({exc!r})")
+
+    def _compare_step(self, record: Any) -> None:
         got = record.to_json() if hasattr(record, "to_json") else record
         want = self.expected.pop(got["step"], None)
         if want is not None:
@@ -185,9 +209,15 @@ class ResumeAudit:
 
     def observe(self, event: dict) -> None:
         """Every event this job emits (a `Sinks` listener): a triage decision must be the next one
-        the interrupted job recorded."""
+        the interrupted job recorded. Never raises (see `compare`)."""
         if not self.decisions or event.get("event") != "triage" or event.get("verdict") == "transient":
             return
+        try:
+            self._observe_decision(event)
+        except Exception as exc:  # noqa: BLE001
+            self._give_up(exc)
+
+    def _observe_decision(self, event: dict) -> None:
         want = self.decisions.pop(0)
         got = {k: event.get(k) for k in RECOVERY_KEYS}
         self.decisions_compared += 1
@@ -207,6 +237,12 @@ class ResumeAudit:
                 self.decisions = []
 
     def _compare(self, got: dict, want: dict) -> None:
+        # A record without a loss or grad norm as the loop writes them (another writer's, or an
+        # edit) says nothing about this resume: not compared (before: a KeyError, on every resume).
+        unreadable = [key for key in ("loss", "gnorm") if _number(want.get(key)) is None]
+        if unreadable:
+            self.unreadable.setdefault(unreadable[0], got["step"])
+            return
         changed = [key for key in INPUT_KEYS if key in got and key in want and got[key] != want[key]]
         if changed:
             self.incomparable += 1
@@ -214,7 +250,7 @@ class ResumeAudit:
             return
         self.compared.append(got["step"])
         for key in ("loss", "gnorm"):
-            a, b = _number(got[key]), _number(want[key])
+            a, b = _number(got.get(key)), _number(want.get(key))
             d = _diff(a, b) if a is not None and b is not None else math.inf
             self.worst[key] = max(self.worst[key], d)
             scale = max((abs(x) for x in (a, b) if x is not None and math.isfinite(x)), default=0.0)
@@ -239,6 +275,9 @@ class ResumeAudit:
             why["reason"] = (f"{self.incomparable} recorded step(s) ran with other inputs ("
                              + ", ".join(f"{k} from step {s}" for k, s in self.changed_inputs.items())
                              + "): a config changed at the resume")
+        if self.unreadable:
+            why["reason"] = "; ".join([*why.values(), "recorded steps without a number for " + ", ".join(
+                f"{k} (from step {s})" for k, s in self.unreadable.items()) + " were not compared"])
         self.emit("resume_audit", step=step, from_step=self.from_step, steps=steps, compared=len(self.compared),
                   incomparable=self.incomparable, max_loss_diff=self.worst["loss"],
                   max_gnorm_diff=self.worst["gnorm"], expected=expected, verdict=verdict, **why)
@@ -256,5 +295,10 @@ def _why_not_exact(before: dict | None, now: dict) -> str:
         return "the job that wrote the records did not record its environment"
     if now.get("device") != "cpu":
         return f"{now.get('device')} kernels are not bitwise deterministic"
-    changed = [f"{k} {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+    # A key the older job did not record (its version had none) is not taken as a change.
+    changed = [f"{k} {before.get(k)!r} -> {now[k]!r}" for k in now
+               if before.get(k) != now[k] and (k in before or k in ENV_ALWAYS)]
     return ", ".join(changed)
+
+
+ENV_ALWAYS = ("device", "world_size", "engine", "micro_batch_size", "grad_accum", "torch", "torch_threads")

@@ -71,7 +71,8 @@ def _audit(f: dict) -> str:
     if verdict == "nothing_to_compare":
         return f"resume audit: nothing to compare ({f.get('reason', '')})"
     return (f"resume audit: {verdict}: {f.get('compared', 0)} recomputed step(s) compared with the interrupted "
-            f"job's records (largest loss difference {_g(f.get('max_loss_diff'))}, expected {f.get('expected')})"
+            f"job's records (largest differences: loss {_g(f.get('max_loss_diff'))}, grad norm "
+            f"{_g(f.get('max_gnorm_diff'))}; expected {f.get('expected')})"
             + (f"; {f['reason']}" if f.get("reason") else ""))
 
 

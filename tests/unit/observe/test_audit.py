@@ -173,3 +173,53 @@ def test_steps_run_with_other_inputs_are_named_not_an_empty_reason():
     ((event, f),) = emitted
     assert f["verdict"] == "nothing_to_compare" and f["incomparable"] == 2
     assert f["reason"] == "2 recorded step(s) ran with other inputs (lr from step 11): a config changed at the resume"
+
+
+def test_a_record_without_a_grad_norm_is_not_compared_and_never_raises():
+    """A record another writer left without `gnorm` (or an edit) was a KeyError in the audit, on
+    rank 0 alone: the run died (events said failed) on every resume, and a second rank lost its
+    peer. Now it is counted as not compared, with the reason, and no alert."""
+    malformed = record(12)
+    del malformed["gnorm"]
+    audit, emitted = audit_of([record(11), malformed], last_step=12)
+    audit.compare(record(11))
+    audit.compare(record(12))
+    ((event, f),) = emitted
+    assert event == "resume_audit" and f["verdict"] == "exact" and f["compared"] == 1
+    assert f["reason"] == "recorded steps without a number for gnorm (from step 12) were not compared"
+
+
+def test_an_audit_that_cannot_compare_says_so_and_stops_instead_of_raising():
+    audit, emitted = audit_of([record(11), record(12)], last_step=12)
+    audit.compare({"loss": 3.0})  # no step: a record this audit cannot place
+    audit.compare(record(12))
+    ((event, f),) = emitted
+    assert f["verdict"] == "nothing_to_compare" and "could not be compared (KeyError('step'))" in f["reason"]
+
+
+def test_a_resume_with_allowed_drift_compares_nothing_and_raises_no_alert(tmp_path):
+    """--allow-drift optim.weight_decay: the recomputed steps run another config. That was an
+    alert ("the resume did not restore everything") to run.alert_command for a change the user
+    asked for."""
+    write(tmp_path / "metrics.jsonl", [record(s) for s in range(1, 15)])
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "start", "step": 0, "env": ENV}) + "\n")
+    emitted = []
+    audit = ResumeAudit.after_resume(tmp_path, 10, ENV, 0.0, 100, lambda event, **f: emitted.append((event, f)),
+                                     drift={"optim.weight_decay": [0.1, 0.9]})
+    for s in (11, 12, 13, 14):
+        audit.compare(record(s, loss=1.0))
+    ((event, f),) = emitted
+    assert f["verdict"] == "nothing_to_compare"
+    assert f["reason"] == "the resume changed optim.weight_decay (--allow-drift): the recorded steps ran another config"
+
+
+def test_a_changed_optimizer_implementation_is_within_tolerance_not_exact():
+    """optim.impl (and train.compile, activation checkpointing, ...) may change at a resume: the
+    same math scheduled another way, equal within rounding. The audit expected the bit, and a 1e-7
+    grad-norm difference paged someone."""
+    before = run_env("cpu", 1, "ddp", 4, 1, "2.13.0+cpu", 1, {"optim.impl": "foreach", "train.compile": False})
+    now = run_env("cpu", 1, "ddp", 4, 1, "2.13.0+cpu", 1, {"optim.impl": "single", "train.compile": False})
+    assert _why_not_exact(before, now) == "optim.impl 'foreach' -> 'single'"
+    # A job of an older version recorded none of these: not taken as a change.
+    assert _why_not_exact(ENV, now) == ""
+    assert _why_not_exact({k: v for k, v in ENV.items() if k != "engine"}, ENV) == "engine None -> 'ddp'"

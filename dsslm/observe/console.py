@@ -176,7 +176,8 @@ class Console:
         self.tty = enabled and (sys.stderr.isatty() if tty is None else tty)
         self.bar_shown = False
         self.started = time.time()
-        self.step_time: float | None = None  # moving average, for the ETA
+        self.step_time: float | None = None  # moving average of the wall time per step, for the ETA
+        self.mark: tuple[int, float] | None = None  # (step, time.monotonic()) of the last step line
         self.first_step: int | None = None
         self.last: dict = {}
         self.val: dict[str, float] = {}
@@ -191,13 +192,20 @@ class Console:
         if not self.enabled:
             return
         step, dt = record["step"], record.get("step_time_s", 0.0)
+        now = time.monotonic()
         if self.first_step is None:
             # The job's first step holds compilation, the first allocations and the prefetch's
             # cold start (a minute under compile for a second's step), and every requeue has one:
             # the average starts at the second step, and until then the ETA is unknown.
             self.first_step = step
-        else:
+        elif self.mark is not None and step > self.mark[0]:
+            # The wall time since the last step, per step: a step's own time leaves out validation,
+            # downstream evals, saves and rewind points, and with frequent validation the ETA said
+            # 0m00s for a run with most of its time still to go. A rewind (the step goes back)
+            # starts the count again.
+            dt = max(dt, (now - self.mark[1]) / (step - self.mark[0]))
             self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
+        self.mark = (step, now)
         self.last = record
         eta = max(0, self.total_steps - step) * (math.inf if self.step_time is None else self.step_time)
         if self.tty:

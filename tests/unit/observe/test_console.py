@@ -90,6 +90,20 @@ def test_a_resumed_jobs_eta_and_summary_are_its_own(tmp_path, capsys):
     assert "1 spike event(s) in this job: step 13: skipped" in summary
 
 
+def test_the_eta_counts_the_time_between_steps_not_only_the_steps(tmp_path, capsys, monkeypatch):
+    """Steps of 0.5 s with validation between them: 2 s of wall time per step. The ETA counted the
+    steps' own time only, and with frequent validation said 0m00s for a run with most of its time
+    to go. A rewind (the step goes back) is not taken as progress."""
+    clock = [1000.0]
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+    s = sinks(tmp_path, log_every=1, total=100)
+    for step in (1, 2, 3, 4, 5, 6, 3, 4):
+        clock[0] += 2.0
+        s.log_step(record(step))
+    lines = [line for line in capsys.readouterr().err.splitlines() if " dsslm: step " in line]
+    assert "eta 3m08s" in lines[5], lines[5]   # step 6: 94 steps x 2 s, not x 0.5 s (0m47s)
+    assert "eta 3m12s" in lines[7], lines[7]   # after the rewind: step 4, 96 steps x 2 s
+
 def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, capsys):
     s = sinks(tmp_path)
     # A non-data verdict writes an empty window [a, a]: "skips sequences [276, 276]" was printed.

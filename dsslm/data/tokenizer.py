@@ -194,7 +194,18 @@ def load_tokenizer(data_dir: str | Path, manifest: dict) -> ByteTokenizer | BPET
         eos = spec.get("eos_token", EOS_TOKEN)
         if not isinstance(eos, str):
             raise ValueError(f"{data_dir}/manifest.json: tokenizer.eos_token is not a string; rebuild it with prepare")
-        tok = BPETokenizer.from_file(path, spec["kind"], eos)
+        # The hash first: a file that is not the one pinned is refused without being parsed (a
+        # truncated tokenizer.json was a traceback from the Rust parser, exit 1, not one line).
+        if file_sha256(path) != spec["sha256"]:
+            raise ValueError(f"the tokenizer in {data_dir} does not match its manifest.json (sha256); "
+                             "re-run `python -m dsslm.data prepare` into a fresh DATA_DIR")
+        try:
+            tok = BPETokenizer.from_file(path, spec["kind"], eos)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own Exception types
+            raise ValueError(f"{path} is not a tokenizer the tokenizers library can read ({exc}); re-run "
+                             f"`python -m dsslm.data prepare` into a fresh DATA_DIR") from None
     else:
         raise ValueError(f"unknown tokenizer kind {spec['kind']!r} in {data_dir}/manifest.json")
     # eos_id too: the document mask and the skip list's document bounds split on it.

@@ -177,3 +177,22 @@ def test_manifest_refuses_a_byte_count_that_is_not_a_count(tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(DataError, match="bytes"):
         load_manifest(tmp_path / "d")
+
+
+@pytest.mark.parametrize("pinned", ["other", "same"])
+def test_a_corrupt_tokenizer_json_in_data_dir_is_one_line_not_a_traceback(tmp_path, pinned):
+    """A truncated tokenizer.json in DATA_DIR was parsed before its hash was checked: the Rust
+    parser's Exception (not a ValueError) escaped as a traceback, exit 1. Now a file that is not
+    the pinned one is refused by its hash, unparsed; one whose hash was pinned too (both edited)
+    but does not parse is refused by name. Either way one DataError line (exit 2 in the CLIs)."""
+    from dsslm.data.manifest import verify_tokenizer
+    folder = foreign_tokenizer(tmp_path / "hf")
+    manifest = prepare([corpus(tmp_path / "src")], tmp_path / "d", tokenizer=str(folder / "tokenizer.json"))
+    path = tmp_path / "d" / "tokenizer.json"
+    path.write_text(path.read_text()[:25])
+    if pinned == "same":
+        manifest["tokenizer"]["sha256"] = file_sha256(path)
+    with pytest.raises(DataError) as raised:
+        verify_tokenizer(tmp_path / "d", manifest)
+    assert "\n" not in str(raised.value)
+    assert ("does not match its manifest.json" if pinned == "other" else "is not a tokenizer") in str(raised.value)

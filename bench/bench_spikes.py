@@ -130,9 +130,13 @@ def small_corpus(root: Path, seq_len: int = 64, batch: int = 16, seed: int = 1) 
             (src / path.name).write_text(text)
             total += len(text)
         elif 16_000 < len(text) < 20_000 and not long:
-            (src / path.name).write_text(text)
+            # First in the stream (prepare reads files by name), before the first val block: prepare
+            # cuts the stream into ~1000 blocks and ends a document a val block cuts off, so at
+            # val_fraction 0.02 (a val block every ~6.8K tokens here) no document stayed whole.
+            (src / f"0-{path.name}").write_text(text)
             long = True
-    prepare([src], root / "small-data", domain="code", val_fraction=0.02)
+    # The first val block is block ceil(1 / f) - 1: at 0.005, ~27K tokens in, past the long document.
+    prepare([src], root / "small-data", domain="code", val_fraction=0.005)
     loader = Loader(root / "small-data", seq_len, seed)
     (path, _), = loader._train  # one shard
     ends = np.flatnonzero(np.asarray(loader._shard(path)) == loader.manifest["tokenizer"]["eos_id"]) + 1

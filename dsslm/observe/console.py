@@ -33,12 +33,17 @@ class _Stderr(logging.StreamHandler):
         super().emit(record)
 
 
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
 def configure() -> None:
     """The "dsslm" logger as the user left it, else: DSSLM_LOG_LEVEL, one stderr handler."""
+    given = None
     if LOG.level == logging.NOTSET:
-        name = os.environ.get("DSSLM_LOG_LEVEL", "info").upper()
-        LOG.setLevel(getattr(logging, name, logging.INFO) if isinstance(getattr(logging, name, None), int)
-                     else logging.INFO)
+        name = os.environ.get("DSSLM_LOG_LEVEL", "info")
+        # The documented names only: getattr(logging, NAME) also took "raiseExceptions" (level 1).
+        given = None if name.lower() in LEVELS else name
+        LOG.setLevel(LEVELS.get(name.lower(), logging.INFO))
     if not LOG.handlers:
         # Unconfigured by the user; a library's logging.config call (disable_existing_loggers)
         # must not silence the run.
@@ -47,6 +52,8 @@ def configure() -> None:
         handler.setFormatter(logging.Formatter(FORMAT, "%Y-%m-%d %H:%M:%S"))
         LOG.addHandler(handler)
         LOG.propagate = False  # our handler prints it; a root handler would print it twice
+    if given is not None:  # said, not refused: the run is worth more than its log level
+        LOG.warning(f"DSSLM_LOG_LEVEL={given!r} is not one of {', '.join(LEVELS)}; logging at info")
 
 
 def _g(value: Any) -> str:

@@ -148,6 +148,17 @@ def test_other_ranks_print_nothing(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("level", ["raiseExceptions", "verbose"])
+def test_an_unknown_log_level_is_said_and_info_is_used(tmp_path, capsys, monkeypatch, level):
+    """getattr(logging, NAME) took any int attribute: "raiseExceptions" set level 1 (every debug
+    line), and a misspelt level fell back to info without a word."""
+    monkeypatch.setenv("DSSLM_LOG_LEVEL", level)
+    s = sinks(tmp_path, log_every=1)
+    s.log_step(record(1))
+    err = capsys.readouterr().err
+    assert f"DSSLM_LOG_LEVEL={level!r} is not one of debug, info, warning, error; logging at info" in err
+    assert logging.getLogger("dsslm").level == logging.INFO and "step 1/20" in err
+
 def test_level_and_format_are_the_users(tmp_path, capsys, monkeypatch, fresh_logger):
     monkeypatch.setenv("DSSLM_LOG_LEVEL", "warning")
     s = sinks(tmp_path, log_every=1)

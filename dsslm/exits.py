@@ -61,6 +61,7 @@ class StopFlag:
         self.requested = False
         self.in_loop = False
         self.stepped = False  # this job has completed a step (train.run_loop)
+        self.finishing = False  # the loop is over: the end's save and alerts are being waited for
         self.signum: int | None = None
         self._sigint = None  # the SIGINT handler before the loop's, restored by close()
         for sig in STOP_SIGNALS:
@@ -96,8 +97,9 @@ class StopFlag:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
         if int(os.environ.get("RANK", "0")) == 0:  # a terminal's Ctrl-C reaches every rank: one line
-            print("dsslm: Ctrl-C: saving at the end of this step (Ctrl-C again to stop at once)", file=sys.stderr,
-                  flush=True)
+            # After the loop no step follows: the wait is for the last save (and alert commands).
+            doing = "finishing the run's last save" if self.finishing else "saving at the end of this step"
+            print(f"dsslm: Ctrl-C: {doing} (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
 
     @property
     def stopped_in_setup(self) -> bool:

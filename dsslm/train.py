@@ -181,6 +181,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job)
         job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
+    stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
     check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})

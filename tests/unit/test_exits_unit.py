@@ -21,6 +21,21 @@ def test_ctrl_c_is_said_by_the_first_rank_only(monkeypatch, capsys):
             signal.signal(sig, handler)
 
 
+def test_ctrl_c_after_the_last_step_says_what_it_waits_for(monkeypatch, capsys):
+    """After the loop (the end's save and alert commands being waited for, up to 30 s) a Ctrl-C
+    said "saving at the end of this step", of a step that never came."""
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        monkeypatch.setenv("RANK", "0")
+        flag = StopFlag()
+        flag.finishing = True
+        flag._interrupt(signal.SIGINT, None)
+        assert "Ctrl-C: finishing the run's last save (Ctrl-C again to stop at once)" in capsys.readouterr().err
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def test_rank_0_says_in_the_status_file_whether_the_run_finished_or_was_preempted(tmp_path, monkeypatch):
     """Both exit 0; slurm/train.sbatch requeues after a notice only what says `preempted` (before:
     a run that finished in the step the notice came in was requeued too)."""

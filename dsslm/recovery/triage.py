@@ -31,8 +31,8 @@ it (the *base*) and replays to `target`:
                  the skipped ones' slots brought it back); the rest of the window by position
                  (`fed_end`, `Rewinder.data_of`): the stream is shuffled, so those are random
                  chunks of the corpus, and a data verdict must not take them out of every later
-                 epoch. (A replay from before this version resumes
-                 with its position `window` instead, at least `skip_batches` batches.)
+                 epoch. (A replay from before this version resumes with its position `window`
+                 instead, at least `skip_batches` batches.)
     backoff      still there: from the base again with the original data and the learning rate
                  x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
                  `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of

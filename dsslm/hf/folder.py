@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsslm.config import HF_PREFIX, Config, ModelCfg, validate
+from dsslm.config import HF_PREFIX, Config, ModelCfg, ffn_hidden_of, validate
 from dsslm.data.tokenizer import load_tokenizer
 from dsslm.durable import file_sha256
 from dsslm.hf.convert import EXPORTED_KEYS, PROBE_TEXT, HFError, architecture_of, from_hf, hf_shapes, model_values
@@ -55,20 +55,19 @@ def read_config(hf_dir: Path) -> dict:
 
 
 def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> None:
-    """Set model.* from the folder's config.json. A key the user moved off its default must agree:
-    a disagreement names the key instead of training some other shape. The data must use the
-    model's tokenizer."""
+    """Set model.* from the folder's config.json. A key the user set (in --config or an override,
+    `cfg.explicit`) must agree, even at its default value: a disagreement names the key instead of
+    training some other shape. The data must use the model's tokenizer."""
     try:
         values = model_values(read_config(hf_dir))
         data_tok = load_tokenizer(data_dir, manifest)
     except ValueError as exc:  # HFError, or a DATA_DIR whose tokenizer does not match its manifest
         raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
-    defaults = ModelCfg()
     for key, value in values.items():
         now = getattr(cfg.model, key)
-        if now != value and now != getattr(defaults, key):
+        if f"model.{key}" in cfg.explicit and not _agrees(key, now, value, values):
             raise HFError(f"model.{key}={now!r} disagrees with {hf_dir / CONFIG_FILE} ({EXPORTED_KEYS[key]}="
-                          f"{value!r}); drop the override or set model.{key}={value!r}")
+                          f"{value!r}); drop model.{key} from the config and overrides, or set model.{key}={value!r}")
         setattr(cfg.model, key, value)
     if data_tok.vocab_size > cfg.model.vocab_size:
         raise HFError(f"the data's tokenizer has {data_tok.vocab_size} ids but {hf_dir}'s embedding has "
@@ -81,6 +80,14 @@ def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> No
         check_headers(hf_dir, cfg.model)
     except HFError as exc:
         raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
+
+
+def _agrees(key: str, now: Any, value: Any, values: dict) -> bool:
+    """Whether model.{key}=now, as set, asks for the folder's value: 0 for ffn_hidden and
+    vocab_size means "derived" (from d_model, from the data), and what it derives to here counts."""
+    if key == "ffn_hidden" and now == 0:
+        return ffn_hidden_of(values["d_model"], 0) == value
+    return now == value or (key == "vocab_size" and now == 0)
 
 
 def check_tokenizer(hf_dir: Path, data_tok) -> None:

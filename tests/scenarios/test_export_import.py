@@ -230,7 +230,8 @@ def train_exit(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["pickle_only", "shape", "missing", "tokenizer", "bad_index"])
+@pytest.mark.parametrize("case", ["pickle_only", "shape", "default_shape", "config_file", "missing", "tokenizer",
+                                  "bad_index"])
 def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
     hf_dir = exported(runs, "byte", tmp_path, capsys)
     data = runs["byte_data"]
@@ -239,6 +240,12 @@ def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
         (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")  # never unpickled: any bytes do
     elif case == "shape":
         extra = ("model.n_layers=3",)
+    elif case == "default_shape":  # 4 is model.n_layers' default: the folder's 2 was taken over it, exit 0
+        extra = ("model.n_layers=4", "model.n_heads=4")
+    elif case == "config_file":  # a key --config sets counts as set too, at its default 1e-6 as well
+        (hf_dir / "config.json").write_text(json.dumps({**read_config(hf_dir), "rms_norm_eps": 1e-5}))
+        (tmp_path / "c.yaml").write_text("model:\n  norm_eps: 1.0e-6\n")
+        extra = ("--config", str(tmp_path / "c.yaml"))
     elif case == "missing":
         hf_dir = tmp_path / "nope"
     elif case == "tokenizer":
@@ -248,7 +255,8 @@ def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
         (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
     rc, err = train_exit(capsys, tmp_path / "run", f"data.dir={data}", f"run.init_from=hf:{hf_dir}", *extra)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert {"pickle_only": "pickle", "shape": "model.n_layers=3", "missing": "no such folder",
+    assert {"pickle_only": "pickle", "shape": "model.n_layers=3", "default_shape": "model.n_layers=4 disagrees",
+            "config_file": "model.norm_eps=1e-06 disagrees", "missing": "no such folder",
             "tokenizer": "tokenizer", "bad_index": "weight_map"}[case] in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 

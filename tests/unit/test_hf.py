@@ -208,3 +208,13 @@ def test_eval_checks_a_folders_weights_before_transformers_loads_them(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
     with pytest.raises(ToolError, match="weight_map must map names to plain"):
         check_hf_weights(tmp_path)
+
+
+def test_a_model_key_set_to_zero_for_derived_agrees_with_what_it_derives_to():
+    """run.init_from=hf: refuses a model.* key the user set unless it asks for the folder's value;
+    ffn_hidden=0 (8/3 d_model) and vocab_size=0 (follow) ask for what they derive to."""
+    from dsslm.hf.folder import _agrees
+    values = {"d_model": 32}
+    assert _agrees("ffn_hidden", 0, 128, values) and not _agrees("ffn_hidden", 0, 64, values)
+    assert _agrees("vocab_size", 0, 257, values) and _agrees("n_layers", 2, 2, values)
+    assert not _agrees("n_layers", 4, 2, values) and not _agrees("vocab_size", 300, 257, values)

@@ -107,8 +107,8 @@ def check_finite(model: torch.nn.Module, folder: Path) -> None:
 
 def open_hf(folder: Path, device: torch.device):
     """A Hugging Face folder's causal LM (safetensors only: never a pickle), its tokenizer as dsslm
-    reads tokenizer.json, and its context length."""
-    from transformers import AutoModelForCausalLM
+    reads tokenizer.json, its context length, and the id an empty context is scored after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsslm.data.tokenizer import BPETokenizer, eos_token_of
 
@@ -123,6 +123,10 @@ def open_hf(folder: Path, device: torch.device):
                                                               local_files_only=True, output_loading_info=True)
         from tokenizers import Tokenizer
         tok = BPETokenizer.from_file(tok_file, "file", eos_token_of(tok_file, Tokenizer.from_file(str(tok_file))))
+        # lm-eval's HFLM scores an empty context after its prefix_token_id: the tokenizer's BOS
+        # as transformers reads it (tokenizer_config.json and the rest), else EOS. A foreign folder's
+        # BOS can differ from its EOS, and so would every empty-context score.
+        bos = AutoTokenizer.from_pretrained(folder, local_files_only=True).bos_token_id
     except Exception as exc:  # noqa: BLE001 - transformers' config checks raise their own types too
         raise ToolError(f"{folder}: transformers cannot load it ({' '.join(str(exc).split())[:300]})") from None
     # transformers fills a tensor its config needs and the files lack with random values (and a
@@ -140,8 +144,12 @@ def open_hf(folder: Path, device: torch.device):
     if tok.vocab_size > rows:  # an id past the embedding table: an IndexError at the first batch
         raise ToolError(f"{folder}: tokenizer.json has {tok.vocab_size} ids but the model embeds {rows}; "
                         "the folder's tokenizer is not its model's")
+    prefix_id = tok.eos_id if bos is None else bos
+    if not 0 <= prefix_id < rows:  # a bos_token the vocabulary lacks, which transformers adds past it
+        raise ToolError(f"{folder}: the tokenizer's BOS is id {prefix_id}, past the model's {rows} embeddings; "
+                        "fix bos_token in tokenizer_config.json")
     model = model.to(device).eval()
-    return (lambda ids: model(ids).logits), tok, seq_len
+    return (lambda ids: model(ids).logits), tok, seq_len, prefix_id
 
 
 def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batch_size: int | None,
@@ -151,7 +159,7 @@ def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batc
     if path.is_dir() and is_hf_folder(path):
         max_examples = EvalCfg().max_examples if max_examples is None else max_examples
         loaded = load_tasks(tasks, max_examples)  # a bad task file before a model is loaded
-        forward, tok, seq_len = open_hf(path, device)
+        forward, tok, seq_len, prefix_id = open_hf(path, device)
         step, precision = None, "fp32"
         # Padded tokens a batch holds: a foreign folder's context (40,960 for some) times 8 would
         # be logits of hundreds of GB at a 150k vocabulary; requests rarely exceed 2,048 tokens.
@@ -159,13 +167,13 @@ def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batc
     else:
         trained = open_trained(path, device)
         cfg, forward, tok, step = trained.cfg, trained.model, tokenizer_of(trained, data), trained.step
-        seq_len, precision = cfg.model.seq_len, cfg.train.precision
+        seq_len, precision, prefix_id = cfg.model.seq_len, cfg.train.precision, None  # EOS, as training's
         batch_tokens = (batch_size or cfg.train.micro_batch_size) * seq_len
         max_examples = cfg.eval.max_examples if max_examples is None else max_examples
         source = str(trained.path)
         loaded = load_tasks(tasks, max_examples)
     started = time.perf_counter()
-    prepared = Prepared.build(loaded, tok, seq_len)
+    prepared = Prepared.build(loaded, tok, seq_len, prefix_id)
     by_task = prepared.evaluate(forward, batch_tokens, precision, device)
     return {"source": source, "step": step, "precision": precision, "seq_len": seq_len,
             "batch_tokens": batch_tokens, "max_examples": max_examples, "tasks": by_task,

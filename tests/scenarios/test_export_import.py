@@ -438,3 +438,30 @@ def test_the_weight_files_are_the_ones_transformers_loads(tmp_path):
         (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": value}))
         with pytest.raises(HFError, match=f"transformers_weights.*{says}"):
             read_weights(hf_dir, cfg)
+
+
+@torch.no_grad()
+def test_an_empty_context_is_scored_after_the_folders_bos_as_lm_eval_does(tmp_path):
+    """lm-eval's HFLM scores an empty context after its prefix_token_id: the tokenizer's BOS, else
+    EOS. dsslm used EOS, so on a folder whose BOS is not its EOS every such score differed."""
+    import math
+
+    from dsslm import eval as eval_cli
+    from dsslm.hf.convert import byte_tokenizer
+
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token="<|endoftext|>",
+                                         bos_token="!").save_pretrained(tmp_path / "hf")
+    task = tmp_path / "t.jsonl"
+    choice = " the cat"
+    task.write_text(json.dumps({"context": "", "choices": [choice, " a dog"], "gold": 0}) + "\n")
+    result = eval_cli.evaluate_tasks(str(tmp_path / "hf"), [str(task)], 0, None, None, torch.device("cpu"))
+    ids = [ord("!"), *choice.encode()]  # BOS "!" is byte 33 of the byte tokenizer; EOS is 256
+    logp = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].double(), -1)
+    ll = sum(float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1))
+    assert result["tasks"]["t"]["bpb"] == pytest.approx(-ll / math.log(2) / len(choice), rel=1e-5)

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, ClassVar, Dict, FrozenSet, List, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -231,6 +231,11 @@ class Config:
     faults: FaultsCfg = field(default_factory=FaultsCfg)
     observe: ObserveCfg = field(default_factory=ObserveCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    # The dotted keys the --config file and the overrides set (load() records them on the instance).
+    # Not a field, so not in the schema, the saved config or its comparisons: a value taken from
+    # elsewhere (run.init_from=hf:'s config.json) must agree with a key the user set, and a key set
+    # to its default value cannot be told from one not set by its value.
+    explicit: ClassVar[FrozenSet[str]] = frozenset()
 
 
 
@@ -247,8 +252,11 @@ def accumulation_for(t: TrainCfg, world_size: int) -> int:
 
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The config at `path` (default configs/tiny.yaml) with `key=value` overrides applied."""
+    """The config at `path` (default configs/tiny.yaml) with `key=value` overrides applied. Its
+    `explicit` holds the keys `path` and the overrides set (not the default file's: those are
+    dsslm's choice, not the user's)."""
     schema = OmegaConf.structured(Config)
+    given = bool(path)
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; pass a YAML file such as configs/tiny.yaml")
@@ -266,10 +274,13 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
                           f"train:, ...), not a list; see configs/tiny.yaml")
     try:
         merged, accum_set = OmegaConf.merge(schema, loaded), OmegaConf.select(loaded, "train.grad_accum") is not None
+        explicit = _dotted_keys(OmegaConf.to_container(loaded)) if given else set()
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
-            merged, accum_set = OmegaConf.merge(merged, OmegaConf.from_dotlist([item])), accum_set or item.startswith("train.grad_accum=")
+            override = OmegaConf.from_dotlist([item])
+            merged, accum_set = OmegaConf.merge(merged, override), accum_set or item.startswith("train.grad_accum=")
+            explicit |= _dotted_keys(OmegaConf.to_container(override))
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_explain(err)) from None
@@ -279,7 +290,17 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     _check(not (accum_set and cfg.train.global_batch_size), f"train.global_batch_size={cfg.train.global_batch_size} and "
            f"train.grad_accum={cfg.train.grad_accum} are both set; drop train.grad_accum (it follows per world size)")
     validate(cfg)
+    cfg.explicit = frozenset(explicit)
     return cfg
+
+
+def _dotted_keys(tree: Any, prefix: str = "") -> set[str]:
+    """Every key of a nested mapping, dotted: {"model": {"d_model": 64}} -> {"model", "model.d_model"}."""
+    keys: set[str] = set()
+    for key, value in tree.items() if isinstance(tree, dict) else ():
+        keys.add(f"{prefix}{key}")
+        keys |= _dotted_keys(value, f"{prefix}{key}.")
+    return keys
 
 
 def _explain(err: OmegaConfBaseException) -> str:

@@ -244,13 +244,14 @@ class Rows:
     choices: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
-def encode_pair(tok, eos_id: int, context: str, continuation: str, where: str,
+def encode_pair(tok, prefix_id: int, context: str, continuation: str, where: str,
                 memo: dict | None = None) -> tuple[list[int], list[int], str]:
     """lm-eval's split of a request into context and continuation ids (its `_encode_pair`), and the
-    continuation text as scored (with the context's trailing whitespace). `memo`: contexts already
-    encoded (every choice of an example shares one; few-shot prompts are long)."""
+    continuation text as scored (with the context's trailing whitespace). An empty context is
+    `prefix_id` (lm-eval's prefix_token_id: the tokenizer's BOS, else its EOS). `memo`: contexts
+    already encoded (every choice of an example shares one; few-shot prompts are long)."""
     if context == "":
-        return [eos_id], _encode(tok, continuation, where), continuation
+        return [prefix_id], _encode(tok, continuation, where), continuation
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -259,7 +260,7 @@ def encode_pair(tok, eos_id: int, context: str, continuation: str, where: str,
         memo = {} if memo is None else memo
         memo[context] = _encode(tok, context, where) if context else []
     ctx = memo[context]
-    return (ctx or [eos_id]), whole[len(ctx):], continuation
+    return (ctx or [prefix_id]), whole[len(ctx):], continuation
 
 
 def _encode(tok, text: str, where: str) -> list[int]:
@@ -276,14 +277,14 @@ def _encode(tok, text: str, where: str) -> list[int]:
     return ids
 
 
-def tokenize(tasks: list[Task], tok, eos_id: int, seq_len: int) -> Rows:
+def tokenize(tasks: list[Task], tok, prefix_id: int, seq_len: int) -> Rows:
     rows = Rows()
     for t, task in enumerate(tasks):
         for e, example in enumerate(task.examples):
             memo: dict[str, list[int]] = {}
             for context, choice in zip(example.contexts, example.choices):
                 where = f"task {task.name} (example {e})"
-                ctx, cont, scored = encode_pair(tok, eos_id, context, choice, where, memo)
+                ctx, cont, scored = encode_pair(tok, prefix_id, context, choice, where, memo)
                 if not cont:
                     raise TaskError(f"{where}: the continuation {choice!r} encodes to no tokens; fix the example")
                 owner = len(rows.choices)
@@ -400,8 +401,11 @@ class Prepared:
     pad_id: int
 
     @classmethod
-    def build(cls, tasks: list[Task], tok, seq_len: int) -> "Prepared":
-        return cls(tasks, tokenize(tasks, tok, tok.eos_id, seq_len), tok.eos_id)
+    def build(cls, tasks: list[Task], tok, seq_len: int, prefix_id: int | None = None) -> "Prepared":
+        """`prefix_id`: what an empty context is (default EOS: dsslm's tokenizers have no other
+        BOS, and an export writes BOS = EOS); a Hugging Face folder's BOS, as lm-eval uses it."""
+        prefix_id = tok.eos_id if prefix_id is None else prefix_id
+        return cls(tasks, tokenize(tasks, tok, prefix_id, seq_len), tok.eos_id)
 
     def evaluate(self, forward, budget_tokens: int, precision: str, device: torch.device, rank: int = 0,
                  world_size: int = 1, gather: Callable[[Any], list] = lambda x: [x]) -> dict[str, dict]:

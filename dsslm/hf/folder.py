@@ -2,9 +2,9 @@
 safetensors weights (never a pickle) and its tokenizer, checked against the run's data.
 
 Everything in the folder is someone else's file, so it is validated before it is trusted:
-config.json's fields (`hf.model_values`), the index's file names (plain names inside the
-folder), and every tensor's name, shape and dtype, read from the safetensors headers before any
-data is loaded. The weight files' SHA-256 go into the run's lineage.
+config.json's fields (`hf.model_values`), the weight files' names (plain names inside the
+folder, chosen as transformers chooses them: `weight_files`), and every tensor's name, shape and
+dtype, read from the safetensors headers before any data is loaded. The weight files' SHA-256 go into the run's lineage.
 
     apply_shape(cfg, hf_dir, data_dir, manifest)   # in setup, before the model is built: model.* from config.json
     HFWeights(hf_dir, cfg.model, engine.param_shapes).read()   # the weights, as dsslm names them
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsslm.config import HF_PREFIX, Config, ModelCfg, validate
+from dsslm.config import HF_PREFIX, Config, ModelCfg, ffn_hidden_of, validate
 from dsslm.data.tokenizer import load_tokenizer
 from dsslm.durable import file_sha256
 from dsslm.hf.convert import EXPORTED_KEYS, PROBE_TEXT, HFError, architecture_of, from_hf, hf_shapes, model_values
@@ -29,6 +29,7 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
+_SAFE_INDEX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors\.index\.json")
 # Buffers older exports saved; they are computed from the config, never learned.
 _DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
@@ -54,20 +55,19 @@ def read_config(hf_dir: Path) -> dict:
 
 
 def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> None:
-    """Set model.* from the folder's config.json. A key the user moved off its default must agree:
-    a disagreement names the key instead of training some other shape. The data must use the
-    model's tokenizer."""
+    """Set model.* from the folder's config.json. A key the user set (in --config or an override,
+    `cfg.explicit`) must agree, even at its default value: a disagreement names the key instead of
+    training some other shape. The data must use the model's tokenizer."""
     try:
         values = model_values(read_config(hf_dir))
         data_tok = load_tokenizer(data_dir, manifest)
     except ValueError as exc:  # HFError, or a DATA_DIR whose tokenizer does not match its manifest
         raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
-    defaults = ModelCfg()
     for key, value in values.items():
         now = getattr(cfg.model, key)
-        if now != value and now != getattr(defaults, key):
+        if f"model.{key}" in cfg.explicit and not _agrees(key, now, value, values):
             raise HFError(f"model.{key}={now!r} disagrees with {hf_dir / CONFIG_FILE} ({EXPORTED_KEYS[key]}="
-                          f"{value!r}); drop the override or set model.{key}={value!r}")
+                          f"{value!r}); drop model.{key} from the config and overrides, or set model.{key}={value!r}")
         setattr(cfg.model, key, value)
     if data_tok.vocab_size > cfg.model.vocab_size:
         raise HFError(f"the data's tokenizer has {data_tok.vocab_size} ids but {hf_dir}'s embedding has "
@@ -80,6 +80,14 @@ def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> No
         check_headers(hf_dir, cfg.model)
     except HFError as exc:
         raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
+
+
+def _agrees(key: str, now: Any, value: Any, values: dict) -> bool:
+    """Whether model.{key}=now, as set, asks for the folder's value: 0 for ffn_hidden and
+    vocab_size means "derived" (from d_model, from the data), and what it derives to here counts."""
+    if key == "ffn_hidden" and now == 0:
+        return ffn_hidden_of(values["d_model"], 0) == value
+    return now == value or (key == "vocab_size" and now == 0)
 
 
 def check_tokenizer(hf_dir: Path, data_tok) -> None:
@@ -102,28 +110,59 @@ def check_tokenizer(hf_dir: Path, data_tok) -> None:
 
 
 def weight_files(hf_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """The safetensors files and the index's name -> file map ({} for one unsharded file)."""
-    index = hf_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise HFError(f"{index} is unreadable or has no weight_map ({exc})") from None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and _SAFE_NAME.fullmatch(v) for k, v in weight_map.items()):
-            raise HFError(f"{index}: weight_map must map names to plain *.safetensors file names in {hf_dir}")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (hf_dir / f).is_file()]
-        if missing:
-            raise HFError(f"{index} names {missing[0]}, which is not in {hf_dir}")
-        return files, weight_map
-    if (hf_dir / WEIGHTS_FILE).is_file():
-        return [WEIGHTS_FILE], {}
-    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise HFError(f"{hf_dir} holds only pickle weights ({pickles[0]}); dsslm never unpickles: save the model "
-                      "with safetensors (save_pretrained(dir, safe_serialization=True)) and import that")
-    raise HFError(f"{hf_dir} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    """The safetensors files transformers loads from the folder, and the index's name -> file map
+    ({} for one unsharded file). Chosen as transformers 5.x chooses them (modeling_utils'
+    _get_resolved_checkpoint_files): config.json's `transformers_weights`, else model.safetensors,
+    else the index. A folder can hold more than one of these (a model.safetensors left beside a
+    later sharded save): any other order imports, checks and hashes into the lineage weights other
+    than those transformers runs."""
+    explicit = _transformers_weights(hf_dir)
+    if explicit is not None:
+        name = explicit
+    elif (hf_dir / WEIGHTS_FILE).is_file():
+        name = WEIGHTS_FILE
+    elif (hf_dir / INDEX_FILE).is_file():
+        name = INDEX_FILE
+    else:
+        pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise HFError(f"{hf_dir} holds only pickle weights ({pickles[0]}); dsslm never unpickles: save the model "
+                          "with safetensors (save_pretrained(dir, safe_serialization=True)) and import that")
+        raise HFError(f"{hf_dir} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    return _read_index(hf_dir, hf_dir / name) if _SAFE_INDEX.fullmatch(name) else ([name], {})
+
+
+def _transformers_weights(hf_dir: Path) -> str | None:
+    """config.json's `transformers_weights`: the file transformers loads before any other. Someone
+    else's string, so like the index's file names it must be a plain name of a file in the folder
+    (transformers only keeps it from escaping the folder; a pickle it would also take is refused)."""
+    if not (hf_dir / CONFIG_FILE).is_file():
+        return None
+    value = read_config(hf_dir).get("transformers_weights")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not (_SAFE_NAME.fullmatch(value) or _SAFE_INDEX.fullmatch(value)):
+        raise HFError(f"{hf_dir / CONFIG_FILE}: transformers_weights={value!r} must be a plain *.safetensors or "
+                      f"*.safetensors.index.json file name in {hf_dir}; fix it or remove the key")
+    if not (hf_dir / value).is_file():
+        raise HFError(f"{hf_dir / CONFIG_FILE}: transformers_weights names {value}, which is not in {hf_dir}; "
+                      "fix it or remove the key")
+    return value
+
+
+def _read_index(hf_dir: Path, index: Path) -> tuple[list[str], dict[str, str]]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise HFError(f"{index} is unreadable or has no weight_map ({exc})") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and _SAFE_NAME.fullmatch(v) for k, v in weight_map.items()):
+        raise HFError(f"{index}: weight_map must map names to plain *.safetensors file names in {hf_dir}")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (hf_dir / f).is_file()]
+    if missing:
+        raise HFError(f"{index} names {missing[0]}, which is not in {hf_dir}")
+    return files, weight_map
 
 
 def read_weights(hf_dir: Path, cfg: ModelCfg) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -198,8 +198,9 @@ def test_the_same_counts_as_lm_eval_harness_on_an_exported_model(tmp_path, capsy
     assert n == 42
     assert ours["correct_acc"] == round(theirs["acc"] * n) and ours["correct_acc_norm"] == round(theirs["acc_norm"] * n)
     # ...because every choice's log-likelihood agrees (fp32; other batch shapes and kernels).
-    forward, tok, seq_len = open_hf(tmp_path / "hf", torch.device("cpu"))
-    prepared = Prepared.build(load_tasks([str(task)]), tok, seq_len)
+    forward, tok, seq_len, prefix_id = open_hf(tmp_path / "hf", torch.device("cpu"))
+    assert prefix_id == tok.eos_id  # an export's BOS is its EOS
+    prepared = Prepared.build(load_tasks([str(task)]), tok, seq_len, prefix_id)
     lls = score_rows(forward, prepared.rows, 8 * seq_len, "fp32", torch.device("cpu"), prepared.pad_id)
     per_choice = np.zeros(len(prepared.rows.choices))
     np.add.at(per_choice, prepared.rows.owner, lls)

@@ -230,7 +230,8 @@ def train_exit(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["pickle_only", "shape", "missing", "tokenizer", "bad_index"])
+@pytest.mark.parametrize("case", ["pickle_only", "shape", "default_shape", "config_file", "missing", "tokenizer",
+                                  "bad_index"])
 def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
     hf_dir = exported(runs, "byte", tmp_path, capsys)
     data = runs["byte_data"]
@@ -239,15 +240,23 @@ def test_bad_hf_input_exits_2_with_one_line(runs, tmp_path, capsys, case):
         (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")  # never unpickled: any bytes do
     elif case == "shape":
         extra = ("model.n_layers=3",)
+    elif case == "default_shape":  # 4 is model.n_layers' default: the folder's 2 was taken over it, exit 0
+        extra = ("model.n_layers=4", "model.n_heads=4")
+    elif case == "config_file":  # a key --config sets counts as set too, at its default 1e-6 as well
+        (hf_dir / "config.json").write_text(json.dumps({**read_config(hf_dir), "rms_norm_eps": 1e-5}))
+        (tmp_path / "c.yaml").write_text("model:\n  norm_eps: 1.0e-6\n")
+        extra = ("--config", str(tmp_path / "c.yaml"))
     elif case == "missing":
         hf_dir = tmp_path / "nope"
     elif case == "tokenizer":
         data = runs["bpe_data"]
-    else:
+    else:  # the index is read when there is no model.safetensors (which transformers loads first)
+        (hf_dir / "model.safetensors").unlink()
         (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
     rc, err = train_exit(capsys, tmp_path / "run", f"data.dir={data}", f"run.init_from=hf:{hf_dir}", *extra)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert {"pickle_only": "pickle", "shape": "model.n_layers=3", "missing": "no such folder",
+    assert {"pickle_only": "pickle", "shape": "model.n_layers=3", "default_shape": "model.n_layers=4 disagrees",
+            "config_file": "model.norm_eps=1e-06 disagrees", "missing": "no such folder",
             "tokenizer": "tokenizer", "bad_index": "weight_map"}[case] in err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -379,3 +388,80 @@ def test_document_masked_model_exports_with_a_warning_and_matches_on_one_documen
         packed = one_doc.clone()
         packed[:, 10] = eos  # two documents a row: transformers attends across the EOS, dsslm does not
         assert (model(packed).logits[:, 11:] - trained.model(packed)[:, 11:]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_the_weight_files_are_the_ones_transformers_loads(tmp_path):
+    """transformers 5.x loads config.json's `transformers_weights`, else model.safetensors, else the
+    index. dsslm read the index first and ignored `transformers_weights`: a folder holding both a
+    model.safetensors and an index was imported (and hashed into the lineage) from the index while
+    transformers ran model.safetensors (logits 0.585 apart)."""
+    from safetensors.torch import save_file
+
+    from dsslm.config import ModelCfg
+    from dsslm.eval import check_hf_weights
+    from dsslm.hf.convert import HFError, model_values
+    from dsslm.hf.folder import read_weights
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    hf_dir = tmp_path / "hf"
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        models.append(transformers.LlamaForCausalLM(config).eval())
+    models[0].save_pretrained(hf_dir, max_shard_size="10KB")  # sharded: the index and its shards
+    assert (hf_dir / "model.safetensors.index.json").is_file() and not (hf_dir / "model.safetensors").exists()
+    for model, name in ((models[1], "model.safetensors"), (models[2], "alt.safetensors")):
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, hf_dir / name, metadata={"format": "pt"})
+    original = json.loads((hf_dir / "config.json").read_text())
+    cfg = ModelCfg(**model_values(original))
+
+    def loaded_by_both() -> tuple[str, ...]:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).state_dict()
+        ours, record = read_weights(hf_dir, cfg)
+        check_hf_weights(hf_dir)  # dsslm.eval checks the same files
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        return tuple(record["files"])
+
+    assert loaded_by_both() == ("model.safetensors",)  # model.safetensors before the index
+    (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": "alt.safetensors"}))
+    assert loaded_by_both() == ("alt.safetensors",)
+    (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": "model.safetensors.index.json"}))
+    assert len(loaded_by_both()) > 1  # the shards
+    (hf_dir / "config.json").write_text(json.dumps(original))
+    (hf_dir / "model.safetensors").unlink()
+    assert len(loaded_by_both()) > 1
+    # Someone else's string: a plain name of a safetensors file in the folder, or refused.
+    for value, says in (("../hf/alt.safetensors", "must be a plain"), ("pytorch_model.bin", "must be a plain"),
+                        (["alt.safetensors"], "must be a plain"), ("gone.safetensors", "gone.safetensors, which is not in")):
+        (hf_dir / "config.json").write_text(json.dumps({**original, "transformers_weights": value}))
+        with pytest.raises(HFError, match=f"transformers_weights.*{says}"):
+            read_weights(hf_dir, cfg)
+
+
+@torch.no_grad()
+def test_an_empty_context_is_scored_after_the_folders_bos_as_lm_eval_does(tmp_path):
+    """lm-eval's HFLM scores an empty context after its prefix_token_id: the tokenizer's BOS, else
+    EOS. dsslm used EOS, so on a folder whose BOS is not its EOS every such score differed."""
+    import math
+
+    from dsslm import eval as eval_cli
+    from dsslm.hf.convert import byte_tokenizer
+
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token="<|endoftext|>",
+                                         bos_token="!").save_pretrained(tmp_path / "hf")
+    task = tmp_path / "t.jsonl"
+    choice = " the cat"
+    task.write_text(json.dumps({"context": "", "choices": [choice, " a dog"], "gold": 0}) + "\n")
+    result = eval_cli.evaluate_tasks(str(tmp_path / "hf"), [str(task)], 0, None, None, torch.device("cpu"))
+    ids = [ord("!"), *choice.encode()]  # BOS "!" is byte 33 of the byte tokenizer; EOS is 256
+    logp = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].double(), -1)
+    ll = sum(float(logp[i, ids[i + 1]]) for i in range(len(ids) - 1))
+    assert result["tasks"]["t"]["bpb"] == pytest.approx(-ll / math.log(2) / len(choice), rel=1e-5)

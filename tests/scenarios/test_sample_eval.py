@@ -143,6 +143,32 @@ def test_eval_json_into_a_missing_folder_exits_2_before_evaluating(runs, tmp_pat
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "does not exist" in err
 
 
+@pytest.mark.parametrize("where", ["metrics", "folder", "checkpoint", "checkpoints"])
+def test_eval_json_never_replaces_a_file_nor_writes_among_checkpoints_and_says_so_before_evaluating(
+        runs, tmp_path, capsys, where):
+    """--json replaced whatever was there: a run's metrics.jsonl, or (an eval.json written into
+    checkpoints/step-N/, which its MANIFEST does not list) a valid checkpoint the next resume then set
+    aside. A folder crashed with IsADirectoryError after the work (exit 1)."""
+    run = runs["byte"]
+    target, says = {"metrics": (run / "metrics.jsonl", "exists (a file)"), "folder": (tmp_path, "exists (a folder)"),
+                    "checkpoint": (run / "checkpoints" / f"step-{STEPS:08d}" / "eval.json", "inside the checkpoint"),
+                    "checkpoints": (run / "checkpoints" / "eval.json", "among the checkpoints")}[where]
+    before = target.read_bytes() if target.is_file() else None
+    rc, out, err = run_cli(eval_cli, capsys, run, "--json", target)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and says in err, err
+    assert (target.read_bytes() if target.is_file() else None) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_eval_json_that_appears_while_evaluating_is_kept(runs, tmp_path, capsys, monkeypatch):
+    target, real = tmp_path / "eval.json", eval_cli.evaluate
+    monkeypatch.setattr(eval_cli, "evaluate", lambda *a: target.write_text("theirs") and real(*a))
+    rc, out, err = run_cli(eval_cli, capsys, runs["byte"], "--batches", "1", "--json", target)
+    assert rc == 2 and json.loads(out.strip().splitlines()[-1])["step"] == STEPS  # the result is printed
+    assert len(err.strip().splitlines()) == 1 and "appeared while evaluating" in err, err
+    assert target.read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
+
 def test_sample_bad_prompt_bytes_and_seed_exit_2_in_one_line(runs, capsys):
     for argv, says in (((runs["byte"], "--prompt", "ab\udcffcd"), "not valid UTF-8"),
                        ((runs["bpe"], "--prompt", "ab\udcffcd"), "not valid UTF-8"),  # `tokenizers`: TypeError

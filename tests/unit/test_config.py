@@ -93,3 +93,15 @@ def test_a_mix_changes_the_config_hash_and_prefetch_does_not():
     base = load(None, [])
     assert config_hash(base) == config_hash(load(None, ["data.prefetch=false", "data.verify=full"]))
     assert config_hash(base) != config_hash(load(None, ["data.mix.code=1"]))
+
+
+def test_load_records_the_keys_the_config_file_and_the_overrides_set(tmp_path):
+    """A key set to its default value could not be told from one not set (run.init_from=hf: took
+    the folder's shape over model.n_layers=4, the default): load() records which keys were set."""
+    assert load(None, []).explicit == frozenset()  # configs/tiny.yaml by default: dsslm's values, not the user's
+    cfg = load(None, ["model.n_layers=4", "data.mix={web: 1}"])
+    assert {"model.n_layers", "data.mix.web"} <= cfg.explicit and "model.n_heads" not in cfg.explicit
+    (tmp_path / "c.yaml").write_text("model:\n  d_model: 128\ntrain:\n  total_steps: 500\n")
+    cfg = load(tmp_path / "c.yaml", ["optim.peak_lr=1e-3"])
+    assert {"model.d_model", "train.total_steps", "optim.peak_lr"} <= cfg.explicit
+    assert "model.n_layers" not in cfg.explicit and "explicit" not in config.to_dict(cfg)  # not saved

@@ -139,6 +139,25 @@ def test_config_json_that_dsslm_cannot_build_is_refused(fields, says):
         model_values(llama_config(**fields))
 
 
+def test_rope_scaling_and_rope_parameters_that_disagree_are_refused_and_that_agree_are_read():
+    """transformers 5.x applies `rope_scaling or rope_parameters`: a folder with a default
+    rope_parameters and a linear rope_scaling was imported with plain RoPE while transformers ran it
+    scaled (exit 0, logits 6.8e-4 apart on a 6-step model). Nothing says which the model had."""
+    linear = {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(HFError, match="rope_parameters=.* and rope_scaling=.* disagree.*remove rope_scaling"):
+        model_values(llama_config(rope_scaling=linear))
+    with pytest.raises(HFError, match="disagree"):  # the same type, another theta
+        model_values(llama_config(rope_scaling={"rope_type": "default", "rope_theta": 1e4}))
+    # Equal once completed as transformers completes them (`type`, a top-level rope_theta): read.
+    agreeing = llama_config(rope_theta=5e5, rope_scaling={"type": "default"})
+    assert model_values(agreeing)["rope_theta"] == 5e5
+    assert model_values(llama_config(rope_scaling=None))["rope_theta"] == 5e5  # unset: rope_parameters
+    with pytest.raises(HFError, match="rope type 'linear'"):  # rope_scaling alone is read, and refused
+        model_values(llama_config(rope_parameters=None, rope_scaling=linear))
+    with pytest.raises(HFError, match="rope_scaling=.* is not an object"):
+        model_values(llama_config(rope_scaling="linear"))
+
+
 def test_byte_tokenizer_definition_gives_dsslm_byte_ids():
     tok, ours = byte_tokenizer(), ByteTokenizer()
     tok.encode_special_tokens = True
@@ -189,3 +208,13 @@ def test_eval_checks_a_folders_weights_before_transformers_loads_them(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
     with pytest.raises(ToolError, match="weight_map must map names to plain"):
         check_hf_weights(tmp_path)
+
+
+def test_a_model_key_set_to_zero_for_derived_agrees_with_what_it_derives_to():
+    """run.init_from=hf: refuses a model.* key the user set unless it asks for the folder's value;
+    ffn_hidden=0 (8/3 d_model) and vocab_size=0 (follow) ask for what they derive to."""
+    from dsslm.hf.folder import _agrees
+    values = {"d_model": 32}
+    assert _agrees("ffn_hidden", 0, 128, values) and not _agrees("ffn_hidden", 0, 64, values)
+    assert _agrees("vocab_size", 0, 257, values) and _agrees("n_layers", 2, 2, values)
+    assert not _agrees("n_layers", 4, 2, values) and not _agrees("vocab_size", 300, 257, values)

@@ -33,7 +33,7 @@ Per cell, over seeds (mean; per-seed values in --json): final validation loss ag
 arm's clean run of the same seed (for `clean`, against `fixed` clean; for `recipe`, against `fixed`
 recipe), OLMo-core's spike score (the share of steps whose loss or grad norm is above mean +
 6 sigma of the previous 128, or non-finite), rewinds, steps recomputed (step records abandoned by a
-rewind, plus in-place re-runs), data batches skipped (skip-list batches plus skipped steps), runs
+rewind, plus in-place re-runs), data batches skipped (skip-list batches plus skipped steps; in brackets those named as data, skipped in every epoch), runs
 that diverged (non-finite or > 1.5x the reference val loss) or escalated (exit 3), attribution
 accuracy (the last triage decision covering a drilled event against its cause), drilled sequences
 fed in kept steps (the last record of a step, verdict ok) before / from the first detected spike
@@ -208,15 +208,18 @@ def measure(run_dir: Path, escalated: bool, wall_s: float) -> dict:
             "skips": sum(e["event"] == "skip" for e in events),
             "recomputed": len(records) - len(final) + sum(e["event"] == "triage" and e.get("scope") == "step"
                                                           for e in events),
-            "batches_skipped": sequences_skipped(skip_list, events) / batch + kept_skips,
+            "batches_skipped": sum(sequences_skipped(skip_list, events)) / batch + kept_skips,
+            # Of them, named as data: never fed again, in any epoch (the rest is positions, this pass).
+            "batches_named": sequences_skipped(skip_list, events)[1] / batch,
             "decisions": [e for e in events if e["event"] == "triage"]}
 
 
-def sequences_skipped(skip_list: list, events: list[dict]) -> int:
-    """Sequences the skip list takes out of one epoch: a window's positions, a data entry's chunks."""
+def sequences_skipped(skip_list: list, events: list[dict]) -> tuple[int, int]:
+    """Sequences the skip list takes out of one epoch: its windows' positions (this epoch only), and
+    its data entries' chunks (every epoch)."""
     seq_len = next((e["config"]["model"]["seq_len"] for e in events if e["event"] == "start"), 1)
-    return (sum(end - start for start, end in windows_of(skip_list))
-            + sum(hi - lo for lo, hi in (chunk_range(*e["tokens"], seq_len, 2**62) for e in entries_of(skip_list))))
+    return (sum(end - start for start, end in windows_of(skip_list)),
+            sum(hi - lo for lo, hi in (chunk_range(*e["tokens"], seq_len, 2**62) for e in entries_of(skip_list))))
 
 
 def read_json(path: Path) -> dict | None:
@@ -281,6 +284,7 @@ def summarize(results: dict, steps: int) -> list[dict]:
                 "rewinds": statistics.fmean(r["rewinds"] for r in rs),
                 "recomputed": statistics.fmean(r["recomputed"] for r in rs),
                 "batches_skipped": statistics.fmean(r["batches_skipped"] for r in rs),
+                "batches_named": statistics.fmean(r.get("batches_named", math.nan) for r in rs),
                 "diverged": sum((not math.isfinite(r["val"])) or x > 50 for r, x in zip(rs, rel)),
                 "escalated": sum(r["escalated"] for r in rs), "seeds": len(rs),
                 "attribution": (f"{sum(correct)}/{len(correct)}" + (f" ({undetected} never spiked)" if undetected else ""))
@@ -298,6 +302,7 @@ def summarize(results: dict, steps: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     head = ("| arm | cell | val vs ref (mean / worst) | spike score | rewinds | steps recomputed | batches skipped "
+            "(of them named as data: every epoch) "
             "| diverged / escalated | attribution | drilled sequences kept: before / from first spike "
             "| clean: false positives |")
     lines = [head, "|" + "---|" * 11]
@@ -306,7 +311,8 @@ def table(rows: list[dict]) -> str:
                else f"{r['val_delta_pct']:+.2f}% / {r['val_delta_max_pct']:+.2f}%")
         lines.append(f"| {r['arm']} | {r['cell']} | {val} "
                      f"| {r['spike_score_pct']:.2f}% | {r['rewinds']:.1f} | {r['recomputed']:.1f} "
-                     f"| {r['batches_skipped']:.1f} | {r['diverged']}/{r['seeds']} , {r['escalated']}/{r['seeds']} "
+                     f"| {r['batches_skipped']:.1f} ({r.get('batches_named', math.nan):.1f}) "
+                     f"| {r['diverged']}/{r['seeds']} , {r['escalated']}/{r['seeds']} "
                      f"| {r['attribution']} | {r['poisoned_fed']} | {r['false_positives']} |")
     return "\n".join(lines)
 

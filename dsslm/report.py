@@ -10,6 +10,7 @@ spike with its triage verdict and the few worst sequences of its batch, decoded
 from __future__ import annotations
 
 import datetime as dt
+import math
 import sys
 from pathlib import Path
 
@@ -25,6 +26,8 @@ ROUTINE_EVENTS = {"start", "save", "end", "retention_delete"}
 
 
 def fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):  # a damaged line's time (NaN, Infinity) spans no duration
+        return "?"
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
@@ -52,8 +55,14 @@ def count(run: Run, event: str, from_records: int = 0) -> int:
     return max(from_records, sum(e.get("event") == event for e in run.events))
 
 
+def epoch_time(v) -> float | None:
+    """An event's time when it can be a date: a damaged line's NaN, Infinity, negative or past-year-5000
+    time would turn every duration measured from it into nonsense or an exception."""
+    return v if is_number(v) and 0 <= v < 1e11 else None
+
+
 def wall_time(run: Run) -> str:
-    times = [e["time"] for e in run.events if is_number(e.get("time"))]
+    times = [t for e in run.events if (t := epoch_time(e.get("time"))) is not None]
     if len(times) >= 2:
         return f"{fmt_duration(max(times) - min(times))} (first to last event)"
     # Without events the steps' own durations are all there is; they miss start-up and saves.
@@ -158,12 +167,12 @@ def event_table(run: Run) -> list[str]:
     rows = [e for e in run.events if e.get("event") not in ROUTINE_EVENTS]
     if not rows:
         return ["", "## Events", "", "No skips, rewinds, resumes, lr_scale changes or alerts."]
-    t0 = next((e["time"] for e in run.events if is_number(e.get("time"))), None)
+    t0 = next((t for e in run.events if (t := epoch_time(e.get("time"))) is not None), None)
     lines = ["", "## Events", "", "| time (UTC) | elapsed | step | event | details |", "|---|---|---|---|---|"]
     for e in rows:
-        t = e.get("time")
+        t = epoch_time(e.get("time"))
         when, elapsed = "?", "?"
-        if is_number(t) and 0 <= t < 1e11:  # a damaged line's time past year 5000 is no date
+        if t is not None:  # then t0 is a date too
             when = dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             elapsed = fmt_duration(t - t0)
         details = ", ".join(f"{k}={fmt_value(v)}" for k, v in e.items() if k not in ("event", "time", "step"))

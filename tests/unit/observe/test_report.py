@@ -238,3 +238,44 @@ def test_a_step_skipped_again_after_a_resume_is_one_skip_and_triage_replays_are_
     assert report.main([str(run_dir)]) == 0
     summary = (run_dir / "report" / "summary.md").read_text()
     assert "| 1 | 1 | 0 | 0 | 0 | 0 | 0 | 0 | 0 |" in summary, summary
+
+
+HUGE_INT = "9" * 400  # json reads it; float() and math.isfinite() raise OverflowError on it
+
+
+@pytest.mark.parametrize("which, line, where", [
+    ("events", '{"event": "start", "time": NaN, "step": 0}', "first"),
+    ("events", '{"event": "alert", "time": Infinity, "step": 3}', "last"),
+    ("metrics", '{"step": %s, "loss": 1.0}' % HUGE_INT, "last"),
+    ("metrics", '{"step": 101, "loss": %s, "tokens": %s}' % (HUGE_INT, HUGE_INT), "last"),
+    ("metrics", '{"step": 101, "loss": 3.0, "lr_scale": "inf"}', "last"),  # how the sinks write inf
+    ("metrics", '{"step": 101, "loss": 3.0, "lr_scale": 1.7e308, "step_time_s": Infinity}', "last"),
+    # Near float's maximum matplotlib's own tick arithmetic overflows.
+    ("metrics", '{"step": 101, "loss": 1.7e308}\n{"step": 102, "loss": -1.7e308}', "last"),
+    ("metrics", '{"step": 1.7e308, "loss": 3.0, "lr": 1.7e308, "gnorm": 1.7e308, "tokens_per_s": 1.7e308}', "last"),
+    ("events", '{"event": "rewind", "time": %r, "step": 1.7e308, "to_step": -1.7e308}' % (T0 + 10), "last"),
+])
+def test_non_finite_or_huge_numbers_are_reported_around(tmp_path, which, line, where):
+    """Lines json accepts (NaN, Infinity, an int past float's range; another tool or a killed writer
+    left them): ValueError, OverflowError or matplotlib's "Axis limits cannot be NaN or Inf" before
+    (exit 1). Every figure and the summary are written; the damaged number counts as none."""
+    run_dir = clean_run(tmp_path / "run")
+    path = run_dir / f"{which}.jsonl"
+    text = path.read_text()
+    path.write_text(line + "\n" + text if where == "first" else text + line + "\n")
+    assert report.main([str(run_dir)]) == 0
+    for name in ["loss.png", "lr.png", "gnorm.png", "throughput.png"]:
+        assert_png(run_dir / "report" / name)
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "- wall time: 0:00:50 (first to last event)" in summary, summary
+    if "Infinity" in line and which == "events":
+        assert "| ? | ? | 3 | alert |" in summary
+
+
+def test_is_number_and_as_float_take_only_what_a_float_can_hold():
+    assert plots.is_number(3) and plots.is_number(2.5) and not plots.is_number(True)
+    assert not any(plots.is_number(v) for v in (math.nan, math.inf, -math.inf, 10**400, 1.7e308, "1"))
+    assert math.isnan(plots.as_float(10**400)) and plots.as_float("inf") == math.inf
+    assert plots.as_float(-1.7e308) == -math.inf and plots.as_float(1e30) == 1e30
+    assert report.fmt_duration(math.nan) == report.fmt_duration(math.inf) == "?"
+    assert report.fmt_count(10**400) == "?"

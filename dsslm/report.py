@@ -42,11 +42,18 @@ def fmt_count(n) -> str:
     return f"{n:,.0f}"
 
 
-def fmt_value(v) -> str:
+MAX_NESTING = 6  # our events nest a level or two; a damaged line may nest ~1000 (RecursionError)
+
+
+def fmt_value(v, depth: int = 0) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, (dict, list)) and depth >= MAX_NESTING:
+        return "{...}" if isinstance(v, dict) else "[...]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {fmt_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k}: {fmt_value(x, depth + 1)}" for k, x in v.items()) + "}"
+    if isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):  # str() would recurse unbounded
+        return "[" + ", ".join(fmt_value(x, depth + 1) for x in v) + "]"
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 

@@ -63,6 +63,10 @@ def kept_flags(metrics: list[dict], is_train: list[bool]) -> list[bool]:
 def load_run(run_dir: Path) -> Run:
     metrics, bad_metrics = read_jsonl(run_dir / "metrics.jsonl")
     events, bad_events = read_jsonl(run_dir / "events.jsonl")
+    # An event's name is what every reader keys on (set lookups, comparisons): a record whose
+    # `event` is a list or a map is not one of ours, and is skipped like an unreadable line.
+    named = [e for e in events if isinstance(e.get("event"), str)]
+    events, bad_events = named, bad_events + len(events) - len(named)
     metrics = [r for r in metrics if is_number(r.get("step"))]
     is_train = ["loss" in r for r in metrics]
     is_val = [isinstance(r.get("val_loss"), dict) for r in metrics]

@@ -279,3 +279,24 @@ def test_is_number_and_as_float_take_only_what_a_float_can_hold():
     assert plots.as_float(-1.7e308) == -math.inf and plots.as_float(1e30) == 1e30
     assert report.fmt_duration(math.nan) == report.fmt_duration(math.inf) == "?"
     assert report.fmt_count(10**400) == "?"
+
+
+def test_an_event_not_named_by_a_string_is_skipped_and_deep_values_are_cut(tmp_path):
+    """`"event": ["skip"]` was a TypeError (unhashable list) and a value nested ~900 deep a
+    RecursionError in fmt_value (exit 1). The first is skipped as a bad line; the second is shown
+    down to a few levels."""
+    deep_dict = '{"a": ' * 900 + "1" + "}" * 900
+    deep_list = "[" * 900 + "1" + "]" * 900
+    run_dir = clean_run(tmp_path / "run")
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write('{"event": ["skip"], "time": %r, "step": 5}\n' % (T0 + 5))
+        f.write('{"event": {"a": 1}, "time": %r, "step": 6}\n' % (T0 + 6))
+        f.write('{"event": "alert", "time": %r, "step": 7, "x": %s, "y": %s}\n' % (T0 + 7, deep_dict, deep_list))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 100, "val_loss": {"web": %s}}\n' % deep_dict)
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "| 7 | alert | x={a: {a: {a: {a: {a: {a: {...}}}}}}}, y=[[[[[[[...]]]]]]] |" in summary, summary
+    assert "  - web: {a: {a: {a: {a: {a: {a: {...}}}}}}} (step 100)" in summary
+    assert "Unreadable lines skipped (a write cut short by a kill): events.jsonl: 2" in summary
+    assert report.fmt_value([1, "a", 2.5]) == "[1, 'a', 2.5]"  # a flat list reads as before

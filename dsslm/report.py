@@ -9,9 +9,12 @@ spike with its triage verdict and the few worst sequences of its batch, decoded
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -189,11 +192,28 @@ def event_table(run: Run) -> list[str]:
 
 
 def write_report(run: Run, out: Path, spikes: list[str] | None = None) -> list[Path]:
+    # The summary is built, and replaces the old one, before any figure is drawn: a run it cannot
+    # describe then leaves the folder as it was, and no folder holds new figures beside the summary
+    # of an older report.
+    text = "\n".join(summary_lines(run) + (spikes or []))
     out.mkdir(parents=True, exist_ok=True)
-    written = write_figures(run, out)
-    summary = out / "summary.md"
-    summary.write_text("\n".join(summary_lines(run) + (spikes or [])))
-    return written + [summary]
+    summary = write_atomic(out / "summary.md", text)
+    return write_figures(run, out) + [summary]
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Whole or not at all: a temporary file in the same folder, renamed over `path`. A lone surrogate
+    (JSON's "\\udcff", which UTF-8 cannot encode) is written as its escape, not raised."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8", "backslashreplace"))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

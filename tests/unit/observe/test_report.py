@@ -300,3 +300,39 @@ def test_an_event_not_named_by_a_string_is_skipped_and_deep_values_are_cut(tmp_p
     assert "  - web: {a: {a: {a: {a: {a: {a: {...}}}}}}} (step 100)" in summary
     assert "Unreadable lines skipped (a write cut short by a kill): events.jsonl: 2" in summary
     assert report.fmt_value([1, "a", 2.5]) == "[1, 'a', 2.5]"  # a flat list reads as before
+
+
+def test_the_summary_is_built_and_replaced_before_any_figure(tmp_path, monkeypatch):
+    """A summary that cannot be built left new figures beside the last report's summary.md; a write
+    that fails midway left a truncated one. Now nothing changes in either case."""
+    run_dir = clean_run(tmp_path / "run")
+    out = run_dir / "report"
+    out.mkdir()
+    (out / "loss.png").write_bytes(b"old figure")
+    (out / "summary.md").write_text("old summary")
+
+    def broken(run):
+        raise RuntimeError("cannot describe this run")
+    with monkeypatch.context() as m:
+        m.setattr(report, "summary_lines", broken)
+        with pytest.raises(RuntimeError):
+            report.main([str(run_dir)])
+    assert (out / "loss.png").read_bytes() == b"old figure" and (out / "summary.md").read_text() == "old summary"
+
+    def no_rename(src, dst):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(report.os, "replace", no_rename)
+        with pytest.raises(OSError):
+            report.main([str(run_dir)])
+    assert (out / "summary.md").read_text() == "old summary"
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "summary.md"]  # no temporary file left
+
+
+def test_a_lone_surrogate_is_written_as_its_escape(tmp_path):
+    """JSON's "\\udcff" reads as a str UTF-8 cannot encode: UnicodeEncodeError (exit 1) before."""
+    run_dir = clean_run(tmp_path / "run")
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps(event("alert", 60, reason="bad byte \udcff")) + "\n")
+    assert report.main([str(run_dir)]) == 0
+    assert "reason=bad byte \\udcff |" in (run_dir / "report" / "summary.md").read_text()

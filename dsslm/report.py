@@ -216,6 +216,22 @@ def write_atomic(path: Path, text: str) -> Path:
     return path
 
 
+def unwritable(out: Path) -> str | None:
+    """Why `out` cannot hold the report, or None. Checked before any work, by doing what the report
+    will do (create the folder, write a file in it): a file named like the folder, a path under a
+    file or in /proc, a read-only mount all fail here with one line instead of a traceback later."""
+    if out.exists() and not out.is_dir():
+        return "it is a file, not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m dsslm.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run's run.dir (holds metrics.jsonl, events.jsonl)")
@@ -229,13 +245,23 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"error: --out {args.out}: {problem}; choose a folder outside the run's checkpoints/", file=sys.stderr)
         return 2
+    out = args.out or args.run_dir / "report"
+    created = not out.exists()
+    problem = unwritable(out)
+    if problem is not None:
+        print(f"error: cannot write the report to {out}: {problem}; pass --out a folder that can be created "
+              f"and written to", file=sys.stderr)
+        return 2
     run = load_run(args.run_dir)
     if not run.train:
         print(f"error: {args.run_dir / 'metrics.jsonl'} has no step records (with step and loss)",
               file=sys.stderr)
+        if created:  # refused: leave no empty report folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
         return 2
     spikes = spike_lines(args.run_dir)
-    for path in write_report(run, args.out or args.run_dir / "report", spikes):
+    for path in write_report(run, out, spikes):
         print(path)
     if spikes:
         print("\n".join(spikes))

@@ -336,3 +336,24 @@ def test_a_lone_surrogate_is_written_as_its_escape(tmp_path):
         f.write(json.dumps(event("alert", 60, reason="bad byte \udcff")) + "\n")
     assert report.main([str(run_dir)]) == 0
     assert "reason=bad byte \\udcff |" in (run_dir / "report" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("out", ["a_file", "a_file/sub", "/proc/dsslm-report"])
+def test_an_out_that_cannot_be_a_folder_is_one_line_and_exit_2(tmp_path, capsys, out):
+    """An existing file, a path under a file, or a place no folder can be made (/proc): a
+    FileExistsError / NotADirectoryError / FileNotFoundError traceback (exit 1) from out.mkdir before."""
+    run_dir = clean_run(tmp_path / "run")
+    (tmp_path / "a_file").write_text("not a folder")
+    out = out if out.startswith("/") else str(tmp_path / out)
+    assert report.main([str(run_dir), "--out", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot write the report to {out}: ") and "--out" in err[0], err
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_a_run_without_step_records_leaves_no_report_folder(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "val_loss": {"web": 3.0}}\n')
+    assert report.main([str(run_dir)]) == 2
+    assert "no step records" in capsys.readouterr().err and not (run_dir / "report").exists()

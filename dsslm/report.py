@@ -9,8 +9,12 @@ spike with its triage verdict and the few worst sequences of its batch, decoded
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,8 @@ ROUTINE_EVENTS = {"start", "save", "end", "retention_delete"}
 
 
 def fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):  # a damaged line's time (NaN, Infinity) spans no duration
+        return "?"
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
@@ -39,11 +45,18 @@ def fmt_count(n) -> str:
     return f"{n:,.0f}"
 
 
-def fmt_value(v) -> str:
+MAX_NESTING = 6  # our events nest a level or two; a damaged line may nest ~1000 (RecursionError)
+
+
+def fmt_value(v, depth: int = 0) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, (dict, list)) and depth >= MAX_NESTING:
+        return "{...}" if isinstance(v, dict) else "[...]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {fmt_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k}: {fmt_value(x, depth + 1)}" for k, x in v.items()) + "}"
+    if isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):  # str() would recurse unbounded
+        return "[" + ", ".join(fmt_value(x, depth + 1) for x in v) + "]"
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
@@ -52,8 +65,14 @@ def count(run: Run, event: str, from_records: int = 0) -> int:
     return max(from_records, sum(e.get("event") == event for e in run.events))
 
 
+def epoch_time(v) -> float | None:
+    """An event's time when it can be a date: a damaged line's NaN, Infinity, negative or past-year-5000
+    time would turn every duration measured from it into nonsense or an exception."""
+    return v if is_number(v) and 0 <= v < 1e11 else None
+
+
 def wall_time(run: Run) -> str:
-    times = [e["time"] for e in run.events if is_number(e.get("time"))]
+    times = [t for e in run.events if (t := epoch_time(e.get("time"))) is not None]
     if len(times) >= 2:
         return f"{fmt_duration(max(times) - min(times))} (first to last event)"
     # Without events the steps' own durations are all there is; they miss start-up and saves.
@@ -158,12 +177,12 @@ def event_table(run: Run) -> list[str]:
     rows = [e for e in run.events if e.get("event") not in ROUTINE_EVENTS]
     if not rows:
         return ["", "## Events", "", "No skips, rewinds, resumes, lr_scale changes or alerts."]
-    t0 = next((e["time"] for e in run.events if is_number(e.get("time"))), None)
+    t0 = next((t for e in run.events if (t := epoch_time(e.get("time"))) is not None), None)
     lines = ["", "## Events", "", "| time (UTC) | elapsed | step | event | details |", "|---|---|---|---|---|"]
     for e in rows:
-        t = e.get("time")
+        t = epoch_time(e.get("time"))
         when, elapsed = "?", "?"
-        if is_number(t) and 0 <= t < 1e11:  # a damaged line's time past year 5000 is no date
+        if t is not None:  # then t0 is a date too
             when = dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             elapsed = fmt_duration(t - t0)
         details = ", ".join(f"{k}={fmt_value(v)}" for k, v in e.items() if k not in ("event", "time", "step"))
@@ -173,11 +192,44 @@ def event_table(run: Run) -> list[str]:
 
 
 def write_report(run: Run, out: Path, spikes: list[str] | None = None) -> list[Path]:
+    # The summary is built, and replaces the old one, before any figure is drawn: a run it cannot
+    # describe then leaves the folder as it was, and no folder holds new figures beside the summary
+    # of an older report.
+    text = "\n".join(summary_lines(run) + (spikes or []))
     out.mkdir(parents=True, exist_ok=True)
-    written = write_figures(run, out)
-    summary = out / "summary.md"
-    summary.write_text("\n".join(summary_lines(run) + (spikes or [])))
-    return written + [summary]
+    summary = write_atomic(out / "summary.md", text)
+    return write_figures(run, out) + [summary]
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Whole or not at all: a temporary file in the same folder, renamed over `path`. A lone surrogate
+    (JSON's "\\udcff", which UTF-8 cannot encode) is written as its escape, not raised."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8", "backslashreplace"))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def unwritable(out: Path) -> str | None:
+    """Why `out` cannot hold the report, or None. Checked before any work, by doing what the report
+    will do (create the folder, write a file in it): a file named like the folder, a path under a
+    file or in /proc, a read-only mount all fail here with one line instead of a traceback later."""
+    if out.exists() and not out.is_dir():
+        return "it is a file, not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,13 +245,23 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"error: --out {args.out}: {problem}; choose a folder outside the run's checkpoints/", file=sys.stderr)
         return 2
+    out = args.out or args.run_dir / "report"
+    created = not out.exists()
+    problem = unwritable(out)
+    if problem is not None:
+        print(f"error: cannot write the report to {out}: {problem}; pass --out a folder that can be created "
+              f"and written to", file=sys.stderr)
+        return 2
     run = load_run(args.run_dir)
     if not run.train:
         print(f"error: {args.run_dir / 'metrics.jsonl'} has no step records (with step and loss)",
               file=sys.stderr)
+        if created:  # refused: leave no empty report folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
         return 2
     spikes = spike_lines(args.run_dir)
-    for path in write_report(run, args.out or args.run_dir / "report", spikes):
+    for path in write_report(run, out, spikes):
         print(path)
     if spikes:
         print("\n".join(spikes))

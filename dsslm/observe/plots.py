@@ -21,6 +21,8 @@ from dsslm.observe.sinks import read_jsonl
 FIGSIZE_IN = (9, 4.5)
 DPI = 120
 NON_FINITE = {"nan", "inf", "-inf", "infinity", "-infinity"}  # the sinks write non-finite floats as strings
+# A metric beyond this is an overflow: the trainer's values are fp32/bf16 (< 3.4e38) or seconds.
+LARGEST = 1e300
 ABANDONED_LABEL = "rolled back (abandoned)"
 MARKER_STYLE = {  # kind -> (label, color, linestyle)
     "skip": ("skipped step", "tab:orange", ":"),
@@ -61,6 +63,10 @@ def kept_flags(metrics: list[dict], is_train: list[bool]) -> list[bool]:
 def load_run(run_dir: Path) -> Run:
     metrics, bad_metrics = read_jsonl(run_dir / "metrics.jsonl")
     events, bad_events = read_jsonl(run_dir / "events.jsonl")
+    # An event's name is what every reader keys on (set lookups, comparisons): a record whose
+    # `event` is a list or a map is not one of ours, and is skipped like an unreadable line.
+    named = [e for e in events if isinstance(e.get("event"), str)]
+    events, bad_events = named, bad_events + len(events) - len(named)
     metrics = [r for r in metrics if is_number(r.get("step"))]
     is_train = ["loss" in r for r in metrics]
     is_val = [isinstance(r.get("val_loss"), dict) for r in metrics]
@@ -85,13 +91,34 @@ def column(records: list[dict], key: str) -> np.ndarray:
 
 
 def as_float(v) -> float:
+    """The value as a float: NaN/inf as the sinks write them (strings) or as JSON reads them stay
+    non-finite (counted as such), as does a value past LARGEST; anything that is not a number, or an
+    int past float's range (another tool's line; float() raises OverflowError), is NaN."""
     if isinstance(v, str) and v.strip().lower() in NON_FINITE:
         return float(v)
-    return float(v) if is_number(v) else math.nan
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return math.nan
+    try:
+        f = float(v)
+    except OverflowError:
+        return math.nan
+    # Past LARGEST the value is drawn as the overflow it is: matplotlib's tick arithmetic itself
+    # overflows on data near float's maximum ("arange: cannot compute length").
+    return f if not abs(f) > LARGEST else math.copysign(math.inf, f)
 
 
 def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float within LARGEST, not a bool: only such a value can be a step, a time or a
+    count to print or place on an axis (JSON's NaN/Infinity and a 400-digit int parse, then break
+    int(), float() and the axes). The comparison is exact for any int and False for NaN."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -LARGEST <= v <= LARGEST
+
+
+def set_finite_lim(set_lim, lo: float, hi: float) -> None:
+    """Axis limits only when both are finite: matplotlib raises on NaN/inf, which a limit computed
+    from values near float's range (1e308 * 1.1) can become; the axis then keeps its autoscale."""
+    if math.isfinite(lo) and math.isfinite(hi) and lo < hi:
+        set_lim(lo, hi)
 
 
 def with_breaks(x: np.ndarray, y: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +213,8 @@ def plot_loss(run: Run, out: Path) -> Path:
     if good.sum() >= 2:
         # A spike up to one data range above the curve stays in view; a larger one would flatten it
         # and still shows as its marker line.
-        cap = 2 * loss[good].max() - loss[good].min()
+        # Python floats: a loss near float's range makes the cap inf (no clipping), not a numpy warning.
+        cap = 2 * float(loss[good].max()) - float(loss[good].min())
         if whole.get_ylim()[1] > cap:
             whole.set_ylim(top=cap)
             peak = int(np.nanargmax(np.where(np.isfinite(loss), loss, np.nan)))
@@ -210,8 +238,8 @@ def zoom_to(ax, x0: float, steps: np.ndarray, loss: np.ndarray, smoothed: np.nda
     lo = min([smoothed[after].min()] + val)
     hi = max([np.percentile(loss[after], 99.5)] + val)
     pad = 0.08 * (hi - lo) or 0.1
-    ax.set_xlim(x0 - 0.01 * (steps[-1] - x0), steps[-1] + 0.01 * (steps[-1] - x0))
-    ax.set_ylim(lo - pad, hi + pad)
+    set_finite_lim(ax.set_xlim, x0 - 0.01 * (steps[-1] - x0), steps[-1] + 0.01 * (steps[-1] - x0))
+    set_finite_lim(ax.set_ylim, lo - pad, hi + pad)
 
 
 def plot_val(ax, run: Run) -> None:
@@ -235,8 +263,10 @@ def plot_lr(run: Run, out: Path) -> Path:
     scale = column(run.train, "lr_scale")
     twin.plot(steps[kept], scale[kept], color="tab:orange", lw=1.2, drawstyle="steps-post", label="lr_scale")
     twin.set_ylabel("lr_scale (multiplier)")
-    top = np.nanmax(scale) if np.isfinite(scale).any() else 1.0
-    twin.set_ylim(0, max(1.05, top * 1.1))
+    # "inf" (how the sinks write an infinite scale) is no limit: the top comes from finite values.
+    finite = scale[np.isfinite(scale)]
+    top = float(finite.max()) if finite.size else 1.0
+    set_finite_lim(twin.set_ylim, 0, max(1.05, top * 1.1))
     draw_markers(ax, run, ("rewind", "resume"))
     return finish(fig, out / "lr.png", ax, twin)
 

@@ -13,8 +13,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -160,16 +162,34 @@ class EventLog(JsonlLog):
         return record
 
     def _run_alert(self, record: dict) -> None:
-        # In a thread with a timeout: a hung webhook must never stall training.
+        # In a thread with a timeout: a hung webhook must never stall training. The command gets a
+        # session (process group) of its own, so a timeout kills everything it started, not only the
+        # shell (`sleep 100; true` left the sleep running, one per alert). Only the shell is waited
+        # for: stdout goes nowhere and stderr to a file, so a child it leaves running in the
+        # background (`notify & echo sent`) cannot hold a pipe open and make it look timed out.
         try:
-            done = subprocess.run(self.alert_command, shell=True, input=json.dumps(json_safe(record)),
-                                  text=True, timeout=ALERT_TIMEOUT_S, capture_output=True)
-        except (subprocess.TimeoutExpired, OSError) as err:
+            with tempfile.TemporaryFile() as stderr:
+                proc = subprocess.Popen(self.alert_command, shell=True, stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+                timeout = ALERT_TIMEOUT_S
+                try:
+                    proc.communicate(json.dumps(json_safe(record)).encode(), timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)  # the group's id is the shell's pid
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=5)  # reaps the shell; SIGKILL is prompt unless it is stuck in the kernel
+                    # (communicate's own exception says the time left, 2.99987... seconds)
+                    self._alert_failed(f"{subprocess.TimeoutExpired(self.alert_command, timeout)}")
+                    return
+                stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - 4096))
+                err_tail = stderr.read().decode(errors="replace")
+        except (OSError, ValueError) as err:  # cannot start (no /bin/sh, a NUL in the command)
             self._alert_failed(f"{err}")
             return
-        if done.returncode != 0:  # a mistyped command is exit 127 under the shell, not an OSError
-            tail = " ".join((done.stderr or "").split())[-200:]
-            self._alert_failed(f"exit {done.returncode} on the {record['event']} event" + (f": {tail}" if tail else ""))
+        if proc.returncode != 0:  # a mistyped command is exit 127 under the shell, not an OSError
+            tail = " ".join(err_tail.split())[-200:]
+            self._alert_failed(f"exit {proc.returncode} on the {record['event']} event" + (f": {tail}" if tail else ""))
 
     def _alert_failed(self, why: str) -> None:
         """Said on stderr, the first few times: a user whose alerts never arrive learns why."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
+import time
 
 import pytest
 
@@ -106,3 +108,52 @@ def test_a_failing_alert_command_is_said_and_not_endlessly(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if "alert_command" in line]
     assert len(err) == 3 and "exit 127 on the rewind event" in err[0] and "not found" in err[0], err
     assert err[-1].endswith("later failures are not shown") and log.alert_failures == 5
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (in a container, PID 1 may never reap it)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def run_alert(tmp_path, command: str) -> tuple[object, int]:
+    """One alert through EventLog, waited for; the pid the command wrote to tmp_path/pid."""
+    from dsslm.observe.sinks import EventLog
+    log = EventLog(tmp_path, True, command.format(pidfile=tmp_path / "pid"))
+    log.emit("rewind", step=1)
+    for thread in log.alert_threads:
+        thread.join(timeout=120)  # past any alert timeout here: the thread has said what it will
+    log.close()
+    return log, int((tmp_path / "pid").read_text())
+
+
+def test_a_timed_out_alert_command_is_killed_with_what_it_started(tmp_path, monkeypatch, capsys):
+    """subprocess.run(timeout=) killed only the shell: the sleep it was waiting on ran on, one per alert."""
+    monkeypatch.setattr(sinks_module, "ALERT_TIMEOUT_S", 3)
+    log, pid = run_alert(tmp_path, "sleep 60 & echo $! > {pidfile}; wait; true")
+    try:
+        for _ in range(100):  # SIGKILL lands at once; the loop only absorbs a loaded machine
+            if not alive(pid):
+                break
+            time.sleep(0.1)
+        assert not alive(pid)
+        assert log.alert_failures == 1 and "timed out after 3 seconds" in capsys.readouterr().err
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_alert_command_that_leaves_a_child_in_the_background_succeeds(tmp_path, monkeypatch, capsys):
+    """`notify & echo sent` finished at once, but its background child kept the captured pipes open,
+    so it was reported timed out. Now only the shell is waited for, and the child is left to run."""
+    monkeypatch.setattr(sinks_module, "ALERT_TIMEOUT_S", 10)  # far above the shell's few milliseconds
+    log, pid = run_alert(tmp_path, "sleep 60 & echo $! > {pidfile}; echo sent")
+    try:
+        assert log.alert_failures == 0, capsys.readouterr().err
+        assert alive(pid)  # fire-and-forget: not killed
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)

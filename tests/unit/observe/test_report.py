@@ -238,3 +238,122 @@ def test_a_step_skipped_again_after_a_resume_is_one_skip_and_triage_replays_are_
     assert report.main([str(run_dir)]) == 0
     summary = (run_dir / "report" / "summary.md").read_text()
     assert "| 1 | 1 | 0 | 0 | 0 | 0 | 0 | 0 | 0 |" in summary, summary
+
+
+HUGE_INT = "9" * 400  # json reads it; float() and math.isfinite() raise OverflowError on it
+
+
+@pytest.mark.parametrize("which, line, where", [
+    ("events", '{"event": "start", "time": NaN, "step": 0}', "first"),
+    ("events", '{"event": "alert", "time": Infinity, "step": 3}', "last"),
+    ("metrics", '{"step": %s, "loss": 1.0}' % HUGE_INT, "last"),
+    ("metrics", '{"step": 101, "loss": %s, "tokens": %s}' % (HUGE_INT, HUGE_INT), "last"),
+    ("metrics", '{"step": 101, "loss": 3.0, "lr_scale": "inf"}', "last"),  # how the sinks write inf
+    ("metrics", '{"step": 101, "loss": 3.0, "lr_scale": 1.7e308, "step_time_s": Infinity}', "last"),
+    # Near float's maximum matplotlib's own tick arithmetic overflows.
+    ("metrics", '{"step": 101, "loss": 1.7e308}\n{"step": 102, "loss": -1.7e308}', "last"),
+    ("metrics", '{"step": 1.7e308, "loss": 3.0, "lr": 1.7e308, "gnorm": 1.7e308, "tokens_per_s": 1.7e308}', "last"),
+    ("events", '{"event": "rewind", "time": %r, "step": 1.7e308, "to_step": -1.7e308}' % (T0 + 10), "last"),
+])
+def test_non_finite_or_huge_numbers_are_reported_around(tmp_path, which, line, where):
+    """Lines json accepts (NaN, Infinity, an int past float's range; another tool or a killed writer
+    left them): ValueError, OverflowError or matplotlib's "Axis limits cannot be NaN or Inf" before
+    (exit 1). Every figure and the summary are written; the damaged number counts as none."""
+    run_dir = clean_run(tmp_path / "run")
+    path = run_dir / f"{which}.jsonl"
+    text = path.read_text()
+    path.write_text(line + "\n" + text if where == "first" else text + line + "\n")
+    assert report.main([str(run_dir)]) == 0
+    for name in ["loss.png", "lr.png", "gnorm.png", "throughput.png"]:
+        assert_png(run_dir / "report" / name)
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "- wall time: 0:00:50 (first to last event)" in summary, summary
+    if "Infinity" in line and which == "events":
+        assert "| ? | ? | 3 | alert |" in summary
+
+
+def test_is_number_and_as_float_take_only_what_a_float_can_hold():
+    assert plots.is_number(3) and plots.is_number(2.5) and not plots.is_number(True)
+    assert not any(plots.is_number(v) for v in (math.nan, math.inf, -math.inf, 10**400, 1.7e308, "1"))
+    assert math.isnan(plots.as_float(10**400)) and plots.as_float("inf") == math.inf
+    assert plots.as_float(-1.7e308) == -math.inf and plots.as_float(1e30) == 1e30
+    assert report.fmt_duration(math.nan) == report.fmt_duration(math.inf) == "?"
+    assert report.fmt_count(10**400) == "?"
+
+
+def test_an_event_not_named_by_a_string_is_skipped_and_deep_values_are_cut(tmp_path):
+    """`"event": ["skip"]` was a TypeError (unhashable list) and a value nested ~900 deep a
+    RecursionError in fmt_value (exit 1). The first is skipped as a bad line; the second is shown
+    down to a few levels."""
+    deep_dict = '{"a": ' * 900 + "1" + "}" * 900
+    deep_list = "[" * 900 + "1" + "]" * 900
+    run_dir = clean_run(tmp_path / "run")
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write('{"event": ["skip"], "time": %r, "step": 5}\n' % (T0 + 5))
+        f.write('{"event": {"a": 1}, "time": %r, "step": 6}\n' % (T0 + 6))
+        f.write('{"event": "alert", "time": %r, "step": 7, "x": %s, "y": %s}\n' % (T0 + 7, deep_dict, deep_list))
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 100, "val_loss": {"web": %s}}\n' % deep_dict)
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "| 7 | alert | x={a: {a: {a: {a: {a: {a: {...}}}}}}}, y=[[[[[[[...]]]]]]] |" in summary, summary
+    assert "  - web: {a: {a: {a: {a: {a: {a: {...}}}}}}} (step 100)" in summary
+    assert "Unreadable lines skipped (a write cut short by a kill): events.jsonl: 2" in summary
+    assert report.fmt_value([1, "a", 2.5]) == "[1, 'a', 2.5]"  # a flat list reads as before
+
+
+def test_the_summary_is_built_and_replaced_before_any_figure(tmp_path, monkeypatch):
+    """A summary that cannot be built left new figures beside the last report's summary.md; a write
+    that fails midway left a truncated one. Now nothing changes in either case."""
+    run_dir = clean_run(tmp_path / "run")
+    out = run_dir / "report"
+    out.mkdir()
+    (out / "loss.png").write_bytes(b"old figure")
+    (out / "summary.md").write_text("old summary")
+
+    def broken(run):
+        raise RuntimeError("cannot describe this run")
+    with monkeypatch.context() as m:
+        m.setattr(report, "summary_lines", broken)
+        with pytest.raises(RuntimeError):
+            report.main([str(run_dir)])
+    assert (out / "loss.png").read_bytes() == b"old figure" and (out / "summary.md").read_text() == "old summary"
+
+    def no_rename(src, dst):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(report.os, "replace", no_rename)
+        with pytest.raises(OSError):
+            report.main([str(run_dir)])
+    assert (out / "summary.md").read_text() == "old summary"
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "summary.md"]  # no temporary file left
+
+
+def test_a_lone_surrogate_is_written_as_its_escape(tmp_path):
+    """JSON's "\\udcff" reads as a str UTF-8 cannot encode: UnicodeEncodeError (exit 1) before."""
+    run_dir = clean_run(tmp_path / "run")
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps(event("alert", 60, reason="bad byte \udcff")) + "\n")
+    assert report.main([str(run_dir)]) == 0
+    assert "reason=bad byte \\udcff |" in (run_dir / "report" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("out", ["a_file", "a_file/sub", "/proc/dsslm-report"])
+def test_an_out_that_cannot_be_a_folder_is_one_line_and_exit_2(tmp_path, capsys, out):
+    """An existing file, a path under a file, or a place no folder can be made (/proc): a
+    FileExistsError / NotADirectoryError / FileNotFoundError traceback (exit 1) from out.mkdir before."""
+    run_dir = clean_run(tmp_path / "run")
+    (tmp_path / "a_file").write_text("not a folder")
+    out = out if out.startswith("/") else str(tmp_path / out)
+    assert report.main([str(run_dir), "--out", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot write the report to {out}: ") and "--out" in err[0], err
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_a_run_without_step_records_leaves_no_report_folder(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "val_loss": {"web": 3.0}}\n')
+    assert report.main([str(run_dir)]) == 2
+    assert "no step records" in capsys.readouterr().err and not (run_dir / "report").exists()

@@ -177,7 +177,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             check_health(job)
             note_status("preempted", job.engine.is_main)
             return stop.exit_code
-        if state.step % cfg.ckpt.every == 0 or state.step == cfg.train.total_steps:
+        if state.step % cfg.ckpt.every == 0 or (state.step == cfg.train.total_steps and cfg.ckpt.at_end):
             save(job)
         job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)

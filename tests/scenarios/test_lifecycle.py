@@ -106,6 +106,14 @@ def test_retention_keeps_last_k_recovery_target_and_pre_decay_checkpoint(tmp_pat
     assert kept == [40, 50, 55, 60]
 
 
+def test_ckpt_at_end_false_leaves_the_last_step_unsaved(tmp_path):
+    """A benchmark's runs need no save of their last step (350m: ~4 GB written and hashed each)."""
+    common = ("train.total_steps=6", "ckpt.every=4", "ckpt.keep_last=5", "monitor.enabled=false")
+    assert train(tiny_cfg(tmp_path / "no", *common, "ckpt.at_end=false")) == 0
+    assert train(tiny_cfg(tmp_path / "yes", *common)) == 0
+    saved = {name: sorted(p.name for p in (tmp_path / name / "checkpoints").glob("step-*")) for name in ("no", "yes")}
+    assert saved == {"no": ["step-00000004"], "yes": ["step-00000004", "step-00000006"]}
+
 @pytest.mark.slow
 def test_alert_command_receives_rewind_event_as_json(tmp_path):
     sink = tmp_path / "alerts.jsonl"

@@ -13,6 +13,7 @@ its own stderr handler only when that logger has none.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ class _Stderr(logging.StreamHandler):
         super().emit(record)
 
 
+ETA_WINDOW = 100  # steps the ETA's wall time per step is measured over
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -183,8 +185,9 @@ class Console:
         self.tty = enabled and (sys.stderr.isatty() if tty is None else tty)
         self.bar_shown = False
         self.started = time.time()
-        self.step_time: float | None = None  # moving average of the wall time per step, for the ETA
-        self.mark: tuple[int, float] | None = None  # (step, time.monotonic()) of the last step line
+        self.step_time: float | None = None  # moving average of the steps' own time, for the ETA
+        # (step, time.monotonic()) of the last ETA_WINDOW steps' records: the wall time per step.
+        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
         self.first_step: int | None = None
         self.last: dict = {}
         self.val: dict[str, float] = {}
@@ -205,16 +208,19 @@ class Console:
             # cold start (a minute under compile for a second's step), and every requeue has one:
             # the average starts at the second step, and until then the ETA is unknown.
             self.first_step = step
-        elif self.mark is not None and step > self.mark[0]:
-            # The wall time since the last step, per step: a step's own time leaves out validation,
-            # downstream evals, saves and rewind points, and with frequent validation the ETA said
-            # 0m00s for a run with most of its time still to go. A rewind (the step goes back)
-            # starts the count again.
-            dt = max(dt, (now - self.mark[1]) / (step - self.mark[0]))
+        else:
             self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
-        self.mark = (step, now)
+        # The wall time per step over the last ETA_WINDOW steps: a step's own time leaves out
+        # validation, downstream evals, saves and rewind points (with frequent validation the ETA
+        # said 0m00s for a run with most of its time to go), and a window, not one step's gap,
+        # keeps a pause for a save from swinging it. A rewind (the step goes back) starts it again.
+        if self.marks and step <= self.marks[-1][0]:
+            self.marks.clear()
+        self.marks.append((step, now))
+        (first, t0), (last, t1) = self.marks[0], self.marks[-1]
+        per_step = max(self.step_time or 0.0, (t1 - t0) / (last - first) if last > first else 0.0)
         self.last = record
-        eta = max(0, self.total_steps - step) * (math.inf if self.step_time is None else self.step_time)
+        eta = max(0, self.total_steps - step) * (per_step if self.step_time is not None else math.inf)
         if self.tty:
             sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {record['loss']:.4f}  "
                              f"{record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}   ")

@@ -25,15 +25,31 @@ def test_auto_is_fused_adamw_and_tf32_on_cuda(tmp_path):
 @pytest.mark.parametrize("recipe", [(), ("optim.name=muon", "model.document_mask=true", "model.document_positions=true")],
                          ids=["adamw", "muon-document-mask"])
 def test_bf16_compiled_run_resumes_to_the_bit_on_cuda(tmp_path, recipe):
-    """Fused AdamW (optim.impl=auto on CUDA); with Muon and FlexAttention's document mask too."""
-    reference = tmp_path / "reference"
-    run_train(reference, *CUDA, "train.compile=true", *recipe, env=GPU_ENV)
+    """Fused AdamW (optim.impl=auto on CUDA); with Muon and FlexAttention's document mask too.
+
+    The job killed at step 15 recorded steps 11-15 after its checkpoint at 10; the resumed job
+    trains them again. Step 11 is a forward pass from the restored state and must give the loss
+    recorded to the bit: that is the resume. Later steps may differ in the last bits: compiled
+    backward kernels add with atomics (the tied embedding's gradient is an index_put with
+    accumulate), so two processes' updates are not bitwise equal even without a resume. They are
+    held to 1e-3, which a resume that lost a piece of state (a moment, the step count, the data
+    position) does not meet; the resume audit must not call it a mismatch."""
+    import math
+
     killed = tmp_path / "killed"
-    run_train(killed, *CUDA, "train.compile=true", *recipe, "faults.crash_at_step=15", check=False, env=GPU_ENV)
-    run_train(killed, *CUDA, "train.compile=true", *recipe, env=GPU_ENV)
+    # A synchronous save: the kill at 15 must find step 10's checkpoint written.
+    run = (*CUDA, "train.compile=true", "ckpt.async_save=false", *recipe)
+    run_train(killed, *run, "faults.crash_at_step=15", check=False, env=GPU_ENV)
+    first_job = read_jsonl(killed / "metrics.jsonl")
+    recorded = {r["step"]: r["loss"] for r in first_job if "loss" in r}
+    assert max(recorded) == 15
+    run_train(killed, *run, env=GPU_ENV)
     assert events(killed, "resume")[0]["step"] == 10
-    ref, got = losses_by_step(reference), losses_by_step(killed)
-    assert all(got[s] == ref[s] for s in range(11, 21))
+    again = {r["step"]: r["loss"] for r in read_jsonl(killed / "metrics.jsonl")[len(first_job):] if "loss" in r}
+    assert again[11] == recorded[11]
+    assert all(math.isclose(again[s], recorded[s], rel_tol=1e-3) for s in range(12, 16))
+    (audit,) = events(killed, "resume_audit")
+    assert audit["verdict"] in ("exact", "within_tolerance"), audit
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

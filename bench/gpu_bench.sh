@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Tokens/s, MFU and peak GPU memory per engine on an H200 node (bf16), for configs/125m.yaml
-# and configs/350m.yaml. Installs nothing: run it from the repository root with the project's
-# venv already set up (DSSLM_TORCH="torch==2.13.0" bash scripts/setup.sh on the GPU machine).
+# and configs/350m.yaml. Installs nothing: run it from the repository root with a CUDA torch
+# (PYTHON, else the project's .venv, else python3; on a machine with network access,
+# DSSLM_TORCH="torch==2.13.0" bash scripts/setup.sh makes the .venv; on a lent device without it,
+# bench/gpu_device.sh installs the carried wheels).
 #
 #   bash bench/gpu_bench.sh                 # every GPU on the machine, 30 steps per run
 #   STEPS=50 NGPU=1 ENGINES="ddp fsdp" CONFIGS=125m bash bench/gpu_bench.sh
@@ -15,12 +17,13 @@
 # Data: the embedded stdlib corpus (data.dir="", byte tokens, nothing to download) with the
 # model's vocabulary forced to 32768, so the lm_head matmul costs what it costs on real BPE data.
 # MFU = (6 N + 12 L d T) * tokens/s per GPU / 989e12  (H200 dense bf16 peak; N = parameters,
-# L layers, d width, T sequence length: the second term is attention's QK^T and AV, PaLM's form).
+# L layers, d width, T sequence length: the second term is attention's QK^T and AV, PaLM's form;
+# bench/gpu_summary.py). No checkpoint is saved (ckpt.at_end=false): 350m's would be ~4 GB a run.
 # Results: a table on stdout and $OUT/gpu_bench.csv (or bench/gpu_bench.csv when OUT is unset);
 # each run's metrics/events stay under $OUT/runs/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 STEPS=${STEPS:-30}
 WARMUP=${WARMUP:-5}                      # steps left out of the medians (compile, allocator warm-up)
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
@@ -58,32 +61,7 @@ watch_memory() {
 }
 
 summarise() {  # run_dir config engine gpus peak_mib status
-    "$PY" - "$@" <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-run_dir, config, engine, gpus, peak_mib, status = sys.argv[1:7]
-gpus = int(gpus)
-warmup, peak = int(sys.argv[7]), float(sys.argv[8])
-records = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-           if l.strip()] if (Path(run_dir) / "metrics.jsonl").exists() else []
-steps = [r for r in records if "step_time_s" in r][warmup:]
-events = Path(run_dir) / "events.jsonl"
-start = [e for e in (json.loads(l) for l in events.read_text().splitlines() if l.strip())
-         if e.get("event") == "start"] if events.exists() else []
-if not steps or not start:
-    print(f"{config},{engine},{gpus},,,,,{float(peak_mib) / 1024:.1f},,{status}")
-    sys.exit(0)
-cfg = start[0]["config"]["model"]
-n = start[0]["n_params"]
-step_s = statistics.median(r["step_time_s"] for r in steps)
-tps_gpu = statistics.median(r["batch_tokens"] / r["step_time_s"] for r in steps) / gpus
-flops_per_token = 6 * n + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
-mfu = flops_per_token * tps_gpu / peak
-# torch.cuda.max_memory_allocated over ranks, from the diagnostics (observe.every=10 below).
-torch_peak = max((r["peak_mem_bytes"] for r in records if "peak_mem_bytes" in r), default=0) / 2**30
-print(f"{config},{engine},{gpus},{n},{tps_gpu:.0f},{step_s:.3f},{mfu:.3f},{float(peak_mib) / 1024:.1f},"
-      f"{torch_peak:.1f},{status}")
-EOF
+    "$PY" bench/gpu_summary.py "$@"
 }
 
 for config in $CONFIGS; do
@@ -97,7 +75,7 @@ for config in $CONFIGS; do
             --config "configs/$config.yaml" run.dir="$run_dir" "data.dir=''" model.vocab_size="$VOCAB" \
             train.precision=bf16 train.device="$DEVICE" train.total_steps="$STEPS" optim.warmup_steps=2 \
             optim.schedule=cosine run.val_every=0 run.tensorboard=false monitor.enabled=false \
-            ckpt.every=1000000 observe.every=10 train.compile="$COMPILE" train.activation_checkpointing="$AC" \
+            ckpt.every=1000000 ckpt.at_end=false observe.every=10 train.compile="$COMPILE" train.activation_checkpointing="$AC" \
             $(engine_overrides "$engine") $EXTRA > "$run_dir.log" 2>&1
         rc=$?
         kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null
@@ -108,5 +86,5 @@ for config in $CONFIGS; do
     done
 done
 echo
-column -s, -t < "$CSV"
+column -s, -t < "$CSV" 2>/dev/null || cat "$CSV"
 echo "results: $CSV"

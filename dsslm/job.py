@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dsslm.ckpt.drift import RESUME_MUTABLE_KEYS
 from dsslm.ckpt.lock import LockLost, RunLock
 from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
 from dsslm.ckpt.store import CheckpointError, CheckpointStore
@@ -170,7 +171,7 @@ def start(job: Job) -> str:
                   cfg.train.grad_accum, torch.__version__, torch.get_num_threads(), schedule)
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
         job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
-                                             cfg.train.total_steps, job.sinks.emit, job.checkpointer.resume_drift)
+                                             cfg.train.total_steps, job.sinks.emit, to_dict(cfg), RESUME_MUTABLE_KEYS)
         job.sinks.listeners.append(job.audit.observe)  # the triage decisions must come again too
     if cfg.monitor.enabled:
         job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind

@@ -122,7 +122,6 @@ class Checkpointer:
             raise ValueError(f"part names {sorted(clash)} clash with state.json's header")
         self.engine, self.store, self.parts = engine, store, parts
         self.fingerprint, self.cfg, self.emit, self.allow_drift = fingerprint, cfg, emit, allow_drift
-        self.resume_drift: dict = {}  # the keys the resume changed with --allow-drift (resume_or_init)
         self.config = to_dict(cfg)
 
     @property
@@ -450,7 +449,6 @@ class Checkpointer:
         ckpt = self.latest(resuming=True)
         if ckpt is not None:
             allowed = self.accept(ckpt, values=False)  # pure and cheap: again on every rank, for the event
-            self.resume_drift = dict(allowed)  # the resume audit compares nothing across a change asked for
             self.restore(ckpt)
             changes = describe(allowed, ckpt.state["config"], self.cfg, self.train.step, self.train.next_sequence)
             self.emit("resume", step=self.train.step, checkpoint=str(ckpt.path), drift=allowed, changes=changes,

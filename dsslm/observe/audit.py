@@ -102,13 +102,36 @@ def recorded_decisions(events: Path, from_step: int) -> list[dict]:
     return []
 
 
+def last_start(events: Path) -> dict:
+    """The newest `start` event: the job that wrote the newest records ({} where there is none)."""
+    return next((e for e in read_jsonl_backward(events) if e.get("event") == "start"), {})
+
+
 def last_start_env(events: Path) -> dict | None:
-    """The `env` of the newest `start` event: the job that wrote the newest records."""
-    for event in read_jsonl_backward(events):
-        if event.get("event") == "start":
-            env = event.get("env")
-            return env if isinstance(env, dict) else None
-    return None
+    """The `env` of the newest `start` event."""
+    env = last_start(events).get("env")
+    return env if isinstance(env, dict) else None
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (tree.items() if isinstance(tree, dict) else ()):
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(recorded: Any, now: dict | None, mutable: tuple[str, ...]) -> list[str]:
+    """The keys whose values differ between the config the records were made with and `now`,
+    leaving out `mutable` keys (and their sub-keys) and keys either side lacks (an older version's
+    config has fewer: not a change). [] where either is unknown."""
+    if not isinstance(recorded, dict) or not now:
+        return []
+    before, after = _flat(recorded), _flat(now)
+    return sorted(k for k in after if k in before and before[k] != after[k]
+                  and not any(k == m or k.startswith(m + ".") for m in mutable))
 
 
 STOPS = ("end", "finished", "escalation", "preempt_save", "failed")  # how a job's events end
@@ -162,15 +185,19 @@ class ResumeAudit:
 
     @classmethod
     def after_resume(cls, run_dir: Path, from_step: int, env: dict, tol: float, total_steps: int,
-                     emit: Callable[..., Any], drift: Iterable[str] = ()) -> "ResumeAudit":
+                     emit: Callable[..., Any], config: dict | None = None,
+                     mutable: tuple[str, ...] = ()) -> "ResumeAudit":
         """Read what the crashed job recorded after `from_step` (call before this job writes).
-        `drift`: the keys this resume changed with --allow-drift. The recorded steps ran another
-        config then, so nothing is compared: an alert there said "the resume did not restore
-        everything" of a change the user asked for, and paged someone through run.alert_command."""
-        drift = sorted(drift)
-        if drift:
+        `config`: this job's config (as its `start` event records it), compared, but for the
+        `mutable` keys (drift.RESUME_MUTABLE_KEYS), with the config of the job that wrote the
+        records. Where they differ (this resume or that job's passed --allow-drift), the records
+        ran another computation: nothing is compared. An alert there said "the resume did not
+        restore everything" of a change a user asked for, and paged someone."""
+        changed = config_changes(last_start(run_dir / "events.jsonl").get("config"), config, mutable)
+        if changed:
             emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",
-                 reason=f"the resume changed {', '.join(drift)} (--allow-drift): the recorded steps ran another config")
+                 reason=f"the job that recorded the steps after the checkpoint ran another config ("
+                        f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''})")
             return cls(emit, None, from_step)
         expected = recorded_after(run_dir / "metrics.jsonl", from_step)
         audit = cls(emit, expected, from_step, _why_not_exact(last_start_env(run_dir / "events.jsonl"), env),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dsslm.observe.audit import ResumeAudit, _why_not_exact, recorded_after, run_env
 
 ENV = run_env("cpu", 1, "ddp", 4, 1, "2.13.0+cpu", 1)
@@ -197,20 +199,30 @@ def test_an_audit_that_cannot_compare_says_so_and_stops_instead_of_raising():
     assert f["verdict"] == "nothing_to_compare" and "could not be compared (KeyError('step'))" in f["reason"]
 
 
-def test_a_resume_with_allowed_drift_compares_nothing_and_raises_no_alert(tmp_path):
-    """--allow-drift optim.weight_decay: the recomputed steps run another config. That was an
-    alert ("the resume did not restore everything") to run.alert_command for a change the user
-    asked for."""
+@pytest.mark.parametrize("recorded_wd, now_wd, compared", [(0.1, 0.9, False), (0.5, 0.1, False), (0.5, 0.5, True)],
+                         ids=["this-resume-drifts", "the-recording-job-drifted", "both-drift-alike"])
+def test_the_records_are_compared_only_when_they_ran_this_config(tmp_path, recorded_wd, now_wd, compared):
+    """--allow-drift optim.weight_decay: the recomputed steps run another config than the records.
+    That was an alert ("the resume did not restore everything") for a change a user asked for. The
+    config the records ran is the recording job's `start` event's, not the checkpoint's: a job that
+    resumed with the drift and died, then a resume without it, was an exact-expected mismatch too;
+    and two jobs with the same drift compare as usual."""
+    def config(wd):
+        return {"optim": {"weight_decay": wd, "impl": "auto"}, "train": {"total_steps": 100}}
     write(tmp_path / "metrics.jsonl", [record(s) for s in range(1, 15)])
-    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "start", "step": 0, "env": ENV}) + "\n")
+    start = {"event": "start", "step": 10, "env": ENV, "config": config(recorded_wd) | {"train": {"total_steps": 50}}}
+    (tmp_path / "events.jsonl").write_text(json.dumps(start) + "\n")
     emitted = []
-    audit = ResumeAudit.after_resume(tmp_path, 10, ENV, 0.0, 100, lambda event, **f: emitted.append((event, f)),
-                                     drift={"optim.weight_decay": [0.1, 0.9]})
+    audit = ResumeAudit.after_resume(tmp_path, 10, ENV, 0.0, 14, lambda event, **f: emitted.append((event, f)),
+                                     config(now_wd), ("train.total_steps",))  # mutable: not a change
     for s in (11, 12, 13, 14):
-        audit.compare(record(s, loss=1.0))
+        audit.compare(record(s))
     ((event, f),) = emitted
-    assert f["verdict"] == "nothing_to_compare"
-    assert f["reason"] == "the resume changed optim.weight_decay (--allow-drift): the recorded steps ran another config"
+    if compared:
+        assert f["verdict"] == "exact" and f["compared"] == 4
+    else:
+        assert f["verdict"] == "nothing_to_compare" and f["reason"] == (
+            "the job that recorded the steps after the checkpoint ran another config (optim.weight_decay)")
 
 
 def test_a_changed_optimizer_implementation_is_within_tolerance_not_exact():

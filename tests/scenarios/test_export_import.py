@@ -301,6 +301,22 @@ def test_config_json_reads_what_the_export_wrote(runs, tmp_path, capsys):
     assert tokenizer_config["model_input_names"] == ["input_ids", "attention_mask"]
 
 
+def test_a_model_key_set_in_code_off_its_default_must_agree_with_the_folder(runs, tmp_path, capsys):
+    """A Config built in code has no record of the keys a user set (`Config.explicit` is load()'s):
+    a value off its default that disagrees with the folder was silently replaced by the folder's."""
+    from dsslm.config import Config
+    from dsslm.data.manifest import load_manifest
+    from dsslm.hf.convert import HFError
+    from dsslm.hf.folder import apply_shape
+    hf_dir = exported(runs, "byte", tmp_path, capsys)
+    cfg = Config()
+    cfg.model.n_layers = 3  # the folder has 2
+    with pytest.raises(HFError, match="model.n_layers=3 disagrees"):
+        apply_shape(cfg, hf_dir, runs["byte_data"], load_manifest(runs["byte_data"]))
+    agreeing = Config()
+    apply_shape(agreeing, hf_dir, runs["byte_data"], load_manifest(runs["byte_data"]))
+    assert agreeing.model.n_layers == read_config(hf_dir)["num_hidden_layers"]
+
 @torch.no_grad()
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_import_of_a_folder_transformers_wrote_itself_matches_its_logits(runs, tmp_path, arch):

@@ -13,6 +13,7 @@ import contextlib
 import datetime as dt
 import math
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -222,12 +223,16 @@ def unwritable(out: Path) -> str | None:
     file or in /proc, a read-only mount all fail here with one line instead of a traceback later."""
     if out.exists() and not out.is_dir():
         return "it is a file, not a folder"
+    # The topmost folder this makes, removed again when the probe fails: a refusal leaves nothing.
+    made = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test.")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         return exc.strerror or str(exc)
     return None
 
@@ -246,19 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --out {args.out}: {problem}; choose a folder outside the run's checkpoints/", file=sys.stderr)
         return 2
     out = args.out or args.run_dir / "report"
-    created = not out.exists()
+    run = load_run(args.run_dir)  # first: a refused run leaves no report folder behind
+    if not run.train:
+        print(f"error: {args.run_dir / 'metrics.jsonl'} has no step records (with step and loss)",
+              file=sys.stderr)
+        return 2
     problem = unwritable(out)
     if problem is not None:
         print(f"error: cannot write the report to {out}: {problem}; pass --out a folder that can be created "
               f"and written to", file=sys.stderr)
-        return 2
-    run = load_run(args.run_dir)
-    if not run.train:
-        print(f"error: {args.run_dir / 'metrics.jsonl'} has no step records (with step and loss)",
-              file=sys.stderr)
-        if created:  # refused: leave no empty report folder behind
-            with contextlib.suppress(OSError):
-                out.rmdir()
         return 2
     spikes = spike_lines(args.run_dir)
     for path in write_report(run, out, spikes):

@@ -357,3 +357,6 @@ def test_a_run_without_step_records_leaves_no_report_folder(tmp_path, capsys):
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "val_loss": {"web": 3.0}}\n')
     assert report.main([str(run_dir)]) == 2
     assert "no step records" in capsys.readouterr().err and not (run_dir / "report").exists()
+    # Nor the folders above a nested --out (only the last one was removed).
+    assert report.main([str(run_dir), "--out", str(tmp_path / "a" / "b" / "c")]) == 2
+    assert not (tmp_path / "a").exists()

@@ -30,7 +30,15 @@ def write_json_atomic(path: Path, obj: dict, indent: int | None = None, replace:
         if replace:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)  # atomic and never over an existing name, unlike a check then a replace
+            try:
+                os.link(tmp, path)  # atomic and never over an existing name, unlike a check then a replace
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links (some FUSE, SMB, vfat mounts)
+                with open(path, "x") as f:  # still never over an existing name; whole once fsynced
+                    json.dump(obj, f, indent=indent)
+                    f.flush()
+                    os.fsync(f.fileno())
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)

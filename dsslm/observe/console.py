@@ -42,7 +42,7 @@ def configure() -> None:
     """The "dsslm" logger as the user left it, else: DSSLM_LOG_LEVEL, one stderr handler."""
     given = None
     if LOG.level == logging.NOTSET:
-        name = os.environ.get("DSSLM_LOG_LEVEL", "info")
+        name = os.environ.get("DSSLM_LOG_LEVEL") or "info"  # exported but empty: unset
         # The documented names only: getattr(logging, NAME) also took "raiseExceptions" (level 1).
         given = None if name.lower() in LEVELS else name
         LOG.setLevel(LEVELS.get(name.lower(), logging.INFO))

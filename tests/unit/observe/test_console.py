@@ -159,6 +159,13 @@ def test_an_unknown_log_level_is_said_and_info_is_used(tmp_path, capsys, monkeyp
     assert f"DSSLM_LOG_LEVEL={level!r} is not one of debug, info, warning, error; logging at info" in err
     assert logging.getLogger("dsslm").level == logging.INFO and "step 1/20" in err
 
+def test_an_empty_log_level_is_unset(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DSSLM_LOG_LEVEL", "")  # exported but empty, as a script that clears it leaves it
+    s = sinks(tmp_path, log_every=1)
+    s.log_step(record(1))
+    err = capsys.readouterr().err
+    assert "DSSLM_LOG_LEVEL" not in err and "step 1/20" in err
+
 def test_level_and_format_are_the_users(tmp_path, capsys, monkeypatch, fresh_logger):
     monkeypatch.setenv("DSSLM_LOG_LEVEL", "warning")
     s = sinks(tmp_path, log_every=1)

@@ -52,12 +52,15 @@ if [ "$DEVICE" = cuda ]; then
     NGPU=${NGPU:-1}; STEPS=${STEPS:-25}; WARMUP=${WARMUP:-8}; MBS=${MBS:-8}; VOCAB=${VOCAB:-32768}
     DEADLINE_S=${DEADLINE_S:-450}; RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}; TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-200}
     MIN_ROW_S=${MIN_ROW_S:-45}; SIZE=""
+    # pytest-xdist workers for the tests: each resume test is two compiled runs (~a minute each with
+    # the process start and compile), and 16 cores run three at once.
+    TEST_WORKERS=${TEST_WORKERS:-3}
     ROWS=${ROWS:-"125m:ddp:adamw:false 350m:fsdp:adamw:false 125m:ddp:muon:false 125m:ddp:adamw:true
                   125m:fsdp:adamw:false 125m:fsdp:muon:true 350m:ddp:adamw:false 350m:fsdp:muon:true"}
 else  # the smoke test: the same path through every piece, on a CPU, in about a minute
     NGPU=${NGPU:-1}; STEPS=${STEPS:-4}; WARMUP=${WARMUP:-1}; MBS=${MBS:-2}; VOCAB=${VOCAB:-512}
     DEADLINE_S=${DEADLINE_S:-900}; RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-300}; TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-240}
-    MIN_ROW_S=${MIN_ROW_S:-5}
+    MIN_ROW_S=${MIN_ROW_S:-5}; TEST_WORKERS=${TEST_WORKERS:-0}
     SIZE="model.d_model=32 model.n_layers=2 model.n_heads=2 model.seq_len=32"
     ROWS=${ROWS:-"tiny:ddp:adamw:false tiny:fsdp:muon:true"}
 fi
@@ -104,7 +107,8 @@ if [ "$tests_timeout" -le 0 ]; then  # timeout 0 would mean no limit at all
     tests_line="not run (TESTS_TIMEOUT_S=$TESTS_TIMEOUT_S)"; : > "$TESTS_LOG"
 else
     echo "== tests/scenarios/test_gpu.py (at most ${tests_timeout}s)" >&2
-    DS_ACCELERATOR=$DEVICE timeout -k 5 "$tests_timeout" "$PY" -m pytest -q -ra -p no:cacheprovider \
+    workers=(); [ "$TEST_WORKERS" -gt 0 ] && workers=(-n "$TEST_WORKERS")
+    DS_ACCELERATOR=$DEVICE timeout -k 5 "$tests_timeout" "$PY" -m pytest -q -ra -p no:cacheprovider "${workers[@]}" \
         --basetemp="$SCRATCH/pytest" tests/scenarios/test_gpu.py > "$TESTS_LOG" 2>&1
     tests_rc=$?
     kill_runs "$SCRATCH/pytest"

@@ -205,14 +205,12 @@ def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_wind
                                        "lr_scale": 0.5, "verdict": verdict, "entries": named})]
 
 
-def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_path):
-    """The over-budget fallback skips the planned window's data and the documents of the
-    sequences that stood out in the spike's batches: a document whose other chunks lie outside
-    the window (fed later in the epoch, or in the next) is not fed again. (Before: the window
-    alone, so the rest of the document spiked again later.)"""
-    from dsslm.recovery.rewind import Rewinder, read_recovery
-    entry = {"shard": "web/train-00000.bin", "tokens": [9000, 9400]}
-    emitted, restored = [], []
+def _rewinder_to_45(tmp_path, emitted: list, cfg: Config | None = None, loader=None):
+    """A real Rewinder (planning, skip entries, skip_list.json) whose spike began at step 51 and
+    whose restore loads a stand-in checkpoint of step 45, recording the events in `emitted`."""
+    import types
+
+    from dsslm.recovery.rewind import Rewinder
 
     class Monitor:
         spike_start, last_reason = 51, "loss z=9"
@@ -226,11 +224,20 @@ def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_p
 
         def restore(self, state, ckpt, skip_list, lr_scale, record):
             state.step, state.skip_list, state.rewinds = 45, merge_skip_list(skip_list), [record]
-            restored.append(skip_list)
 
-    import types
     checkpointer = types.SimpleNamespace(store=types.SimpleNamespace(fence=lambda: None))
-    rewinder = Probe(Config(), _Engine(), checkpointer, Monitor(), 16, tmp_path, lambda e, **f: emitted.append((e, f)))
+    return Probe(cfg or Config(), _Engine(), checkpointer, Monitor(), 16, tmp_path,
+                 lambda e, **f: emitted.append((e, f)), loader=loader)
+
+def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_path):
+    """The over-budget fallback skips the planned window's data and the documents of the
+    sequences that stood out in the spike's batches: a document whose other chunks lie outside
+    the window (fed later in the epoch, or in the next) is not fed again. (Before: the window
+    alone, so the rest of the document spiked again later.)"""
+    from dsslm.recovery.rewind import read_recovery
+    entry = {"shard": "web/train-00000.bin", "tokens": [9000, 9400]}
+    emitted = []
+    rewinder = _rewinder_to_45(tmp_path, emitted)
     for step in (51, 52, 53):
         rewinder.note(step, 800 + 16 * (step - 51), 816 + 16 * (step - 51))
     state = TrainState(step=53, skip_list=[[0, 16], entry])  # what a replay had tried: not kept
@@ -247,32 +254,13 @@ def test_a_plain_rewind_names_the_spike_steps_data_and_skips_its_widening_by_pos
     taken out of every later epoch (one rewind at skip_batches=200 named every chunk of a 1,027-chunk
     corpus). Now only what the spike steps read is named as data; the widening is a window of
     positions, skipped this pass and no other."""
-    import types
-
     from dsslm.config import load
     from dsslm.data.corpus import default_data_dir
     from dsslm.data.loader import Loader
-    from dsslm.recovery.rewind import Rewinder, read_recovery
+    from dsslm.recovery.rewind import read_recovery
     emitted = []
-
-    class Monitor:
-        spike_start, last_reason = 51, "loss z=9"
-
-    class Ckpt:
-        state, path = {"step": 45}, "memory:step-00000045"
-
-    class Probe(Rewinder):
-        def checkpoint_before(self, spike_step, to_step, spike_start):
-            return Ckpt()
-
-        def restore(self, state, ckpt, skip_list, lr_scale, record):
-            state.step, state.skip_list, state.rewinds = 45, merge_skip_list(skip_list), [record]
-
     loader = Loader(default_data_dir(), 32, 1337)
-    checkpointer = types.SimpleNamespace(store=types.SimpleNamespace(fence=lambda: None))
-    cfg = load(None, ["monitor.skip_batches=8"])
-    rewinder = Probe(cfg, _Engine(), checkpointer, Monitor(), 16, tmp_path, lambda e, **f: emitted.append((e, f)),
-                     loader=loader)
+    rewinder = _rewinder_to_45(tmp_path, emitted, load(None, ["monitor.skip_batches=8"]), loader)
     for step in (51, 52):
         rewinder.note(step, 800 + 16 * (step - 51), 816 + 16 * (step - 51))
     state = TrainState(step=52, skip_list=[])

@@ -107,12 +107,6 @@ def last_start(events: Path) -> dict:
     return next((e for e in read_jsonl_backward(events) if e.get("event") == "start"), {})
 
 
-def last_start_env(events: Path) -> dict | None:
-    """The `env` of the newest `start` event."""
-    env = last_start(events).get("env")
-    return env if isinstance(env, dict) else None
-
-
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in (tree.items() if isinstance(tree, dict) else ()):
@@ -193,14 +187,16 @@ class ResumeAudit:
         records. Where they differ (this resume or that job's passed --allow-drift), the records
         ran another computation: nothing is compared. An alert there said "the resume did not
         restore everything" of a change a user asked for, and paged someone."""
-        changed = config_changes(last_start(run_dir / "events.jsonl").get("config"), config, mutable)
+        start = last_start(run_dir / "events.jsonl")  # read once: the env and the config of one job
+        changed = config_changes(start.get("config"), config, mutable)
         if changed:
             emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",
                  reason=f"the job that recorded the steps after the checkpoint ran another config ("
                         f"{', '.join(changed[:4])}{' and more' if len(changed) > 4 else ''})")
             return cls(emit, None, from_step)
         expected = recorded_after(run_dir / "metrics.jsonl", from_step)
-        audit = cls(emit, expected, from_step, _why_not_exact(last_start_env(run_dir / "events.jsonl"), env),
+        recorded_env = start.get("env") if isinstance(start.get("env"), dict) else None
+        audit = cls(emit, expected, from_step, _why_not_exact(recorded_env, env),
                     tol, total_steps)
         audit.decisions = recorded_decisions(run_dir / "events.jsonl", from_step)
         if not audit.expected or audit.last_step <= from_step:

@@ -24,6 +24,22 @@ from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+# The exit codes of `python -m dsslm.train`, one table for the trainer, the launchers
+# (slurm/train.sbatch's requeue decision) and docs/run-folder.md. Two families: the codes a
+# requeue may cure (the run itself is sound; a node or the cluster was not) and those that
+# need a person (requeueing would fail the same way). 1 stays Python's own: a crash.
+EXIT_OK = 0              # finished, or stopped by SIGTERM/SIGUSR1 (saved)
+EXIT_BAD_INPUT = 2       # bad input or config: one line naming what to fix          (person)
+EXIT_ESCALATED = 3       # the spike policy escalated                                 (person)
+EXIT_WRITE_FAILED = 4    # rank 0 could not write into run.dir                        (requeue may cure)
+EXIT_NOTHING_TO_RESUME = 5  # the run was past step 0 but every checkpoint was set aside (person)
+EXIT_CRASH_LOOP = 6      # the same failure at the same step and phase, start after start (person)
+EXIT_REQUEUE = 75        # a hang or a dead node was diagnosed: requeue (EX_TEMPFAIL) (requeue)
+EXIT_BAD_NODE = 76       # a node failed its check before the first step: requeue elsewhere (requeue)
+EXIT_INTERRUPTED = 130   # Ctrl-C
+# Codes no requeue can cure: a launcher that requeues on failure stops on these.
+NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_CRASH_LOOP)
+
 
 class Preempted(BaseException):
     """A stop signal before the first step: nothing to save, exit 0. A BaseException, so no

@@ -36,7 +36,8 @@ from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config, ConfigError, load
 from dsslm.data import DataError
 from dsslm.data.stream import StepSlice
-from dsslm.exits import Preempted, StopFlag, ignore_from_now
+from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_OK, EXIT_WRITE_FAILED, Preempted,
+                         StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.diagnostics import Diagnostics
@@ -46,7 +47,6 @@ from dsslm.recovery.monitor import Verdict
 from dsslm.recovery.rewind import Escalation
 from dsslm.rng import set_step_streams, step_streams
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_WRITE_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
 FP16_OVERFLOW = "fp16_overflow"

@@ -1,0 +1,181 @@
+"""Validation of a loaded Config: ConfigError naming the first key that cannot work, and how to fix it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dsslm.config.keys import HF_PREFIX, Config, ConfigError
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(key: str, value: Any, allowed: tuple) -> None:
+    _check(value in allowed, f"{key}={value!r} is not allowed; use one of {', '.join(map(str, allowed))}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first key that cannot work, and how to fix it."""
+    _check_finite(cfg)
+    t, e = cfg.train, cfg.engine
+    _check_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
+    _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    _check_choice("engine.kind", e.kind, ("ddp", "zero", "fsdp"))
+    _check_choice("engine.zero_stage", e.zero_stage, (1, 2, 3))
+    _check_choice("faults.crash_mode", cfg.faults.crash_mode, ("sigkill", "raise"))
+    _check_choice("train.activation_checkpointing", t.activation_checkpointing, ("none", "full", "every_n"))
+    _check_choice("engine.fsdp_grad_reduce", e.fsdp_grad_reduce, ("step", "micro_batch"))
+    _check_choice("ckpt.format", cfg.ckpt.format, ("auto", "sharded", "gathered"))
+    for key, value in (("train.total_steps", t.total_steps), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.grad_accum", t.grad_accum), ("ckpt.every", cfg.ckpt.every),
+                       ("ckpt.keep_last", cfg.ckpt.keep_last),
+                       ("train.activation_checkpointing_every", t.activation_checkpointing_every)):
+        _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(t.global_batch_size >= 0, f"train.global_batch_size={t.global_batch_size} must be >= 0 (0 = unset)")
+    _check(cfg.ckpt.keep_every >= 0, f"ckpt.keep_every={cfg.ckpt.keep_every} must be >= 0 (0 = none)")
+    _check(cfg.run.val_every >= 0, f"run.val_every={cfg.run.val_every} must be >= 0 (0 = never)")
+    _check(cfg.run.val_batches >= 1, f"run.val_batches={cfg.run.val_batches} must be >= 1")
+    m = cfg.model
+    _check(m.init_std >= 0, f"model.init_std={m.init_std} must be >= 0")
+    _check(m.eos_id >= -1 and (m.vocab_size == 0 or m.eos_id < m.vocab_size),
+           f"model.eos_id={m.eos_id} must be -1 (the data's EOS) or an id below model.vocab_size={m.vocab_size}")
+    _check(bool(cfg.run.dir.strip()), "run.dir is empty; name the run's folder, e.g. run.dir=runs/my-run")
+    _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
+    _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
+    _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
+    validate_model(cfg)
+    validate_optim(cfg)
+    validate_data(cfg)
+    validate_spike_policy(cfg)
+
+
+def _check_finite(node: Any, prefix: str = "") -> None:
+    """Every float key is a finite number: a bound like `> 0` lets inf through (optim.peak_lr=inf
+    trained to non-finite weights; model.rope_theta=inf made RoPE the identity without a word)."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{key}.")
+        elif isinstance(value, float):
+            _check(math.isfinite(value), f"{key}={value} must be a finite number")
+
+
+def validate_model(cfg: Config) -> None:
+    """The model's shape and its initialisation (run.seed, run.init_from)."""
+    m = cfg.model
+    for key, value in (("model.d_model", m.d_model), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
+                       ("model.seq_len", m.seq_len), ("model.vocab_pad_to", m.vocab_pad_to)):
+        _check(value >= 1, f"{key}={value} must be >= 1")
+    _check(0 <= cfg.run.seed < 2**63, f"run.seed={cfg.run.seed} must be in [0, 2^63)")
+    _check(m.d_model % m.n_heads == 0,
+           f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    _check((m.d_model // m.n_heads) % 2 == 0,
+           f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
+    _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
+    _check(m.document_mask or not m.document_positions, "model.document_positions=true needs model.document_mask=true")
+    _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
+           f"model.vocab_size={m.vocab_size} and model.ffn_hidden={m.ffn_hidden} must be >= 0 (0 = derived)")
+    if cfg.run.init_from.startswith(HF_PREFIX):
+        _check(len(cfg.run.init_from) > len(HF_PREFIX),
+               f"run.init_from={cfg.run.init_from!r} names no folder; write run.init_from=hf:PATH/TO/HF_DIR")
+
+
+def validate_optim(cfg: Config) -> None:
+    """AdamW and the LR schedule."""
+    o, t = cfg.optim, cfg.train
+    _check_choice("optim.schedule", o.schedule, ("cosine", "wsd"))
+    _check_choice("optim.decay_shape", o.decay_shape, ("linear", "1-sqrt"))
+    _check_choice("optim.impl", o.impl, ("auto", "single", "foreach", "fused"))
+    _check_choice("optim.name", o.name, ("adamw", "muon"))
+    _check_choice("optim.muon_ns_dtype", o.muon_ns_dtype, ("auto", "bfloat16", "float32"))
+    _check(o.muon_lr > 0 and 0 <= o.muon_momentum < 1, f"optim.muon_lr={o.muon_lr} must be > 0 and optim.muon_momentum={o.muon_momentum} in [0, 1)")
+    _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
+    _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
+    _check(0 <= o.warmup_steps <= t.total_steps,
+           f"optim.warmup_steps={o.warmup_steps} must be in [0, train.total_steps={t.total_steps}]")
+    if o.schedule == "wsd":
+        _check(1 <= o.decay_steps <= t.total_steps - o.warmup_steps,
+               f"optim.decay_steps={o.decay_steps} must be in [1, train.total_steps - optim.warmup_steps"
+               f"={t.total_steps - o.warmup_steps}] for optim.schedule=wsd")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _check(o.eps > 0, f"optim.eps={o.eps} must be > 0")
+    _check(o.clip > 0, f"optim.clip={o.clip} must be > 0 (a huge value disables clipping)")
+    _check(0 < o.beta1 < 1 and 0 < o.beta2 < 1, "optim.beta1 and optim.beta2 must be in (0, 1)")
+
+
+def validate_data(cfg: Config) -> None:
+    """The batch ramp, verification and the mixture."""
+    ramp = cfg.train.batch_ramp
+    _check(ramp.start >= 0 and ramp.tokens >= 0,
+           f"train.batch_ramp.start={ramp.start} and train.batch_ramp.tokens={ramp.tokens} must be >= 0")
+    _check((ramp.start > 0) == (ramp.tokens > 0),
+           "train.batch_ramp needs both start (sequences) and tokens, or neither; e.g. "
+           "train.batch_ramp.start=32 train.batch_ramp.tokens=1000000")
+    _check(cfg.data.verify in (True, False, "full"),
+           f"data.verify={cfg.data.verify!r} is not allowed; use true (hash what changed since the cached "
+           "verification), false (sizes only) or full (hash every shard)")
+    validate_mix(cfg.data.mix)
+
+
+def validate_spike_policy(cfg: Config) -> None:
+    """The monitor, clipping, drill and observe keys."""
+    m, o, f, ob = cfg.monitor, cfg.optim, cfg.faults, cfg.observe
+    _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
+    _check(cfg.eval.every >= 0 and cfg.eval.max_examples >= 0, f"eval.every={cfg.eval.every} and "
+           f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: only at the start; all examples)")
+    _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
+    _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
+    _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))
+    _check_choice("monitor.detector", m.detector, ("mad", "zscore", "max_multiple"))
+    _check_choice("monitor.nonfinite", m.nonfinite, ("rewind", "skip"))
+    _check_choice("optim.clip_mode", o.clip_mode, ("fixed", "zclip"))
+    _check_choice("faults.grad_fault_mode", f.grad_fault_mode, ("scale", "nan"))
+    _check(0 < m.lr_backoff <= 1, f"monitor.lr_backoff={m.lr_backoff} must be in (0, 1]")
+    _check(m.window >= 3, f"monitor.window={m.window} must be >= 3")
+    _check(m.skip_batches >= 1, f"monitor.skip_batches={m.skip_batches} must be >= 1")
+    _check(m.max_multiple > 1 and m.max_multiple_steps >= 1,
+           f"monitor.max_multiple={m.max_multiple} must be > 1 and monitor.max_multiple_steps="
+           f"{m.max_multiple_steps} >= 1")
+    _check(m.triage_max_replay_steps >= 0, f"monitor.triage_max_replay_steps={m.triage_max_replay_steps} must be >= 0")
+    _check(m.rewind_every >= 0 and m.rewind_points >= 1, f"monitor.rewind_every={m.rewind_every} must be >= 0 "
+           f"(0 = off) and monitor.rewind_points={m.rewind_points} >= 1")
+    _check(m.max_backoffs >= 1, f"monitor.max_backoffs={m.max_backoffs} must be >= 1")
+    _check(m.lr_recover_steps >= 0, f"monitor.lr_recover_steps={m.lr_recover_steps} must be >= 0 (0: a backoff stays)")
+    _check(0 < o.zclip_alpha < 1, f"optim.zclip_alpha={o.zclip_alpha} must be in (0, 1)")
+    _check(o.zclip_z > 0 and o.zclip_warmup_steps >= 2,
+           f"optim.zclip_z={o.zclip_z} must be > 0 and optim.zclip_warmup_steps={o.zclip_warmup_steps} >= 2")
+    _check(f.repeat_ngram >= 0, f"faults.repeat_ngram={f.repeat_ngram} must be >= 0 (0 = one whole document)")
+    _check(0 <= f.replay_noise < 0.5, f"faults.replay_noise={f.replay_noise} must be in [0, 0.5)")
+    _check(f.grad_fault_scale > 0, f"faults.grad_fault_scale={f.grad_fault_scale} must be > 0")
+    for key in ("poison_batches", "repeat_batches", "repeat_chunks", "poison_chunks"):
+        for window in getattr(f, key):
+            _check(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
+                   and 0 <= window[0] < window[1],
+                   f"faults.{key} entry {window!r} must be [start, end] with 0 <= start < end")
+    for burst in f.lr_burst:
+        _check(isinstance(burst, list) and len(burst) == 3 and all(isinstance(x, int) for x in burst[:2])
+               and 1 <= burst[0] < burst[1] and isinstance(burst[2], (int, float)) and burst[2] > 0,
+               f"faults.lr_burst entry {burst!r} must be [start, end, multiplier] with 1 <= start < end "
+               f"and multiplier > 0")
+    for step in f.grad_fault_steps:
+        _check(isinstance(step, int) and step >= 1, f"faults.grad_fault_steps entry {step!r} must be a step >= 1")
+
+
+def validate_mix(mix: dict[str, float]) -> None:
+    """data.mix: finite weights >= 0 with a positive total; each named positive weight at least a
+    millionth of the total (weights are kept in parts per million: a smaller one would be 0)."""
+    for domain, weight in mix.items():
+        _check(math.isfinite(weight) and weight >= 0, f"data.mix.{domain}={weight} must be a finite number >= 0")
+    if not mix:
+        return
+    total = sum(mix.values())
+    _check(total > 0, "data.mix has no positive weight; give at least one domain a weight > 0, or drop data.mix")
+    for domain, weight in mix.items():
+        _check(weight == 0 or weight >= total * 1e-6,
+               f"data.mix.{domain}={weight} is below a millionth of the total {total}; raise it or set it to 0")
+    _check(sum(w > 0 for w in mix.values()) <= 256, "data.mix gives more than 256 domains a positive weight")

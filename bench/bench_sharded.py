@@ -5,7 +5,7 @@ an async save, peak RSS per rank at save and at load, bytes read per rank at loa
 
 The state is what a sharded engine holds: 1024x1024 fp32 matrices to --params-m million
 parameters plus two moments (12 bytes a parameter). Sharded: each rank holds 1/W of it (its rows,
-`engine.base.rows_of`), writes it through `CheckpointStore.save_shard_async` and reads back only
+`engine.state.rows_of`), writes it through `CheckpointStore.save_shard_async` and reads back only
 its rows through `TensorReader` after hashing its share of the folder. Gathered: rank 0 holds the
 full state (what a gather hands it) and writes it; at load rank 0 hashes the folder and every rank
 reads every tensor (the pre-sharding path). Each phase runs in fresh processes, so ru_maxrss is
@@ -33,7 +33,8 @@ from _ranks import rank_env, run_ranks  # noqa: E402
 from dsslm.ckpt.format import invalid_reason, load_verified, read_manifest  # noqa: E402
 from dsslm.ckpt.shards import open_folder, split_files, verify_share  # noqa: E402
 from dsslm.ckpt.store import CheckpointStore  # noqa: E402
-from dsslm.engine.base import Exchange, Shard, rows_of  # noqa: E402
+from dsslm.engine.ranks import Exchange  # noqa: E402
+from dsslm.engine.state import Shard, rows_of  # noqa: E402
 
 D = 1024
 KINDS = ("model", "optim/exp_avg", "optim/exp_avg_sq")

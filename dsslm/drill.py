@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from dsslm.config import ConfigError, load
-from dsslm.engine.base import init_distributed, pick_device
+from dsslm.engine.ranks import init_distributed, pick_device
 from dsslm.engine.launch import in_launcher, is_first_process, leave_process_group
 from dsslm.observe.sinks import read_jsonl
 from dsslm.recovery.faults import DrillAbort

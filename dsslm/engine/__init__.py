@@ -5,8 +5,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dsslm.config import Config
-from dsslm.engine.base import Engine, init_distributed
+from dsslm.engine.base import Engine
 from dsslm.engine.launch import announce, apply_launcher
+from dsslm.engine.ranks import init_distributed
 
 
 def build_engine(cfg: Config, model: nn.Module) -> Engine:

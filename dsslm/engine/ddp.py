@@ -10,8 +10,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import (OptimState, Shard, StateReader, TorchAdamWEngine, adam_state_by_name, check_names,
-                               load_adam_state, load_replica_state, replica_local_state, share_orthogonalisations)
+from dsslm.engine.base import TorchAdamWEngine, share_orthogonalisations
+from dsslm.engine.state import (OptimState, Shard, StateReader, adam_state_by_name, check_names, load_adam_state,
+                                load_replica_state, replica_local_state)
 from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_optimizer
 

@@ -36,9 +36,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,
-                               TorchAdamWEngine, adam_step_tensor, check_names, group_of, optim_kinds,
-                               share_orthogonalisations, storage_bytes, whole)
+from dsslm.engine.base import TorchAdamWEngine, share_orthogonalisations, whole
+from dsslm.engine.state import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,
+                                adam_step_tensor, check_names, group_of, optim_kinds, storage_bytes)
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.blocks import prepare_model
 from dsslm.optim import build_optimizer

@@ -56,9 +56,9 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # no
 
 from dsslm.clip import ClipBound  # noqa: E402
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, Engine, OptimState, Shard,  # noqa: E402
-                               StateReader, adam_step_tensor, check_names, optim_kinds, share_orthogonalisations,
-                               storage_bytes)
+from dsslm.engine.base import Engine, share_orthogonalisations  # noqa: E402
+from dsslm.engine.state import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,  # noqa: E402
+                                adam_step_tensor, check_names, optim_kinds, storage_bytes)
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.engine.blocks import prepare_model  # noqa: E402

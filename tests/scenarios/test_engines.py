@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsslm.config import ConfigError, load
-from dsslm.engine.base import OptimState
+from dsslm.engine.state import OptimState
 from dsslm.engine.launch import apply_launcher
 from helpers import run_distributed
 
@@ -243,7 +243,7 @@ def rerun_worker(rank: int, world_size: int, kind: str, stage: int) -> dict:
     """Two runs of steps [0, FIRST) in one process group: clean, then with rank 1's gradients of
     step SKIPPED scaled 1000x, dropped (drop_gradients) and that step computed again from the
     same weights and batch, as the loop's in-place re-run does."""
-    from dsslm.engine.base import init_distributed
+    from dsslm.engine.ranks import init_distributed
     from dsslm.engine.launch import leave_process_group
     from dsslm.loss import accumulate
     from dsslm.optim import lr_at

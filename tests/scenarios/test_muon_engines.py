@@ -49,7 +49,7 @@ class Pieces:
 def muon_worker(rank: int, world_size: int, kind: str, state=None, pieces=None) -> dict:
     """Steps [0, TOTAL) (full state and this rank's local_state pieces kept at SPLIT), or, given a
     full state or all ranks' pieces, the steps after SPLIT from it."""
-    from dsslm.engine.base import OptimState
+    from dsslm.engine.state import OptimState
     torch.set_num_threads(1)
     cfg = make_cfg(*ENGINES[kind][:2], *MUON, *ENGINES[kind][2:])
     engine = build(cfg)

@@ -12,7 +12,8 @@ import torch
 from dsslm.ckpt import shards
 from dsslm.ckpt.format import CheckpointError, invalid_reason, read_manifest
 from dsslm.ckpt.store import CheckpointStore
-from dsslm.engine.base import Exchange, Shard, adam_step_tensor, load_adam_state, OptimState, rows_of
+from dsslm.engine.ranks import Exchange
+from dsslm.engine.state import Shard, adam_step_tensor, load_adam_state, OptimState, rows_of
 
 from helpers import remanifest
 

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsslm.config import EvalCfg, load  # noqa: E402
 from dsslm.data.tokenizer import ByteTokenizer  # noqa: E402
-from dsslm.downstream import Prepared, batches_of, load_tasks, olmo_dir  # noqa: E402
+from dsslm.evals.scoring import Prepared, batches_of  # noqa: E402
+from dsslm.evals.tasks import load_tasks, olmo_dir  # noqa: E402
 from dsslm.model import build_model  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 

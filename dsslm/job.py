@@ -35,8 +35,8 @@ from dsslm.data.stream import batch_size_at
 from dsslm.data.tokenizer import load_tokenizer
 from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of, plan_hashing, share_of,
                                update_cache)
-from dsslm.downstream import TaskEvals
 from dsslm.engine import Engine, build_engine
+from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model

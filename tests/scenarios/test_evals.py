@@ -80,7 +80,7 @@ def test_evals_in_the_loop_change_nothing_and_the_cli_reproduces_them(tmp_path, 
 def test_a_bad_task_exits_2_at_start_and_writes_nothing(tmp_path, capsys, monkeypatch, bad, message):
     (tmp_path / "gold.jsonl").write_text(json.dumps({"context": "a", "choices": [" b", " c"], "gold": 3}) + "\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("dsslm.downstream.olmo_dir", lambda: tmp_path / "oe_eval_tasks")
+    monkeypatch.setattr("dsslm.evals.tasks.olmo_dir", lambda: tmp_path / "oe_eval_tasks")
     rc = train_main([f"run.dir={tmp_path / 'run'}", *TINY, "train.total_steps=6", f"eval.tasks=[{bad}]"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
@@ -89,7 +89,7 @@ def test_a_bad_task_exits_2_at_start_and_writes_nothing(tmp_path, capsys, monkey
 
 def engine_eval_worker(rank: int, world_size: int, kind: str, stage: int, task: str, run_dir: str) -> dict:
     from dsslm.data.tokenizer import ByteTokenizer
-    from dsslm.downstream import TaskEvals
+    from dsslm.evals.loop import TaskEvals
     from dsslm.engine import build_engine
     from dsslm.model import build_model
 
@@ -165,8 +165,9 @@ def test_the_same_counts_as_lm_eval_harness_on_an_exported_model(tmp_path, capsy
     import numpy as np
 
     from dsslm.data import prepare
-    from dsslm.downstream import Prepared, load_tasks, score_rows
-    from dsslm.eval import open_hf
+    from dsslm.evals.scoring import Prepared, score_rows
+    from dsslm.evals.tasks import load_tasks
+    from dsslm.hf.causal_lm import open_hf
     from dsslm.export import main as export_main
     text = Path(textwrap.__file__).read_text()
     prepare([_write(tmp_path / "text.txt", text)], tmp_path / "data", tokenizer=kind,

@@ -415,7 +415,7 @@ def test_the_weight_files_are_the_ones_transformers_loads(tmp_path):
     from safetensors.torch import save_file
 
     from dsslm.config import ModelCfg
-    from dsslm.eval import check_hf_weights
+    from dsslm.hf.causal_lm import check_hf_weights
     from dsslm.hf.convert import HFError, model_values
     from dsslm.hf.folder import read_weights
 

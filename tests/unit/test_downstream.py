@@ -1,4 +1,4 @@
-"""dsslm.downstream: task files read and checked, requests tokenized as lm-eval does, batched
+"""dsslm.evals: task files read and checked, requests tokenized as lm-eval does, batched
 scoring equal to scoring each choice alone, the metrics' rules (raw, per character, per token,
 bits per byte), and world-size independence of the batches."""
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 
 from dsslm.config import ConfigError, ModelCfg
 from dsslm.data.tokenizer import ByteTokenizer, train_bpe
-from dsslm.downstream import (Prepared, TaskError, batches_of, encode_pair, load_tasks, read_olmo_requests, record,
-                              score_rows, tokenize)
+from dsslm.evals.loop import record
+from dsslm.evals.scoring import Prepared, batches_of, encode_pair, score_rows, tokenize
+from dsslm.evals.tasks import TaskError, load_tasks, read_olmo_requests
 from dsslm.model import build_model
 from helpers import tiny_cfg
 
@@ -110,7 +111,7 @@ def test_a_continuation_longer_than_seq_len_is_scored_in_windows_every_token_onc
 
 
 def _only(rows, i):
-    from dsslm.downstream import Rows
+    from dsslm.evals.scoring import Rows
     return Rows([rows.inputs[i]], [rows.targets[i]], [rows.first[i]], [0], [rows.choices[rows.owner[i]]])
 
 

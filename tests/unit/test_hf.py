@@ -189,7 +189,7 @@ def test_eval_checks_a_folders_weights_before_transformers_loads_them(tmp_path):
     from safetensors.torch import save_file
 
     from dsslm.ckpt.trained import ToolError
-    from dsslm.eval import check_finite, check_hf_weights
+    from dsslm.hf.causal_lm import check_finite, check_hf_weights
     save_file({"a": torch.ones(4), "b": torch.tensor([1.0, float("inf")])}, tmp_path / "model.safetensors")
     check_hf_weights(tmp_path)  # headers only: the values are checked once loaded, read once
     model = torch.nn.Linear(2, 1)

@@ -7,7 +7,9 @@
   precision, rng and clip import only the ground floor (so no loop runs through a folder);
 - lower folders never import higher ones: data and ckpt never import recovery, observe or
   train; recovery never imports observe or train; hf/ only what a checkpoint and its data need;
-  nothing but the CLIs imports train or job.
+  nothing but the CLIs imports train or job;
+- evals/ (downstream tasks) imports only the ground floor and the low modules (the engine and the
+  sinks it is handed are duck-typed), and only job (the in-loop hook) and the eval CLI import it.
 """
 from __future__ import annotations
 
@@ -130,6 +132,23 @@ def test_only_the_clis_import_train(module):
         return
     bad = sorted(m for m in dsslm_imports(module) if below(m, ("dsslm.train", "dsslm.job")))
     assert not bad, f"{module} imports {bad}: only the CLIs may"
+
+
+EVALS_USERS = {"dsslm.job", "dsslm.eval"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if in_folder(m, "evals")))
+def test_evals_import_only_the_ground_floor_and_low_modules(module):
+    bad = sorted(m for m in dsslm_imports(module) if not below(m, GROUND_FLOOR + LOW + ("dsslm.evals",)))
+    assert not bad, f"{module} (in evals/) imports {bad}: it scores a forward it is handed"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_the_job_and_the_eval_cli_import_evals(module):
+    if module in EVALS_USERS or in_folder(module, "evals"):
+        return
+    bad = sorted(m for m in dsslm_imports(module) if in_folder(m, "evals"))
+    assert not bad, f"{module} imports {bad}: only {sorted(EVALS_USERS)} may"
 
 
 def test_the_reader_catches_nested_and_relative_imports(tmp_path):

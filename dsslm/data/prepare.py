@@ -169,10 +169,10 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
     if not out.exists():
         out.mkdir(parents=True)
         undo.append(out)
-    remove_leftovers(out)
     try:
         manifest = _existing_manifest(out, domain)
         tok = _get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, undo)
+        remove_leftovers(out)  # once `out` is accepted: a folder refused is left as it was
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
         entry = _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, shard_tokens, undo)
         entry["sources"] = [str(Path(p).resolve()) for p in inputs]
@@ -208,7 +208,10 @@ def _check_args(domain: str, tokenizer: str | None, vocab_size: int | None, val_
 
 
 def _existing_manifest(out: Path, domain: str) -> dict | None:
-    manifest = load_manifest(out, verify=False) if (out / MANIFEST_FILE).is_file() else None
+    path = out / MANIFEST_FILE
+    if os.path.lexists(path) and not path.is_file():  # a folder, a broken link, a FIFO: never replaced
+        raise DataError(f"{path} is not a file (a folder, a broken link or a pipe); fix or remove it, or use a new --out")
+    manifest = load_manifest(out, verify=False) if path.is_file() else None
     if manifest is not None and domain in manifest["domains"]:
         raise DataError(f"--domain {domain} already exists in {out}; choose another --domain or a new --out")
     if (out / domain).exists():

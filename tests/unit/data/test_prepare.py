@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -217,6 +219,35 @@ def test_bad_input_into_existing_data_dir_keeps_it_valid(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and ("--tokenizer" in err or "--domain" in err or "b.jsonl" in err)
     assert (out / "manifest.json").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["default", "manifest.json"]
+
+
+def folder_state(folder: Path) -> dict:
+    """Every entry under `folder`: its kind and, for a file, its bytes (a link: where it points)."""
+    return {str(p.relative_to(folder)): (os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file()
+                                         else stat.S_IFMT(p.lstat().st_mode)) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("manifest", ["torn", "folder", "dangling_link", "fifo"])
+def test_prepare_into_an_unreadable_manifest_leaves_the_folder_as_it_was(tmp_path, capsys, manifest):
+    """Refused (exit 2, one line), but the refusal came after the leftovers of a killed prepare were
+    removed; a manifest.json that was not a file (a folder, a broken link, a FIFO) was taken for
+    none, and a link was replaced by a new manifest (a folder: a traceback)."""
+    (tmp_path / "a.txt").write_text(words(100, 6))
+    out = tmp_path / "d"
+    out.mkdir()
+    path = out / "manifest.json"
+    {"torn": lambda: path.write_text('{"format": 1, "tokeni'), "folder": path.mkdir,
+     "dangling_link": lambda: path.symlink_to("gone.json"), "fifo": lambda: os.mkfifo(path)}[manifest]()
+    (out / ".dsslm-verified.json").write_text('{"format": 1, "shards": {}}')
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = out / f".tmp-web-{int(dead.stdout)}"  # a killed prepare's, on this host
+    leftover.mkdir()
+    (leftover / "train-00000.bin").write_bytes(b"\0" * 100)
+    before = folder_state(out)
+    assert main(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json" in err[0], err
+    assert folder_state(out) == before
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from dsslm.ckpt.drift import RESUME_MUTABLE_KEYS
 from dsslm.ckpt.lock import LockLost, RunLock
 from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
 from dsslm.ckpt.store import CheckpointError, CheckpointStore
-from dsslm.ckpt.train_state import TrainState, fingerprint
+from dsslm.ckpt.train_state import NothingToResume, TrainState, fingerprint
 from dsslm.clip import Clipper, build_clipper
 from dsslm.config import Config, ConfigError, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
@@ -119,8 +119,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     cleanup.callback(sinks.close)
     # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to
     # write); a failed write is recorded, and said once, by main's last line.
-    cleanup.push(note_exit(sinks.emit, lambda: state.step, quiet=(ConfigError, DataError, Escalation, LockLost),
-                           said=(CheckpointError, LogWriteError)))
+    cleanup.push(note_exit(sinks.emit, lambda: state.step, said=(CheckpointError, LogWriteError),
+                           quiet=(ConfigError, DataError, Escalation, LockLost, NothingToResume)))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
     cleanup.push(finish_saves(store))

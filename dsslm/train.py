@@ -32,12 +32,12 @@ from typing import Callable
 from dsslm.ckpt.drift import check_allow_drift
 from dsslm.ckpt.lock import LockLost
 from dsslm.ckpt.store import CheckpointError
-from dsslm.ckpt.train_state import TrainState
+from dsslm.ckpt.train_state import NothingToResume, TrainState
 from dsslm.config import Config, ConfigError, load
 from dsslm.data import DataError
 from dsslm.data.stream import StepSlice
-from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_OK, EXIT_WRITE_FAILED, Preempted,
-                         StopFlag, ignore_from_now)
+from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
+                         EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.diagnostics import Diagnostics
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except Escalation as err:
         say(err, f"dsslm: escalated to a human: {err}")
         return EXIT_ESCALATED
+    except NothingToResume as err:
+        say(err, f"dsslm: {err}")
+        return EXIT_NOTHING_TO_RESUME
     except WRITE_FAILURES as err:
         say(err, f"dsslm: {err}")
         return EXIT_WRITE_FAILED

@@ -6,8 +6,9 @@ without a store.
 
 A folder `step-XXXXXXXX/` holds `<group>.safetensors` per tensor group, `state.json`, and
 `MANIFEST` = {"format": 1, "step": N, "files": {name: {"sha256": hex, "size": int}}} covering
-every other file. MANIFEST is written last and deleted first, so any folder without one is a
-save or a delete that did not finish.
+every other file. MANIFEST is written last, into a temp folder renamed into place; a delete
+renames the folder to `step-XXXXXXXX.deleting-<hex>` before it removes anything. So dsslm never
+leaves a `step-XXXXXXXX` without MANIFEST: one found is not dsslm's to delete (see store.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from dsslm.durable import file_sha256, fsync_dir
+from dsslm.durable import file_sha256
 from safetensors.torch import load_file
 
 FORMAT = 1
@@ -31,9 +32,15 @@ STATE_FILE = "state.json"
 TENSOR_SUFFIX = ".safetensors"
 # The old copy of a step while a re-save of that step replaces it. Readers accept it as that step
 # when `step-XXXXXXXX` itself is absent or invalid, so a crash between the two renames of a
-# replace still leaves the step findable (see CheckpointManager._publish).
+# replace still leaves the step findable (see CheckpointStore._publish).
 ASIDE_SUFFIX = ".replaced"
 _NAME_RE = re.compile(r"step-([0-9]{8})(\.replaced)?")  # [0-9], not \d: \d matches any Unicode digit
+# A folder a delete is removing (named so before anything in it goes), and one set aside as damaged
+# for a person: neither is a checkpoint to any reader, and neither is reported again.
+DELETING = ".deleting-"
+INVALID = ".invalid-"
+DELETING_RE = re.compile(r"step-[0-9]{8}(\.replaced)?\.deleting-[0-9a-f]+")
+_SET_ASIDE_RE = re.compile(r"step-[0-9]{8}(\.replaced)?\.(deleting|invalid)-.*", re.DOTALL)
 _GROUP_RE = re.compile(r"[A-Za-z0-9_]+")
 _FILE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # Read whole into memory before they are checked, so bounded: a MANIFEST lists a few files, and
@@ -104,14 +111,15 @@ def _is_checkpoint(folder: Path) -> bool:
 def candidates(ckpt_dir: Path, pass_over: Callable[[str, str], None]) -> dict[int, list[Path]]:
     """step -> its candidate folders, `step-XXXXXXXX` before its `.replaced` aside: the order every
     reader tries them in (the newest step first is the caller's `sorted(..., reverse=True)`).
-    Temp folders and other names are skipped silently; a `step-` name that does not parse and a
-    symbolic link (never followed: retention would delete what it points to) go to `pass_over`."""
+    Temp folders, folders being deleted or set aside and other names are skipped silently; a
+    `step-` name that does not parse and a symbolic link (never followed: retention would delete
+    what it points to) go to `pass_over`."""
     found: dict[int, list[Path]] = {}
     if not ckpt_dir.is_dir():
         return found
     for name in os.listdir(ckpt_dir):
-        if not name.startswith("step-"):
-            continue  # temp folders of any process, drill markers: not checkpoints
+        if not name.startswith("step-") or _SET_ASIDE_RE.fullmatch(name):
+            continue  # temp folders of any process, drill markers, what a person has to look at
         parsed = parse_name(name)
         if parsed is None:
             pass_over(name, f"name {name!r} is not step-XXXXXXXX")
@@ -200,7 +208,7 @@ def read_manifest(folder: Path) -> dict:
         _check_regular(folder / MANIFEST, MAX_MANIFEST_BYTES)
         manifest = json.loads((folder / MANIFEST).read_text(), object_pairs_hook=no_duplicates)
     except FileNotFoundError:
-        raise CheckpointError("no MANIFEST (a save or a delete did not finish)") from None
+        raise CheckpointError("no MANIFEST") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"unreadable MANIFEST: {exc}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -272,18 +280,3 @@ def load_verified(folder: Path) -> Checkpoint:
     except Exception as exc:  # a file that hashes right but fails to parse was written wrong
         raise CheckpointError(f"{folder} verified but did not load: {exc}") from exc
     return Checkpoint(step=parse_name(folder.name)[0], path=folder, tensors=tensors, state=state)
-
-
-def remove_checkpoint(folder: Path) -> None:
-    """MANIFEST first: a crash half way leaves a folder every reader already ignores. A symbolic
-    link is refused, never followed: what it points to may be another run's checkpoint."""
-    if folder.is_symlink():
-        raise CheckpointError(f"{folder} is a symbolic link; not deleting through it")
-    manifest = folder / MANIFEST
-    if manifest.exists():
-        manifest.unlink()
-        fsync_dir(folder)
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
-    fsync_dir(folder.parent)

@@ -18,6 +18,8 @@ same full tensors, so a ZeRO checkpoint resumes under FSDP, DDP or one process.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -28,7 +30,7 @@ from dsslm.ckpt.shards import check_headers, open_folder, read_rank_file, split_
 from dsslm.fields import MAX_STEP, Fields, Int, ListOf, MapOf, Json, Spec, StateError, Str, validate
 from dsslm.ckpt.drift import describe, from_dict
 from dsslm.ckpt.store import CheckpointStore
-from dsslm.ckpt.train_state import FINGERPRINT_SPEC, ResumeRefused, TrainState, check_fingerprint
+from dsslm.ckpt.train_state import FINGERPRINT_SPEC, NothingToResume, ResumeRefused, TrainState, check_fingerprint
 from dsslm.config import Config, ConfigError, to_dict
 from dsslm.engine.base import STATE_KINDS, Engine, OptimState, optim_kinds
 from dsslm.rng import check_rng_state, rng_state, seed_everything, set_rng_state
@@ -371,6 +373,8 @@ class Checkpointer:
                 if resuming and refusals:
                     raise ConfigError(f"{self.store.ckpt_dir} holds checkpoints but none can be resumed ("
                                       f"{refusals[0]}); fix the config to match them, or use a new run.dir")
+                if resuming:
+                    self.engine.decide(self._nothing_lost)
                 return None
             tried.add(path)
             try:
@@ -380,6 +384,24 @@ class Checkpointer:
                 if isinstance(exc, NotAccepted):
                     refusals.append(f"{Path(path).name}: {reason}")
                 self.engine.decide(lambda: self.store.refuse(path, reason))
+
+    def _nothing_lost(self) -> None:
+        """Rank 0, when no checkpoint can be resumed: NothingToResume where run.dir's logs show a run
+        past step 0 and a checkpoint was passed over or set aside, unless run.restart_from_scratch
+        (then said in an event). A start at step 0 would append a second history to the first's logs."""
+        damaged = self.store.not_resumable()
+        recorded = recorded_step(self.store.run_dir) if damaged else None
+        if recorded is None:
+            return
+        step, source = recorded
+        if self.cfg.run.restart_from_scratch:
+            self.emit("restart_from_scratch", step=0, recorded_step=step, not_resumable=damaged)
+            return
+        names = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        raise NothingToResume(f"{self.store.run_dir} was trained to step {step} ({source}) but no checkpoint in "
+                              f"{self.store.ckpt_dir} can be resumed: {names} (kept; the passed_over events in "
+                              f"events.jsonl say why); to start over on purpose, use another run.dir, or add "
+                              f"run.restart_from_scratch=true to train this one again from step 0")
 
     def open(self, path: Path, verified: bool = False, parent: bool = False) -> Checkpoint:
         """A folder named by the user: verified, accepted (every rank calls: the hashing is split)."""
@@ -523,6 +545,48 @@ class Checkpointer:
         train.lineage = train.lineage + [{"run_dir": str(path.parent.parent), "step": train.step,
                                           "checkpoint": str(path)}]
         self.emit("branch", step=train.step, parent=str(path), drift=drifted, data=data)
+
+
+# How much of each log a start reads to tell whether a run trained in run.dir: the last records
+# say how far it got, and a long run's metrics.jsonl holds gigabytes.
+LOG_TAIL_BYTES = 1 << 16
+
+
+def recorded_step(run_dir: Path) -> tuple[int, str] | None:
+    """The furthest step recorded in `run_dir`'s logs, with the file's name: a trained step's
+    record in metrics.jsonl, or an event naming its step in events.jsonl, from the last 64 KiB of
+    each. None when neither shows a step past 0; a line that is not such a record (a torn line,
+    another tool's) is no evidence."""
+    best = None
+    for name, kind in (("metrics.jsonl", "loss"), ("events.jsonl", "event")):
+        for record in _last_records(run_dir / name):
+            step = record.get("step")
+            if kind in record and type(step) is int and 0 < step <= MAX_STEP and (best is None or step > best[0]):
+                best = (step, name)
+    return best
+
+
+def _last_records(path: Path) -> list[dict]:
+    """The JSON objects among the lines of `path`'s last LOG_TAIL_BYTES (a regular file only: a
+    FIFO would block the start)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return []
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES)
+            f.seek(start)
+            lines = f.read(LOG_TAIL_BYTES).split(b"\n")[1 if start else 0:]  # the first may be cut
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def check_table(group: str, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], exact: bool) -> None:

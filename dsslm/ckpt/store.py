@@ -18,7 +18,10 @@ Layout and file format live in `format.py`. The rules this module keeps:
   and delivered by the next call into the manager, so a non-thread-safe logger is fine.
 - Folders that do not verify, or whose contents the caller's `accept` refuses (a state.json
   field out of range, a tensor of the wrong shape), are passed over (one `passed_over` event
-  each) and never deleted.
+  each) and never deleted. dsslm deletes only what it renamed `.deleting-*` itself: a delete
+  renames first, so a `step-XXXXXXXX` without MANIFEST is never its own half delete (a lost
+  MANIFEST, a foreign folder, an older dsslm's delete); the next start sets it aside as
+  `.invalid-*` for a person.
 - What is loaded is hashed in full first; retention bookkeeping (which folders count, which
   to delete, what the loop pins) is not: it checks each MANIFEST, the file list and every
   file's size, and remembers every full-hash failure. So the first save after a restart costs
@@ -41,8 +44,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from dsslm.durable import fsync_dir
-from dsslm.ckpt.format import (ASIDE_SUFFIX, FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Checkpoint,
-                               CheckpointError, load_checkpoint, load_verified, remove_checkpoint,
+from dsslm.ckpt.format import (ASIDE_SUFFIX, DELETING, DELETING_RE, FORMAT, INVALID, MANIFEST, STATE_FILE,
+                               TENSOR_SUFFIX, Checkpoint, CheckpointError, load_checkpoint, load_verified,
                                candidates, parse_name, safetensors_chunks, stat_key, step_name, invalid_reason)
 from dsslm.fields import StateError
 from dsslm.ckpt.shards import INDEX_FILE, build_index, check_index, dtype_name, rank_file, shard_file
@@ -78,15 +81,6 @@ def _write_file(path: Path, chunks: Iterable) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _checkpoint_file(path: Path) -> bool:
-    """A regular file with a name only a checkpoint folder's files have."""
-    if path.is_symlink() or not path.is_file():
-        return False
-    name = path.name
-    return (name in ("model" + TENSOR_SUFFIX, "optim" + TENSOR_SUFFIX, STATE_FILE, INDEX_FILE)
-            or (name.startswith(("shard-", "rank-")) and "-of-" in name))
-
-
 def aside_stamp() -> str:
     """A unique suffix for a folder set aside (time, then random: two in one second differ)."""
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}"
@@ -95,6 +89,24 @@ def aside_stamp() -> str:
 def _rename(src: Path, dst: Path) -> None:
     """Every rename of a checkpoint folder goes through here, so a test can crash between two."""
     os.rename(src, dst)
+
+
+# Said once per folder set aside: what it may be, that nothing reads it, and who removes it.
+NO_MANIFEST = ("no MANIFEST (it was lost, or the folder is not dsslm's, or a dsslm older than this one was "
+               "killed deleting it); set aside as {aside}, which nothing reads or deletes: look at it, then "
+               "remove it by hand (docs/checkpoints.md)")
+
+
+def _remove_tree(folder: Path, removed: Callable[[], None]) -> None:
+    """`folder` and everything in it, a link removed and never followed; `removed()` after each."""
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            _remove_tree(entry, removed)
+        else:
+            entry.unlink()
+            removed()
+    folder.rmdir()
+    removed()
 
 
 class CheckpointStore:
@@ -115,6 +127,7 @@ class CheckpointStore:
         # by the writer right before it publishes or deletes anything.
         self._fence = fence or (lambda: None)
         self._crash_in_save_step, self._crash_after_files = -1, 1
+        self._crash_in_delete: tuple[int, int] = (-1, 0)
         self._buffers = HostBuffers(reuse_host_buffers)
         # Guards every rename, delete and read of checkpoint folders (writer vs training thread).
         self._lock = threading.RLock()
@@ -129,16 +142,18 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self._error: tuple[int, BaseException] | None = None
         self._last_path: Path | None = None
-        with self._lock:
-            for step, paths in self._scan().items():
-                if any(p.name.endswith(ASIDE_SUFFIX) for p in paths):
-                    self._settle_aside(step)
 
     def die_in_save(self, step: int, after_files: int = 1) -> None:
         """Fault drill: the save of `step` hard-exits the process (os._exit(137), as if SIGKILLed)
         once `after_files` files are in its temp folder (MANIFEST counts; 0 dies before the
         first). It fires every time: arming it once per run is the caller's (recovery.faults)."""
         self._crash_in_save_step, self._crash_after_files = step, after_files
+
+    def die_in_delete(self, step: int, after: int) -> None:
+        """Fault drill: the delete of checkpoint `step` (retention's, or a replace's aside) hard-exits
+        the process once `after` of its changes are made: the rename is the first, then each file
+        and folder removed; 0 dies before the rename."""
+        self._crash_in_delete = (step, after)
 
     # Training-thread API.
 
@@ -224,8 +239,9 @@ class CheckpointStore:
                 self._thread.join()
 
     def remove_leftovers(self) -> list[str]:
-        """Delete `checkpoints/.tmp-*`: saves that a kill cut short. Only for the run.dir lock's
-        holder, so none of them can still be in progress. Returns their names."""
+        """At start, by the run.dir lock's holder (so no save or delete of another process is in
+        progress): delete `checkpoints/.tmp-*`, saves that a kill cut short, and return their names;
+        finish the deletes and replaces a kill cut short; set aside folders without MANIFEST."""
         removed = []
         if not self.ckpt_dir.is_dir():
             return removed
@@ -237,36 +253,64 @@ class CheckpointStore:
             removed.append(path.name)
         if removed:
             fsync_dir(self.ckpt_dir)
-        self.finish_deletes()  # its own event: what it removed were checkpoint folders, not temp ones
+        self.finish_deletes()  # their own events: checkpoint folders, not temp ones
+        self.set_aside_unfinished()
+        self.settle_replaces()
         return removed
 
-    def finish_deletes(self) -> list[str]:
-        """Delete `step-XXXXXXXX` folders (and `.replaced` asides) without a MANIFEST that are
-        provably dsslm's own: retention removes MANIFEST first, so a kill during a delete leaves
-        one, which every reader already passes over and nothing else would ever remove. Only
-        folders holding nothing but regular files with a checkpoint's file names are touched (a
-        folder with anything else in it is left for a person). For the run.dir lock's holder."""
-        finished = []
-        if not self.ckpt_dir.is_dir():
-            return finished
+    def settle_replaces(self) -> None:
+        """Finish the replaces a kill cut short (`_settle_aside`). For the run.dir lock's holder."""
         with self._lock:
-            for name in sorted(os.listdir(self.ckpt_dir)):
+            for step, paths in self._scan().items():
+                if any(p.name.endswith(ASIDE_SUFFIX) for p in paths):
+                    self._settle_aside(step)
+
+    def finish_deletes(self) -> list[str]:
+        """Remove the `step-XXXXXXXX.deleting-<hex>` folders: deletes a kill cut short. Only a delete
+        gives a folder that name, after it decided to remove it. For the run.dir lock's holder."""
+        finished = []
+        with self._lock:
+            for name in sorted(os.listdir(self.ckpt_dir)) if self.ckpt_dir.is_dir() else ():
                 path = self.ckpt_dir / name
-                if parse_name(name) is None or path.is_symlink() or not path.is_dir() or (path / MANIFEST).exists():
+                if not DELETING_RE.fullmatch(name):
                     continue
-                entries = list(path.iterdir())
-                if not all(_checkpoint_file(p) for p in entries):
-                    continue
-                for p in entries:
-                    p.unlink()
-                path.rmdir()
-                self._verified.pop(name, None)
+                if path.is_dir() and not path.is_symlink():
+                    _remove_tree(path, lambda: None)
+                else:
+                    path.unlink()
                 finished.append(name)
             if finished:
                 fsync_dir(self.ckpt_dir)
-                self._emit("deletes_finished", folders=finished,
-                           reason="checkpoint folders without MANIFEST (a delete or replace a kill cut short)")
+                self._emit("deletes_finished", folders=finished, reason="deletes a kill cut short")
         return finished
+
+    def set_aside_unfinished(self) -> list[str]:
+        """Rename each `step-XXXXXXXX` folder without MANIFEST to `<name>.invalid-<time>` (one
+        `passed_over` event each, naming the new name): not a checkpoint, and not provably dsslm's to
+        delete. For the run.dir lock's holder. Returns the new names."""
+        moved = []
+        with self._lock:
+            for _, paths in sorted(self._scan().items()):
+                for path in paths:
+                    if not path.is_dir() or os.path.lexists(path / MANIFEST):
+                        continue
+                    aside = path.with_name(f"{path.name}{INVALID}{aside_stamp()}")
+                    _rename(path, aside)
+                    self._verified.pop(path.name, None)
+                    self._reported.add(path.name)
+                    moved.append(aside.name)
+                    self._emit("passed_over", checkpoint=path.name, reason=NO_MANIFEST.format(aside=aside.name),
+                               set_aside=aside.name)
+            if moved:
+                fsync_dir(self.ckpt_dir)
+        return moved
+
+    def not_resumable(self) -> list[str]:
+        """What is not resumable here: the folders passed over by this store and still present, and
+        those set aside (`.invalid-*`) by any start, by name."""
+        with self._lock:
+            names = sorted(os.listdir(self.ckpt_dir)) if self.ckpt_dir.is_dir() else []
+            return [n for n in names if n in self._reported or (INVALID in n and n.startswith("step-"))]
 
     def candidates(self, step: int = 10**8) -> list[str]:
         """Folders at or before `step` whose MANIFEST, file list and sizes check (no hashing),
@@ -376,10 +420,35 @@ class CheckpointStore:
                 keep |= {s for s in steps if s % self.keep_every == 0}
             deleted = [s for s in steps if s not in keep]
             for s in deleted:
-                remove_checkpoint(valid[s])
-                self._verified.pop(valid[s].name, None)
+                self._delete(valid[s])
                 self._emit("retention_delete", checkpoint=valid[s].name)
         return deleted
+
+    def _delete(self, folder: Path) -> None:
+        """Rename `folder` to `<name>.deleting-<hex>`, then remove it. The rename is atomic: a kill at
+        any moment leaves the whole checkpoint or a folder no reader takes for one, which the next
+        start finishes (finish_deletes); never a `step-XXXXXXXX` without MANIFEST. A symbolic link
+        is refused, never followed: what it points to may be another run's checkpoint."""
+        if folder.is_symlink():
+            raise CheckpointError(f"{folder} is a symbolic link; not deleting through it")
+        step, done = parse_name(folder.name)[0], [0]
+
+        def changed() -> None:
+            done[0] += 1
+            self._maybe_die_deleting(step, done[0])
+
+        self._maybe_die_deleting(step, 0)
+        doomed = folder.with_name(f"{folder.name}{DELETING}{secrets.token_hex(4)}")
+        _rename(folder, doomed)
+        changed()
+        self._verified.pop(folder.name, None)
+        fsync_dir(self.ckpt_dir)
+        _remove_tree(doomed, changed)
+        fsync_dir(self.ckpt_dir)
+
+    def _maybe_die_deleting(self, step: int, done: int) -> None:
+        if self._crash_in_delete == (step, done):
+            os._exit(137)  # what a SIGKILL mid-delete leaves behind
 
     # Writer thread.
 
@@ -488,10 +557,10 @@ class CheckpointStore:
         """Rename the finished temp folder to step-XXXXXXXX, replacing what is there safely.
 
         Re-saving a step (after a rewind) that has a valid folder takes two renames: old ->
-        `step-XXXXXXXX.replaced`, new -> `step-XXXXXXXX`; then the aside is deleted (MANIFEST
-        first). Between the renames only the aside exists, and readers accept a valid aside as
-        its step when the plain name is absent or invalid, so the step is findable at every
-        moment; `_settle_aside` (next save of the step, or the next manager) finishes a replace
+        `step-XXXXXXXX.replaced`, new -> `step-XXXXXXXX`; then the aside is deleted (`_delete`).
+        Between the renames only the aside exists, and readers accept a valid aside as its step
+        when the plain name is absent or invalid, so the step is findable at every moment;
+        `_settle_aside` (next save of the step, or the next start) finishes a replace
         that died half way. Linux renameat2(RENAME_EXCHANGE) would swap atomically, but os does
         not expose it and not every filesystem has it; two renames plus a reader rule work on all.
         An existing invalid folder (hashes, or contents refused on load) is renamed to
@@ -505,7 +574,7 @@ class CheckpointStore:
             if reason is None and final.name not in self._refused:
                 _rename(final, final.with_name(final.name + ASIDE_SUFFIX))
             else:
-                _rename(final, final.with_name(f"{final.name}.invalid-{aside_stamp()}"))
+                _rename(final, final.with_name(f"{final.name}{INVALID}{aside_stamp()}"))
             fsync_dir(self.ckpt_dir)
         _rename(tmp, final)
         fsync_dir(self.ckpt_dir)
@@ -518,11 +587,10 @@ class CheckpointStore:
         """Finish a replace of `step` that a crash interrupted (see _publish)."""
         final = self.ckpt_dir / step_name(step)
         aside = final.with_name(final.name + ASIDE_SUFFIX)
-        if not aside.exists():
+        if not aside.exists() or aside.is_symlink():  # a link is passed over by readers, never deleted
             return
         if self._reason(final, hashed=True) is None:  # a delete deserves a full hash
-            remove_checkpoint(aside)  # the new copy made it in; the aside was going to be deleted
-            self._verified.pop(aside.name, None)
+            self._delete(aside)  # the new copy made it in; the aside was going to be deleted
         elif not final.exists() and self._reason(aside, hashed=True) is None:
             _rename(aside, final)  # died between the renames: the old copy is still the step
             fsync_dir(self.ckpt_dir)

@@ -63,6 +63,11 @@ class ResumeRefused(ConfigError):
     """The checkpoint was made by a different config, tokenizer or dataset."""
 
 
+class NothingToResume(RuntimeError):
+    """run.dir's logs show a run past step 0, but none of its checkpoints can be resumed: a start
+    at step 0 there would bury that run under a second history (exits.EXIT_NOTHING_TO_RESUME)."""
+
+
 # The fingerprint: what must match for a resume to continue the same computation.
 FINGERPRINT_SPEC = Fields(config_hash=Str(64), config_items=MapOf(Json()), data_manifest_sha256=Str(64),
                             tokenizer_sha256=Str(64), global_batch_size=Int(1, MAX_COUNT))

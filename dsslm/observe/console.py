@@ -154,6 +154,9 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "alert": (logging.WARNING, _alert),
     "escalation": (logging.ERROR, lambda f: f"escalated to a human at step {f.get('step')}: {f.get('reason')}"),
     "passed_over": (logging.WARNING, lambda f: f"checkpoint {f.get('checkpoint')} passed over: {f.get('reason')}"),
+    "restart_from_scratch": (logging.WARNING, lambda f: f"starting over at step 0 (run.restart_from_scratch): this "
+                                                        f"run.dir was trained to step {f.get('recorded_step')}; kept, "
+                                                        f"not resumed: {', '.join(f.get('not_resumable') or [])}"),
     "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder: {f}"),
     "leftovers_removed": (logging.INFO, lambda f: f"removed half-written saves {f.get('folders')}"),
     "recovery_rebuilt": (logging.WARNING, lambda f: f"rebuilt the run's skip list: {f.get('reason')}"),

@@ -7,10 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from dsslm.ckpt import resume as persist
+from dsslm.ckpt.format import invalid_reason
 from dsslm.ckpt.shards import TensorReader
 from dsslm.recovery.faults import DrillAbort
 from dsslm.train import train
-from helpers import TINY, events, losses_by_step, read_jsonl, run_train, tiny_cfg
+from helpers import TINY, events, hook_env, losses_by_step, read_jsonl, run_train, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +74,7 @@ def inprocess(run_dir, *extra):
     return tiny_cfg(run_dir, *STEPS, *extra)
 
 
-def test_corrupt_newest_checkpoint_falls_back_manifestless_ignored_and_tmp_removed(reference, tmp_path):
+def test_corrupt_newest_checkpoint_falls_back_manifestless_set_aside_and_tmp_removed(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     ckpts = run_dir / "checkpoints"
@@ -83,27 +84,52 @@ def test_corrupt_newest_checkpoint_falls_back_manifestless_ignored_and_tmp_remov
     newest.write_bytes(bytes(data))
     truncated = ckpts / "step-00000020" / "optim.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:-100])
-    (ckpts / "step-00000025").mkdir()  # no MANIFEST: a delete a kill cut short (retention removes MANIFEST first)
+    (ckpts / "step-00000025").mkdir()  # no MANIFEST: not provably dsslm's (a delete renames first)
     (ckpts / "step-00000025" / "state.json").write_text("{}")
-    (ckpts / "step-00000026").mkdir()  # no MANIFEST, and a file no checkpoint has: not provably ours
+    (ckpts / "step-00000026").mkdir()  # no MANIFEST, and a person's file
     (ckpts / "step-00000026" / "notes.txt").write_text("a person's notes")
     (ckpts / ".tmp-step-00000028-1-x").mkdir()
     metrics_before = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert train(inprocess(run_dir)) == 0
     assert events(run_dir, "resume")[-1]["step"] == 10
     passed = {e["checkpoint"] for e in events(run_dir, "passed_over")}
-    assert {"step-00000030", "step-00000020", "step-00000026"} <= {p.split("/")[-1] for p in passed}
-    assert (ckpts / "step-00000026").exists()  # invalid folders are never deleted...
-    # ...except a half-deleted one, finished (one event), as it holds nothing but a checkpoint's files
-    assert not (ckpts / "step-00000025").exists()
-    assert events(run_dir, "deletes_finished")[-1]["folders"] == ["step-00000025"]
-    # ...and a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
+    assert {"step-00000030", "step-00000020", "step-00000025", "step-00000026"} <= {p.split("/")[-1] for p in passed}
+    # Invalid folders are never deleted: without MANIFEST, set aside for a person, as they were.
+    (aside25,) = ckpts.glob("step-00000025.invalid-*")
+    (aside26,) = ckpts.glob("step-00000026.invalid-*")
+    assert (aside25 / "state.json").read_text() == "{}" and (aside26 / "notes.txt").read_text() == "a person's notes"
+    assert not events(run_dir, "deletes_finished")
+    # ...but a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
     assert not (ckpts / ".tmp-step-00000028-1-x").exists()
     assert events(run_dir, "leftovers_removed")[-1]["folders"] == [".tmp-step-00000028-1-x"]
     redone = read_jsonl(run_dir / "metrics.jsonl")[metrics_before:]
     ref = losses_by_step(reference)
     assert [r["step"] for r in redone if "loss" in r] == list(range(11, 31))
     assert all(r["loss"] == ref[r["step"]] for r in redone if "loss" in r)
+
+
+KILL_IN_DELETE = """
+    from dsslm.ckpt import store
+    real = store.CheckpointStore.__init__
+    def armed(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.die_in_delete(0, 2)  # retention's delete of the start checkpoint: after its rename and one file
+    store.CheckpointStore.__init__ = armed
+"""
+
+
+def test_a_kill_inside_a_retention_delete_resumes_to_the_bit(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = run_train(run_dir, *STEPS, "ckpt.keep_last=1", check=False, env=hook_env(tmp_path / "hook", KILL_IN_DELETE))
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    (deleting,) = [n for n in names if n.startswith("step-00000000.deleting-")]
+    kept = [n for n in names if n != deleting]
+    assert kept and all(invalid_reason(run_dir / "checkpoints" / n) is None for n in kept), names
+    run_train(run_dir, *STEPS)
+    assert events(run_dir, "resume")[0]["step"] == int(kept[-1][5:]) < 30
+    assert events(run_dir, "deletes_finished")[0]["folders"] == [deleting] and not events(run_dir, "passed_over")
+    assert_same_run(reference, run_dir)
 
 
 def test_resume_refuses_other_data_or_tokenizer(reference, tmp_path, capsys):

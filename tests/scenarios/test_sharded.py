@@ -106,6 +106,44 @@ def test_tools_refuse_a_folder_with_a_shard_of_another_save(fsdp_run, tmp_path):
         open_trained(folder)
 
 
+def _start(rank: int, world_size: int, run_dir: str) -> tuple[int, str]:
+    """One rank of `python -m dsslm.train` on the FSDP run: its exit code and its last stderr line."""
+    import contextlib
+    import io
+
+    from dsslm.train import main
+    from helpers import TINY
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main([f"run.dir={run_dir}", *TINY, *COMMON, *FSDP2])
+    return rc, (err.getvalue().strip().splitlines() or [""])[-1]
+
+
+def test_a_two_rank_run_whose_every_checkpoint_is_invalid_is_refused_on_every_rank(fsdp_run, tmp_path):
+    """Each checkpoint's index.json made hostile, MANIFEST recomputed: each was passed over cleanly,
+    and the start trained from step 0 in the same run.dir. Now every rank exits 5, nothing trained."""
+    import shutil
+
+    from helpers import remanifest, run_distributed
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_run, run_dir)
+    folders = sorted((run_dir / "checkpoints").glob("step-*"))
+    for folder in folders:
+        index = json.loads((folder / "index.json").read_text())
+        index["tensors"]["model/tok_emb.weight"]["pieces"][0][3] += 1  # a piece past its tensor's end
+        (folder / "index.json").write_text(json.dumps(index))
+        remanifest(folder)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    results = run_distributed(_start, world_size=2, args=(str(run_dir),), timeout_s=300)
+    assert [rc for rc, _ in results] == [5, 5], results
+    line = results[0][1]
+    assert "trained to step 8" in line and all(f.name in line for f in folders[-3:]), line
+    assert "trained to step" not in results[1][1]  # rank 0 alone says it
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics and len(events(run_dir, "start")) == 1
+    assert sorted((run_dir / "checkpoints").glob("step-*")) == folders  # each kept where it was
+    assert {e["checkpoint"] for e in events(run_dir, "passed_over")} == {f.name for f in folders}
+
+
 # One global batch of 12 sequences on 2, 3 and 1 ranks (grad_accum follows: 2, 2, 3).
 ZERO2 = ("engine.kind=zero", "engine.zero_stage=2", "train.micro_batch_size=3", "train.global_batch_size=12")
 FSDP3 = ("engine.kind=fsdp", "train.micro_batch_size=2", "train.global_batch_size=12")

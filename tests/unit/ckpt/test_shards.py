@@ -1,16 +1,18 @@
 """dsslm.ckpt.shards: the sharded format's index, its reader, the hostile indexes and folders it
-refuses, the split of hashing among ranks; the store's sharded write and its cleanup of
-half-deleted folders; Adam's step placed where torch's kernels expect it after a restore."""
+refuses, the split of hashing among ranks; the store's sharded write, and a kill at every point of
+a delete; Adam's step placed where torch's kernels expect it after a restore."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from dsslm.ckpt import shards
-from dsslm.ckpt.format import CheckpointError, invalid_reason, read_manifest
+from dsslm.ckpt.format import CheckpointError, invalid_reason, parse_name, read_manifest
 from dsslm.ckpt.store import CheckpointStore
 from dsslm.engine.ranks import Exchange
 from dsslm.engine.state import Shard, adam_step_tensor, load_adam_state, OptimState, rows_of
@@ -206,23 +208,72 @@ def test_a_failed_rank_fails_the_save_for_rank_0_and_leaves_nothing(tmp_path, mo
     assert not list((tmp_path / "checkpoints").iterdir())
 
 
-def test_half_deleted_folders_are_finished_and_reported(tmp_path):
+def killed_in_child(fn) -> int:
+    """`fn()` in a forked child (no torch work there: files only); its exit code. A real kill:
+    os._exit, no cleanup, no flush."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - a child must never return into pytest
+            os._exit(1)
+        os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def folder_bytes(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("fmt", ["gathered", "sharded"])
+def test_a_kill_at_every_point_of_a_retention_delete_leaves_no_folder_without_manifest(tmp_path, fmt):
+    """A delete removed MANIFEST first, so a kill in it left a `step-XXXXXXXX` without one, and the
+    next start deleted every such folder, whatever it was. Now it renames first: at every point a
+    kill leaves the whole checkpoint or a `.deleting-*` folder, and the next start finishes that
+    one alone and resumes from the newest checkpoint, its bytes as saved."""
+    def save(run: Path, step: int) -> None:
+        if fmt == "sharded":
+            save_sharded(run, step, 2, seed=step)
+        else:
+            CheckpointStore(run).save(step, {"model": full_tensors(step)}, {"step": step})
+
+    template = tmp_path / "template"
+    for step in (4, 8):
+        save(template, step)
+    newest = folder_bytes(template / "checkpoints" / "step-00000008")
+    changes = 2 + len(list((template / "checkpoints" / "step-00000004").iterdir()))  # rename, files, folder
+    for after in range(changes + 1):  # 0: killed before the rename; `changes`: after the folder went
+        run = tmp_path / f"killed-{after}"
+        shutil.copytree(template, run)
+        store = CheckpointStore(run, keep_last=1)
+        store.die_in_delete(4, after)
+        code = killed_in_child(store.apply_retention)
+        assert code == 137, after
+        names = sorted(p.name for p in (run / "checkpoints").iterdir())
+        assert all(invalid_reason(run / "checkpoints" / n) is None for n in names if parse_name(n)), names
+        events = []
+        restarted = CheckpointStore(run, keep_last=1, on_event=lambda event, **f: events.append((event, f)))
+        restarted.remove_leftovers()
+        assert [p.name for p in (run / "checkpoints").iterdir()] == (["step-00000008"] if 0 < after else
+                                                                     ["step-00000004", "step-00000008"]), after
+        finished = [f["folders"] for e, f in events if e == "deletes_finished"]
+        assert finished == ([] if after in (0, changes) else [[n for n in names if ".deleting-" in n]]), after
+        assert not [e for e, _ in events if e == "passed_over"]
+        assert restarted.load_latest().step == 8 and folder_bytes(run / "checkpoints" / "step-00000008") == newest
+
+
+def test_a_kill_in_a_replaces_delete_of_the_old_copy_is_finished_at_the_next_start(tmp_path):
+    folder = save_sharded(tmp_path, 8, 2)
+    shutil.copytree(folder, folder.with_name("step-00000008.replaced"))  # a replace, killed before its delete
+    store = CheckpointStore(tmp_path)
+    store.die_in_delete(8, 2)  # the rename, one file
+    assert killed_in_child(store.settle_replaces) == 137
+    (deleting,) = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name != "step-00000008"]
+    assert deleting.startswith("step-00000008.replaced.deleting-")
     events = []
-    save_sharded(tmp_path, 4, 2)
-    save_sharded(tmp_path, 8, 2)
-    ckpt_dir = tmp_path / "checkpoints"
-    half = ckpt_dir / "step-00000004"
-    (half / "MANIFEST").unlink()  # retention's delete, killed after its first unlink
-    (half / shards.shard_file(0, 2)).unlink()
-    foreign = ckpt_dir / "step-00000002"
-    foreign.mkdir()
-    (foreign / "notes.txt").write_text("a person's file")  # not provably ours: left alone
-    store = CheckpointStore(tmp_path, on_event=lambda event, **f: events.append((event, f)))
-    store.remove_leftovers()
-    assert not half.exists() and foreign.exists() and (ckpt_dir / "step-00000008").exists()
-    assert [e for e in events if e[0] == "deletes_finished"] == [
-        ("deletes_finished", {"folders": ["step-00000004"],
-                              "reason": "checkpoint folders without MANIFEST (a delete or replace a kill cut short)"})]
+    CheckpointStore(tmp_path, on_event=lambda event, **f: events.append((event, f))).remove_leftovers()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000008"]
+    assert events == [("deletes_finished", {"folders": [deleting], "reason": "deletes a kill cut short"})]
 
 
 def test_rows_of_split_every_row_once():

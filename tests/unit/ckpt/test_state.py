@@ -306,3 +306,78 @@ def test_metrics_of_the_refused_step_and_the_resume_line_up(reference):
     assert [r["step"] for r in records] == list(range(1, 13))
     assert sorted(p.name for p in (reference / "checkpoints").glob("step-*")) == \
         ["step-00000000", "step-00000004", "step-00000008", "step-00000012"]  # step 0: a spike in warmup can rewind
+
+
+def tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_run_dir_whose_every_checkpoint_is_invalid_is_refused_not_restarted(reference, tmp_path, capsys):
+    """Every checkpoint passed over, and the start trained from step 0 in the same run.dir,
+    appending a second history to the first's logs. Now exit 5 and one line, every time, until a
+    person chooses another run.dir or run.restart_from_scratch=true."""
+    run_dir = tmp_path / "run"
+    copy_run_back_to(reference, run_dir, 8)
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "step-00000000" / "model.safetensors").unlink()  # the start checkpoint (monitor.enabled)
+    (ckpts / "step-00000004" / "MANIFEST").unlink()  # lost: set aside
+    lost = tree(ckpts / "step-00000004")
+    state = ckpts / "step-00000008" / "state.json"
+    state.write_bytes(state.read_bytes().replace(b'"step"', b'"stop"', 1))  # its hash no longer matches
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "lo')  # a kill mid-line: a torn record is no evidence, the rest is
+    args = [f"run.dir={run_dir}", *TINY, *STEPS]
+    assert main(args) == 5
+    *said, last = capsys.readouterr().err.strip().splitlines()  # the passed_over lines, then the refusal's
+    (aside,) = ckpts.glob("step-00000004.invalid-*")
+    assert last.startswith("dsslm: ") and "trained to step 12" in last and aside.name in last
+    assert "step-00000008" in last and "another run.dir" in last and "run.restart_from_scratch=true" in last
+    assert len(said) == 3 and all("passed over" in line for line in said), said
+    before = {name: data for name, data in tree(run_dir).items() if name != "events.jsonl"}
+    assert main(args) == 5  # again: the folder set aside is not passed over (or reported) again
+    assert {name: data for name, data in tree(run_dir).items() if name != "events.jsonl"} == before
+    assert events(run_dir, "start") == events(reference, "start")  # neither start began a run
+    passed = [e["checkpoint"] for e in events(run_dir, "passed_over")]
+    assert sorted(passed) == ["step-00000000"] * 2 + ["step-00000004"] + ["step-00000008"] * 2  # once per start
+    capsys.readouterr()
+    assert main([*args, "run.restart_from_scratch=true"]) == 0
+    (started_over,) = events(run_dir, "restart_from_scratch")
+    assert started_over["recorded_step"] == 12 and aside.name in started_over["not_resumable"]
+    assert events(run_dir, "start")[-1]["step"] == 0 and tree(aside) == lost
+    assert len(list(ckpts.glob("step-00000008.invalid-*"))) == 1  # its re-save put the damaged one aside
+
+
+def test_a_fresh_run_dir_holding_a_foreign_step_folder_trains_and_keeps_it(tmp_path):
+    """No log shows a run, so this is a first start: the folder is set aside, kept, and trained beside."""
+    run_dir = tmp_path / "run"
+    foreign = run_dir / "checkpoints" / "step-99999999"
+    foreign.mkdir(parents=True)
+    (foreign / "model.safetensors").write_bytes(os.urandom(4096))
+    (foreign / "state.json").write_text('{"step": 99999999, "skip_li')
+    before = tree(foreign)
+    assert train(tiny_cfg(run_dir, "train.total_steps=6", "ckpt.every=6")) == 0
+    (aside,) = (run_dir / "checkpoints").glob("step-99999999.invalid-*")
+    assert tree(aside) == before and events(run_dir, "start")[0]["step"] == 0
+    assert [e["set_aside"] for e in events(run_dir, "passed_over")] == [aside.name]
+
+
+@pytest.mark.parametrize("metrics, events_, expect", [
+    ("", "", None),
+    ('{"step": 7, "loss": 2.5}\n', "", (7, "metrics.jsonl")),
+    ('{"step": 7, "loss": 2.5}\n{"step": 8, "lo', '{"event": "save", "step": 5}\n', (7, "metrics.jsonl")),
+    ('{"step": 0, "loss": 2.5}\n', '{"event": "start", "step": 0}\n{"event": "save", "step": 9}\n', (9, "events.jsonl")),
+    ('{"step": true, "loss": 1}\n{"step": 3}\n{"step": "9", "loss": 1}\n[1, 2]\n', '{"step": 1e3, "event": "x"}\n', None),
+    ("\x00\xff garbage " * 50_000 + '\n{"step": 4, "loss": 1}', "[" * 100_000, (4, "metrics.jsonl")),
+])
+def test_what_counts_as_a_run_past_step_0(tmp_path, metrics, events_, expect):
+    from dsslm.ckpt.resume import recorded_step
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    (tmp_path / "events.jsonl").write_text(events_)
+    assert recorded_step(tmp_path) == expect
+
+
+def test_a_log_that_is_not_a_file_is_no_evidence_and_never_read(tmp_path):
+    from dsslm.ckpt.resume import recorded_step
+    os.mkfifo(tmp_path / "metrics.jsonl")  # a read would block the start
+    (tmp_path / "events.jsonl").mkdir()
+    assert recorded_step(tmp_path) is None

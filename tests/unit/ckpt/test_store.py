@@ -396,7 +396,8 @@ def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert "step-00000005.replaced" in names
     assert ("step-00000005" in names) == (crash_after == "new")
-    mgr = CheckpointStore(tmp_path)  # settles the interrupted replace
+    mgr = CheckpointStore(tmp_path)
+    mgr.settle_replaces()  # what a start does (remove_leftovers)
     latest = mgr.load_latest()
     assert latest.step == 5 and latest.state["tag"] == expect_tag
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -422,7 +423,8 @@ def test_replace_keeps_the_step_readable_at_every_moment(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "_rename", observed)
     mgr.save(5, make_tensors(2), state_for(5, "new"))
     assert seen == [("step-00000005", "old", "step-00000005.replaced", "old"),
-                    ("step-00000005.replaced", "old", "step-00000005", "new")]
+                    ("step-00000005.replaced", "old", "step-00000005", "new"),
+                    ("step-00000005", "new", "step-00000005", "new")]  # the aside renamed .deleting-*
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
 
 
@@ -466,15 +468,20 @@ def test_bad_inputs_fail_in_the_caller(tmp_path):
     assert mgr.valid_steps() == []
 
 
-def test_delete_removes_manifest_first(tmp_path, monkeypatch):
+def test_a_delete_renames_the_folder_before_it_removes_anything(tmp_path, monkeypatch):
     mgr = CheckpointStore(tmp_path, keep_last=1)
     mgr.save(1, make_tensors(1), state_for(1))
-    unlinked = []
-    real_unlink = Path.unlink
-    monkeypatch.setattr(Path, "unlink", lambda self, *a, **k: unlinked.append(self.name) or real_unlink(self, *a, **k))
+    changes = []
+    real_rename, real_unlink = checkpoint._rename, Path.unlink
+    monkeypatch.setattr(checkpoint, "_rename", lambda src, dst: changes.append(("rename", src.name, dst.name))
+                        or real_rename(src, dst))
+    monkeypatch.setattr(Path, "unlink", lambda self, *a, **k: changes.append(("unlink", self.parent.name, self.name))
+                        or real_unlink(self, *a, **k))
     mgr.save(2, make_tensors(2), state_for(2))
-    assert unlinked[0] == "MANIFEST" and sorted(unlinked[1:]) == ["model.safetensors", "optim.safetensors", "state.json"]
-    assert mgr.valid_steps() == [2]
+    deleting = [c for c in changes if c[1] == "step-00000001" or c[1].startswith("step-00000001.")]
+    assert deleting[0][:2] == ("rename", "step-00000001") and deleting[0][2].startswith("step-00000001.deleting-")
+    assert {c[1] for c in deleting[1:]} == {deleting[0][2]}  # every file goes from the renamed folder
+    assert mgr.valid_steps() == [2] and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
 
 
 def test_a_restarted_store_hashes_only_what_it_loads(tmp_path, monkeypatch):
@@ -521,3 +528,74 @@ def test_a_tool_never_writes_inside_or_beside_checkpoint_folders(tmp_path):
     (tmp_path / "exports" / "step-00000003").mkdir(parents=True)
     assert ckpt_io.inside_checkpoints(tmp_path / "exports" / "step-00000003") is None
     assert ckpt_io.inside_checkpoints(tmp_path / "exports" / "step-00000004") is None
+
+
+def tree_bytes(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def start(run: Path, **kwargs) -> tuple[CheckpointStore, list]:
+    """A store as a trainer's start makes it: the run.dir lock's holder clears and settles."""
+    events, on_event = recorder()
+    store = CheckpointStore(run, on_event=on_event, **kwargs)
+    store.remove_leftovers()
+    return store, events
+
+
+def test_a_checkpoint_whose_manifest_is_lost_is_set_aside_and_kept(tmp_path):
+    """Its tensors are intact: a person can recompute the hashes and use it. It was deleted at the
+    next start as if a kill had cut a retention delete short."""
+    mgr = CheckpointStore(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        mgr.save(step, make_tensors(step), state_for(step))
+    (ckpt(tmp_path, 3) / "MANIFEST").unlink()
+    before = tree_bytes(ckpt(tmp_path, 3))
+    store, events = start(tmp_path, keep_last=2)
+    (aside,) = (tmp_path / "checkpoints").glob("step-00000003.invalid-*")
+    assert tree_bytes(aside) == before and not ckpt(tmp_path, 3).exists()
+    (passed,) = [f for e, f in events if e == "passed_over"]
+    assert passed["checkpoint"] == "step-00000003" and passed["set_aside"] == aside.name
+    assert "no MANIFEST" in passed["reason"] and "remove it by hand" in passed["reason"]
+    assert store.load_latest().step == 2
+    for step in (4, 5, 6):  # retention neither counts the aside nor deletes it
+        store.save(step, make_tensors(step), state_for(step))
+    assert store.valid_steps() == [5, 6] and tree_bytes(aside) == before
+    _, again = start(tmp_path)  # a later start, and its listings, say nothing more of it
+    again_store = CheckpointStore(tmp_path)
+    assert again_store.valid_steps() == [5, 6] and again_store.load_latest().step == 6
+    assert [e for e, _ in events if e == "passed_over"] == ["passed_over"] and again == []
+
+
+def test_a_foreign_step_folder_is_set_aside_and_kept(tmp_path):
+    """checkpoints/step-99999999 that dsslm never wrote (random bytes, a torn state.json) was deleted
+    at the next start, for holding only files with a checkpoint's names."""
+    CheckpointStore(tmp_path).save(1, make_tensors(1), state_for(1))
+    foreign = tmp_path / "checkpoints" / "step-99999999"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(os.urandom(4096))
+    (foreign / "state.json").write_text('{"step": 99999999, "skip_li')
+    before = tree_bytes(foreign)
+    store, events = start(tmp_path)
+    (aside,) = (tmp_path / "checkpoints").glob("step-99999999.invalid-*")
+    assert tree_bytes(aside) == before
+    assert [f["set_aside"] for e, f in events if e == "passed_over"] == [aside.name]
+    assert store.load_latest().step == 1 and store.not_resumable() == [aside.name]
+
+
+def test_an_older_dsslms_half_delete_is_set_aside_and_said_in_one_line(tmp_path):
+    """An older dsslm deleted MANIFEST first, then each file: a kill between left this."""
+    from dsslm.observe.console import LINES
+
+    mgr = CheckpointStore(tmp_path, keep_last=5)
+    for step in (1, 2):
+        mgr.save(step, make_tensors(step), state_for(step))
+    for name in ("MANIFEST", "model.safetensors"):
+        (ckpt(tmp_path, 1) / name).unlink()
+    store, events = start(tmp_path)
+    (aside,) = (tmp_path / "checkpoints").glob("step-00000001.invalid-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["optim.safetensors", "state.json"]
+    (passed,) = [f for e, f in events if e == "passed_over"]
+    level, line = LINES["passed_over"]
+    said = line(passed)
+    assert "\n" not in said and "step-00000001" in said and aside.name in said and "by hand" in said
+    assert store.load_latest().step == 2

@@ -23,7 +23,7 @@ import torch
 
 from dsslm.ckpt.format import Checkpoint, CheckpointError, candidates, invalid_reason, parse_name, read_manifest
 from dsslm.ckpt.shards import check_headers, open_folder, verify_share
-from dsslm.ckpt.resume import check_table
+from dsslm.ckpt.accept import check_table
 from dsslm.fields import MAX_STEP, Int, StateError, validate
 from dsslm.ckpt.drift import from_dict
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC

@@ -10,8 +10,6 @@ LIMIT = 500
 SPLITTING = "being split by another change in this wave"
 EXCEPTIONS = {
     "recovery/triage.py": f"{SPLITTING} (the spike-recovery rewrite)",
-    "ckpt/store.py": f"{SPLITTING} (the writer and the catalogue of what is on disk)",
-    "ckpt/resume.py": f"{SPLITTING} (accepting a checkpoint and restoring it)",
     # One class over private members of DeepSpeed's ZeRO optimizers (pyproject.toml lists them):
     # its step, state and shard verbs all read the same flat partitions and counters, so a cut
     # would be a mixin spreading those private names, and the module that must be the only

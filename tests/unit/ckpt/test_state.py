@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsslm.ckpt import format as ckpt_format
-from dsslm.ckpt.resume import upgrade_state
+from dsslm.ckpt.accept import upgrade_state
 from dsslm.fields import Fields, Float, Int, ListOf, StateError, Window, validate
 from dsslm.train import main, train
 from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg

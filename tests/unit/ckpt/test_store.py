@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from dsslm.ckpt import format as ckpt_io, store as checkpoint
+from dsslm.ckpt import catalogue, format as ckpt_io, store as checkpoint
 from dsslm.ckpt.store import CheckpointError, CheckpointStore, load_checkpoint, invalid_reason
 
 from helpers import ROOT
@@ -69,7 +69,7 @@ def run_script(body: str, run: Path) -> subprocess.CompletedProcess:
         from unittest import mock
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
-        from dsslm.ckpt import store as checkpoint
+        from dsslm.ckpt import catalogue, store as checkpoint
         from dsslm.ckpt.store import CheckpointStore
         run = Path({str(run)!r})
         t = {{"model": {{"w": torch.full((256, 64), 1.0)}}, "optim": {{"m": torch.full((256, 64), 2.0)}}}}
@@ -382,14 +382,14 @@ def test_replace_survives_a_crash_between_renames(tmp_path, crash_after, expect_
         mgr = CheckpointStore(run)
         mgr.save(4, t, {{"step": 4, "tag": "older"}})
         mgr.save(5, t, {{"step": 5, "tag": "old"}})
-        real = checkpoint._rename
+        real = catalogue._rename
         def crashing(src, dst):
             real(src, dst)
             crash = dst.name.endswith(".replaced") if {crash_after!r} == "aside" else src.name.startswith(".tmp")
             if crash and "step-00000005" in dst.name:
                 os._exit(137)
         t["model"]["w"].fill_(9.0)
-        with mock.patch.object(checkpoint, "_rename", crashing):
+        with mock.patch.object(catalogue, "_rename", crashing):
             mgr.save(5, t, {{"step": 5, "tag": "new"}})
     """, tmp_path)
     assert result.returncode == 137, result.stderr
@@ -411,7 +411,7 @@ def test_replace_keeps_the_step_readable_at_every_moment(tmp_path, monkeypatch):
     mgr = CheckpointStore(tmp_path)
     mgr.save(5, make_tensors(1), state_for(5, "old"))
     seen = []
-    real = checkpoint._rename
+    real = catalogue._rename
 
     def observed(src, dst):
         # The writer holds the manager's re-entrant lock here, so these reads see the mid-replace state.
@@ -420,7 +420,7 @@ def test_replace_keeps_the_step_readable_at_every_moment(tmp_path, monkeypatch):
         after = mgr.latest_before(5)
         seen.append((before.path.name, before.state["tag"], after.path.name, after.state["tag"]))
 
-    monkeypatch.setattr(checkpoint, "_rename", observed)
+    monkeypatch.setattr(catalogue, "_rename", observed)
     mgr.save(5, make_tensors(2), state_for(5, "new"))
     assert seen == [("step-00000005", "old", "step-00000005.replaced", "old"),
                     ("step-00000005.replaced", "old", "step-00000005", "new"),
@@ -472,8 +472,8 @@ def test_a_delete_renames_the_folder_before_it_removes_anything(tmp_path, monkey
     mgr = CheckpointStore(tmp_path, keep_last=1)
     mgr.save(1, make_tensors(1), state_for(1))
     changes = []
-    real_rename, real_unlink = checkpoint._rename, Path.unlink
-    monkeypatch.setattr(checkpoint, "_rename", lambda src, dst: changes.append(("rename", src.name, dst.name))
+    real_rename, real_unlink = catalogue._rename, Path.unlink
+    monkeypatch.setattr(catalogue, "_rename", lambda src, dst: changes.append(("rename", src.name, dst.name))
                         or real_rename(src, dst))
     monkeypatch.setattr(Path, "unlink", lambda self, *a, **k: changes.append(("unlink", self.parent.name, self.name))
                         or real_unlink(self, *a, **k))

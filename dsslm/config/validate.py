@@ -177,7 +177,7 @@ def validate_spike_policy(cfg: Config) -> None:
     m, o, f, ob = cfg.monitor, cfg.optim, cfg.faults, cfg.observe
     _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
     _check(cfg.eval.every >= 0 and cfg.eval.max_examples >= 0, f"eval.every={cfg.eval.every} and "
-           f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: only at the start; all examples)")
+           f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: the start and the last step only; all examples)")
     _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
     _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
     _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))

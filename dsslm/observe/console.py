@@ -133,6 +133,15 @@ def _lr_scale(f: dict) -> str:
     return f"learning rate scale {_g(f.get('old'))} -> {_g(f.get('new'))} at step {f.get('step')}{tail}"
 
 
+def _evaluation(record: dict) -> str:
+    """Each task's accuracy, per-character accuracy (acc_norm) and chance, and the gold's bits per byte."""
+    def metric(name: str, task: str) -> str:
+        value = (record.get(f"eval_{name}") or {}).get(task)
+        return f"{value:.3f}" if isinstance(value, (int, float)) else "?"
+    return "; ".join(f"{task} acc {metric('acc', task)}, per-char {metric('acc_norm', task)} (chance "
+                     f"{metric('chance', task)}), bpb {metric('bpb', task)}" for task in sorted(record["eval_acc"]))
+
+
 def _alert(f: dict) -> str:
     text = f.get("message") or ", ".join(f"{k}={_g(v)}" for k, v in f.items() if k not in ("step", "time"))
     return f"alert at step {f.get('step')}: {f.get('reason')}: {text}"
@@ -194,6 +203,7 @@ class Console:
         self.best_val: dict[str, float] = {}
         self.spikes: list[str] = []
         self.saved: str | None = None
+        self.evaluation: dict | None = None  # the last eval.tasks record, for the summary
         if enabled:
             configure()
 
@@ -231,6 +241,10 @@ class Console:
                      f"lr {record.get('lr', 0):.3g}  {record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}")
 
     def val_loss(self, record: dict) -> None:
+        """A validation record's line, or a downstream evaluation's (eval.tasks: `eval_acc`...)."""
+        if self.enabled and isinstance(record.get("eval_acc"), dict):
+            self.evaluation = record
+            self._line(logging.INFO, f"step {record['step']}: evaluation: {_evaluation(record)}")
         if not self.enabled or not record.get("val_loss"):
             return
         self.val = dict(record["val_loss"])
@@ -278,10 +292,12 @@ class Console:
         spikes = (f"{len(self.spikes)} spike event(s){job}: " + "; ".join(self.spikes[-10:]) if self.spikes
                   else f"no spikes{job}")
         loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
+        evals = (f"last evaluation (step {self.evaluation['step']}): {_evaluation(self.evaluation)}; "
+                 if self.evaluation else "")
         took = (f"in all; this job trained steps {self.first_step}-{f.get('step')} in {_duration(seconds)}" if resumed
                 else f"in {_duration(seconds)}")
         self._line(logging.INFO, f"finished: step {f.get('step')} of {self.total_steps}, {f.get('tokens', 0):,} tokens "
-                   f"{took}{loss}; validation loss: {val or 'not measured'}; {spikes}; "
+                   f"{took}{loss}; validation loss: {val or 'not measured'}; {evals}{spikes}; "
                    f"checkpoints in {self.run_dir / 'checkpoints'}" + (f" (newest {self.saved})" if self.saved else ""))
 
     def _line(self, level: int, text: str) -> None:

@@ -104,6 +104,22 @@ def test_the_eta_counts_the_time_between_steps_not_only_the_steps(tmp_path, caps
     assert "eta 3m08s" in lines[5], lines[5]   # step 6: 94 steps x 2 s, not x 0.5 s (0m47s)
     assert "eta 3m12s" in lines[7], lines[7]   # after the rewind: step 4, 96 steps x 2 s
 
+def test_each_evaluation_is_a_line_and_the_last_one_is_in_the_summary(tmp_path, capsys):
+    """eval.tasks results reached metrics.jsonl only: no line, nothing in the final summary."""
+    s = sinks(tmp_path, total=10)
+    for step, acc in ((5, 0.25), (10, 0.3)):
+        s.log_step(record(step))
+        s.log_val({"step": step, "eval_acc": {"hellaswag": acc, "arc_easy": 0.4}, "eval_acc_norm": {"hellaswag": 0.26,
+                   "arc_easy": 0.41}, "eval_chance": {"hellaswag": 0.25, "arc_easy": 0.2495},
+                   "eval_bpb": {"hellaswag": 3.5, "arc_easy": 3.7}, "eval_examples": {"hellaswag": 20, "arc_easy": 20}})
+    s.emit("end", step=10, tokens=1280, skipped_steps=0)
+    lines = [line.split(" dsslm: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    evaluations = [line for line in lines if "evaluation" in line]
+    assert evaluations[0] == ("step 5: evaluation: arc_easy acc 0.400, per-char 0.410 (chance 0.249), bpb 3.700; "
+                              "hellaswag acc 0.250, per-char 0.260 (chance 0.250), bpb 3.500")
+    assert "last evaluation (step 10): arc_easy acc 0.400" in lines[-1] and "hellaswag acc 0.300" in lines[-1]
+
+
 def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, capsys):
     s = sinks(tmp_path)
     # A non-data verdict writes an empty window [a, a]: "skips sequences [276, 276]" was printed.

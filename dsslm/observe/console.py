@@ -34,7 +34,7 @@ class _Stderr(logging.StreamHandler):
         super().emit(record)
 
 
-ETA_WINDOW = 100  # steps the ETA's wall time per step is measured over
+ETA_WINDOW = 200  # steps of the ETA's recent wall time per step (StepRate)
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -184,6 +184,39 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
 }
 
 
+class StepRate:
+    """The wall time per step an ETA is planned with: the job's average or the last ETA_WINDOW
+    steps', whichever moves less from the last estimate (under a shared machine's varying load a
+    short window swung the ETA 10-60x between lines), and never below the steps' own mean time.
+    Wall time, not a step's own time: that leaves out validation, evaluations and saves (with
+    frequent validation the ETA said 0m00s for a run with most of its time to go)."""
+
+    def __init__(self) -> None:
+        self.since: tuple[int, float] | None = None  # (step, time) the job's average runs from
+        self.window: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
+        self.own_s, self.own_n = 0.0, 0
+        self.per_step: float | None = None
+
+    def update(self, step: int, now: float, step_time_s: float) -> float | None:
+        """Seconds per step after this step's record, or None while nothing is measured. The
+        job's first step (compilation, the first allocations, the prefetch's cold start: a minute
+        under compile for a second's step, once per requeue) only starts the clock; so does the
+        first step after a rewind (the step went back: no progress to measure)."""
+        if self.window and step <= self.window[-1][0]:
+            self.since = None
+            self.window.clear()
+        self.window.append((step, now))
+        if self.since is None:
+            self.since = (step, now)
+            return self.per_step
+        self.own_s, self.own_n = self.own_s + step_time_s, self.own_n + 1
+        (first, t0), (last, t1) = self.window[0], self.window[-1]
+        job, window = (now - self.since[1]) / (step - self.since[0]), (t1 - t0) / (last - first)
+        steadier = job if self.per_step is None else min((job, window), key=lambda r: abs(r - self.per_step))
+        self.per_step = max(steadier, self.own_s / self.own_n)
+        return self.per_step
+
+
 class Console:
     """Rank 0's lines for a person (all methods are no-ops elsewhere)."""
 
@@ -194,9 +227,7 @@ class Console:
         self.tty = enabled and (sys.stderr.isatty() if tty is None else tty)
         self.bar_shown = False
         self.started = time.time()
-        self.step_time: float | None = None  # moving average of the steps' own time, for the ETA
-        # (step, time.monotonic()) of the last ETA_WINDOW steps' records: the wall time per step.
-        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
+        self.eta = StepRate()
         self.first_step: int | None = None
         self.last: dict = {}
         self.val: dict[str, float] = {}
@@ -211,26 +242,12 @@ class Console:
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
-        step, dt = record["step"], record.get("step_time_s", 0.0)
-        now = time.monotonic()
+        step = record["step"]
         if self.first_step is None:
-            # The job's first step holds compilation, the first allocations and the prefetch's
-            # cold start (a minute under compile for a second's step), and every requeue has one:
-            # the average starts at the second step, and until then the ETA is unknown.
             self.first_step = step
-        else:
-            self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
-        # The wall time per step over the last ETA_WINDOW steps: a step's own time leaves out
-        # validation, downstream evals, saves and rewind points (with frequent validation the ETA
-        # said 0m00s for a run with most of its time to go), and a window, not one step's gap,
-        # keeps a pause for a save from swinging it. A rewind (the step goes back) starts it again.
-        if self.marks and step <= self.marks[-1][0]:
-            self.marks.clear()
-        self.marks.append((step, now))
-        (first, t0), (last, t1) = self.marks[0], self.marks[-1]
-        per_step = max(self.step_time or 0.0, (t1 - t0) / (last - first) if last > first else 0.0)
+        per_step = self.eta.update(step, time.monotonic(), record.get("step_time_s", 0.0))
         self.last = record
-        eta = max(0, self.total_steps - step) * (per_step if self.step_time is not None else math.inf)
+        eta = max(0, self.total_steps - step) * (per_step if per_step is not None else math.inf)
         if self.tty:
             sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {record['loss']:.4f}  "
                              f"{record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}   ")

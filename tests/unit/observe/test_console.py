@@ -3,6 +3,8 @@ event a person should see, a summary at the end; only rank 0; level and format t
 from __future__ import annotations
 
 import logging
+import random
+import re
 
 import pytest
 
@@ -118,6 +120,27 @@ def test_each_evaluation_is_a_line_and_the_last_one_is_in_the_summary(tmp_path, 
     assert evaluations[0] == ("step 5: evaluation: arc_easy acc 0.400, per-char 0.410 (chance 0.249), bpb 3.700; "
                               "hellaswag acc 0.250, per-char 0.260 (chance 0.250), bpb 3.500")
     assert "last evaluation (step 10): arc_easy acc 0.400" in lines[-1] and "hellaswag acc 0.300" in lines[-1]
+
+
+def test_the_eta_holds_steady_under_a_varying_load(tmp_path, capsys, monkeypatch):
+    """Steps of 0.2 s, 1 s or 8 s at random, and phases three times slower: the ETA swung 3.6x from
+    one line to the next (10-60x on a shared machine). It moves with the job's pace, not each burst."""
+    clock, rng = [1000.0], random.Random(0)
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+    s = sinks(tmp_path, log_every=10, total=1000)
+    for step in range(1, 1001):
+        u = rng.random()
+        dt = (0.2 if u < 0.7 else 1.0 if u < 0.95 else 8.0) * (3 if (step // 50) % 3 == 2 else 1)
+        clock[0] += dt
+        s.log_step(record(step) | {"step_time_s": dt})
+    rates = []  # seconds per remaining step, as each line plans them
+    for line in capsys.readouterr().err.splitlines():
+        step, eta = re.search(r"step (\d+)/1000 .* eta (\S+)$", line).groups()
+        if 50 <= int(step) < 1000:
+            h, m, sec = re.fullmatch(r"(?:(\d+)h)?(\d+)m(\d+)?s?", eta).groups()
+            rates.append((int(h or 0) * 3600 + int(m) * 60 + int(sec or 0)) / (1000 - int(step)))
+    swings = [max(a, b) / min(a, b) for a, b in zip(rates, rates[1:])]
+    assert max(swings) < 1.5, max(swings)
 
 
 def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, capsys):

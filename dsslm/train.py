@@ -40,6 +40,7 @@ from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_
                          StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
+from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
 from dsslm.optim import lr_at
@@ -402,8 +403,7 @@ def report_memory(job: Job) -> None:
     per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.rewinder.ring.memory()})
     job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
     if job.engine.is_main:
-        mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}
-        print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
+        print(f"dsslm: rank 0 holds {memory_line(per_rank[0])}; every rank's in events.jsonl", flush=True)
 
 
 if __name__ == "__main__":

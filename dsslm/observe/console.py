@@ -91,6 +91,10 @@ def _triage(f: dict) -> str:
             "transient": "caused by a transient fault: training continues unchanged",
             "unknown": "cause unknown (the replays told neither data nor state)"}.get(verdict, f"caused by {verdict}")
     line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: {what}"
+    if scope == "step":  # decided within the spike's step: this is the first line to say there was one
+        first = (f.get("evidence") or [{}])[0]
+        why = f" ({first['reason']})" if isinstance(first, dict) and first.get("reason") else ""
+        line = f"spike at step {f.get('spike_start', f.get('step'))}{why}, re-run in place: {what}"
     if scope == "window":
         line += f" (after replaying {f.get('replay_steps')} step(s) from step {f.get('from_step')})"
     line += _skipped(f)
@@ -142,6 +146,22 @@ def _evaluation(record: dict) -> str:
                      f"{metric('chance', task)}), bpb {metric('bpb', task)}" for task in sorted(record["eval_acc"]))
 
 
+def _holder(previous: object) -> str:
+    """run.dir/LOCK's holder as a person names it: the process, where, since when."""
+    if not isinstance(previous, dict) or "pid" not in previous:
+        return "an unreadable lock"
+    job = f", Slurm job {previous['slurm_job_id']}" if previous.get("slurm_job_id") else ""
+    return (f"process {previous.get('pid')} on {previous.get('host', '?')}{job} (started "
+            f"{previous.get('started', '?')})")
+
+
+def memory_line(per_rank: dict[str, int]) -> str:
+    """One rank's memory event in words: MiB of parameters, gradients, optimizer state, rewind points."""
+    names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optim_bytes": "optimizer state",
+             "rewind_point_bytes": "per rewind point", "rewind_bytes": "rewind points in all"}
+    return ", ".join(f"{v / 2**20:.1f} MiB {names.get(k, k)}" for k, v in per_rank.items() if isinstance(v, (int, float)))
+
+
 def _alert(f: dict) -> str:
     text = f.get("message") or ", ".join(f"{k}={_g(v)}" for k, v in f.items() if k not in ("step", "time"))
     return f"alert at step {f.get('step')}: {f.get('reason')}: {text}"
@@ -163,7 +183,8 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "alert": (logging.WARNING, _alert),
     "escalation": (logging.ERROR, lambda f: f"escalated to a human at step {f.get('step')}: {f.get('reason')}"),
     "passed_over": (logging.WARNING, lambda f: f"checkpoint {f.get('checkpoint')} passed over: {f.get('reason')}"),
-    "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder: {f}"),
+    "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder, {_holder(f.get('previous'))}: "
+                                                 f"{f.get('reason')}"),
     "leftovers_removed": (logging.INFO, lambda f: f"removed half-written saves {f.get('folders')}"),
     "recovery_rebuilt": (logging.WARNING, lambda f: f"rebuilt the run's skip list: {f.get('reason')}"),
     "forensics_failed": (logging.WARNING, lambda f: f"spike forensics at step {f.get('step')} not written: "

@@ -143,6 +143,38 @@ def test_the_eta_holds_steady_under_a_varying_load(tmp_path, capsys, monkeypatch
     assert max(swings) < 1.5, max(swings)
 
 
+def test_a_spike_decided_within_its_step_is_named_before_its_verdict(tmp_path, capsys):
+    """An outlier re-run in place: its triage verdict ("caused by a transient fault") was the first
+    line about it, and for data the "update skipped" line came after the verdict."""
+    s = sinks(tmp_path)
+    evidence = [{"phase": "original", "steps": [[30, 9.1, 1000.0, "skip_step"]], "reason": "grad norm 50x the median"},
+                {"phase": "rerun_in_place", "steps": [[30, 9.1, 1000.0, "skip_step"]]}]
+    for verdict in ("transient", "data"):
+        s.emit("triage", step=30, verdict=verdict, scope="step", spike_start=30, target=30, replay_steps=1,
+               skip=[{"shard": "a.bin", "tokens": [0, 9]}] if verdict == "data" else [], evidence=evidence)
+    s.emit("skip", step=30, loss=9.1, gnorm=1000.0, data_position=116, reason="grad norm 50x the median")
+    lines = [line.split(" dsslm: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert lines == [
+        "spike at step 30 (grad norm 50x the median), re-run in place: caused by a transient fault: training "
+        "continues unchanged",
+        "spike at step 30 (grad norm 50x the median), re-run in place: caused by the data; skips the data it read "
+        "(1 span(s) of documents)",
+        "step 30: update skipped (grad norm 50x the median); loss 9.1, grad norm 1000"]
+
+
+def test_a_lock_takeover_and_the_memory_line_are_words_not_python_dicts(tmp_path, capsys):
+    s = sinks(tmp_path)
+    s.emit("lock_takeover", previous={"host": "node7", "pid": 4242, "started": "2026-12-03T10:00:00+0000",
+                                      "slurm_job_id": "123", "token": "ab"}, reason="pid 4242 is not running on node7")
+    line = capsys.readouterr().err.strip().split(" dsslm: ", 1)[1]
+    assert line == ("took run.dir over from a dead holder, process 4242 on node7, Slurm job 123 (started "
+                    "2026-12-03T10:00:00+0000): pid 4242 is not running on node7")
+    said = console_module.memory_line({"param_bytes": 2**20, "grad_bytes": 2**20, "optim_bytes": 2**21,
+                                       "rewind_point_bytes": 3 * 2**20, "rewind_bytes": 6 * 2**20})
+    assert said == ("1.0 MiB parameters, 1.0 MiB gradients, 2.0 MiB optimizer state, 3.0 MiB per rewind point, "
+                    "6.0 MiB rewind points in all")
+
+
 def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, capsys):
     s = sinks(tmp_path)
     # A non-data verdict writes an empty window [a, a]: "skips sequences [276, 276]" was printed.

@@ -16,9 +16,10 @@ update was just applied carries the same number as the checkpoint taken right af
 from __future__ import annotations
 
 if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in them must not end in -15,
-    from dsslm import exits, preflight  # and --help, or a typo in the config, is answered at once
+    from dsslm import exits
     exits.catch_early()
-    preflight.check_or_exit()
+    from dsslm import preflight
+    preflight.check_or_exit()  # and --help, or a typo in the config, is answered at once
 
 import contextlib
 import dataclasses

@@ -90,7 +90,7 @@ def test_a_resume_on_2_processes_is_refused_once_last_and_its_advice_resumes_und
     follows, with the ranks' exit code 2), and the keys it names resume as written."""
     run_dir = tmp_path / "run"
     more = ("train.total_steps=4", "ckpt.every=2", "optim.warmup_steps=1")
-    run_train(run_dir, "train.total_steps=2", "ckpt.every=2", "optim.warmup_steps=1")
+    assert main([f"run.dir={run_dir}", *TINY, "train.total_steps=2", "ckpt.every=2", "optim.warmup_steps=1"]) == 0
     proc = run_train(run_dir, *more, nproc=2, check=False)
     lines = proc.stderr.splitlines()
     said = [i for i, line in enumerate(lines) if line.startswith("dsslm:")]

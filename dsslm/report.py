@@ -72,10 +72,31 @@ def epoch_time(v) -> float | None:
     return v if is_number(v) and 0 <= v < 1e11 else None
 
 
+# What a job records before its `start` (or `finished`: a start on a finished run): its claim of
+# run.dir and the checkpoint it read. A job's time runs from the first of these.
+OPENING = ("lock_takeover", "leftovers_removed", "passed_over", "resume", "branch", "import", "recovery_upgraded",
+           "recovery_rebuilt", "data_verified")
+
+
+def job_spans(events: list[dict]) -> list[tuple[float, float]]:
+    """(first, last) event time of each job: the hours between a job and its requeue are no one's."""
+    timed = [(e.get("event"), t) for e in events if (t := epoch_time(e.get("time"))) is not None]
+    begins = {0}
+    for i, (name, _) in enumerate(timed):
+        if name in ("start", "finished"):
+            while i > 0 and timed[i - 1][0] in OPENING:
+                i -= 1
+            begins.add(i)
+    cuts = sorted(begins) + [len(timed)]
+    return [(min(t for _, t in timed[a:b]), max(t for _, t in timed[a:b])) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 def wall_time(run: Run) -> str:
-    times = [t for e in run.events if (t := epoch_time(e.get("time"))) is not None]
-    if len(times) >= 2:
-        return f"{fmt_duration(max(times) - min(times))} (first to last event)"
+    spans = job_spans(run.events)
+    if sum(epoch_time(e.get("time")) is not None for e in run.events) >= 2:
+        total = fmt_duration(sum(last - first for first, last in spans))
+        return (f"{total} (first to last event)" if len(spans) == 1 else
+                f"{total} in {len(spans)} jobs (each one's first to last event; the time between jobs left out)")
     # Without events the steps' own durations are all there is; they miss start-up and saves.
     step_times = column(run.train, "step_time_s")
     if not np.isfinite(step_times).any():

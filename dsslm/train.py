@@ -15,11 +15,12 @@ update was just applied carries the same number as the checkpoint taken right af
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in them must not end in -15
+if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in them must not end in -15,
     from dsslm import exits
     exits.catch_early()
+    from dsslm import preflight
+    preflight.check_or_exit()  # and --help, or a typo in the config, is answered at once
 
-import argparse
 import contextlib
 import dataclasses
 import math
@@ -33,16 +34,18 @@ from dsslm.ckpt.drift import check_allow_drift
 from dsslm.ckpt.lock import LockLost
 from dsslm.ckpt.store import CheckpointError
 from dsslm.ckpt.train_state import NothingToResume, TrainState
-from dsslm.config import Config, ConfigError, load
+from dsslm.config import Config, ConfigError
 from dsslm.data import DataError
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
                          EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
+from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
 from dsslm.optim import lr_at
+from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
 from dsslm.recovery.rewind import Escalation
 from dsslm.rng import set_step_streams, step_streams
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     cfg = None  # a Ctrl-C while the config is read finds none
     try:
-        cfg = load(args.config, overrides)
+        cfg = load_checked(args, overrides)
         return train(cfg, check_allow_drift(args.allow_drift))
     except (ConfigError, DataError) as err:
         say(err, f"dsslm: {err}")
@@ -106,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         say(err, f"dsslm: {err}")
         return EXIT_WRITE_FAILED
     except Preempted as stopped:
+        refused = stopped.__cause__ or stopped.__context__
+        if isinstance(refused, (ConfigError, DataError)):
+            # A refusal on its way out when the signal came: torchrun ends the other ranks as soon
+            # as one exits. The refusal is the news (said once, by the rank that raised it).
+            say(refused, f"dsslm: {refused}")
+            return EXIT_BAD_INPUT
         say(stopped, f"dsslm: {stopped.signal} before the first step: nothing trained, nothing to save")
         # Requeued all the same: the launcher's log then says so, not "no word from rank 0".
         note_status("preempted", int(os.environ.get("RANK", "0")) == 0)
@@ -115,14 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dsslm: interrupted; the save in flight, if any, was finished; the next run resumes from the "
               f"newest checkpoint{where}", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m dsslm.train", description=__doc__)
-    parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml)")
-    parser.add_argument("--allow-drift", action="append", default=[], metavar="KEY",
-                        help="accept a difference from the checkpoint's config/data/tokenizer on resume")
-    return parser.parse_known_args(argv)
 
 
 def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
@@ -406,8 +407,7 @@ def report_memory(job: Job) -> None:
     per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.rewinder.ring.memory()})
     job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
     if job.engine.is_main:
-        mib = {k: f"{v / 2**20:.1f}" for k, v in per_rank[0].items()}
-        print(f"dsslm: rank 0 holds (MiB) {mib}; all ranks in events.jsonl", flush=True)
+        print(f"dsslm: rank 0 holds {memory_line(per_rank[0])}; every rank's in events.jsonl", flush=True)
 
 
 if __name__ == "__main__":

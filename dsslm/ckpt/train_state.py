@@ -12,7 +12,7 @@ from typing import Any
 
 from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipList,
                                Str, Window)
-from dsslm.config import Config, ConfigError
+from dsslm.config import Config, ConfigError, keep_global_batch
 from dsslm.ckpt.drift import SHAPE_KEYS, config_hash, drift, hashed_items, shape_refusal
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
@@ -84,6 +84,18 @@ def _allowed(key: str, allow_drift: tuple[str, ...]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in allow_drift)
 
 
+def keep_batch(cfg: Config, old: int, new: int) -> str:
+    """How to resume with the checkpoint's global batch on this world size, as overrides that work
+    as written (a micro-batch of the old size may not split it over more processes)."""
+    t = cfg.train
+    world_size = max(1, new // max(1, t.micro_batch_size * t.grad_accum))
+    keys = keep_global_batch(cfg, world_size, old)
+    if keys is None:
+        return (f"{old} sequences do not split over {world_size} processes: resume on a number of processes "
+                f"that divides {old}")
+    return f"set {keys} (its global batch on {world_size} process{'es' if world_size > 1 else ''})"
+
+
 def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
                       allow_drift: tuple[str, ...] = ()) -> dict[str, Any]:
     """Raise ResumeRefused naming the first difference not allowed; return the allowed ones."""
@@ -108,9 +120,7 @@ def check_fingerprint(saved: dict, now: dict, cfg: Config, where: str,
         branch = ("" if where.startswith("parent") or key.startswith("model.") or key == "tokenizer" else
                   f", or start a new run.dir from its weights with run.init_from={cfg.run.dir}/checkpoints/"
                   f"{where.split()[-1]}")
-        # The global batch is a product of three keys unless set: the one key that keeps it, first.
-        restore = (f"set train.global_batch_size={old} (grad_accum then follows the world size)"
-                   if key == "global_batch_size" else "restore it")
+        restore = keep_batch(cfg, old, new) if key == "global_batch_size" else "restore it"
         what = "branch" if where.startswith("parent") else "resume"
         raise ResumeRefused(f"{what} refused: {where} was made with {key}={old!r}, now {new!r}{more}; "
                             f"{restore}, pass --allow-drift {key} to continue this run under the new value{branch}")

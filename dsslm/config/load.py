@@ -3,26 +3,71 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dsslm.config.keys import Config, ConfigError
-from dsslm.config.validate import _check, validate
+from dsslm.config.validate import one_error, problems
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+         checks: tuple[Callable[[Config], list[str]], ...] = ()) -> Config:
     """The config at `path` (default configs/tiny.yaml) with `key=value` overrides applied. Its
     `explicit` holds the keys `path` and the overrides set (not the default file's: those are
-    dsslm's choice, not the user's)."""
+    dsslm's choice, not the user's). `checks`: more problems to report with the config's own (a
+    path that does not exist), in the same ConfigError."""
     schema = OmegaConf.structured(Config)
     given = bool(path)
     path = Path(path) if path else DEFAULT_CONFIG
+    loaded = _read(path)
+    try:
+        merged, accum_set = OmegaConf.merge(schema, loaded), OmegaConf.select(loaded, "train.grad_accum") is not None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"--config {path}: {_explain(err)}") from None
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"--config {path}: {err} (a list where a mapping belongs, or the reverse); check it "
+                          f"against configs/tiny.yaml") from None
+    explicit = _dotted_keys(OmegaConf.to_container(loaded)) if given else set()
+    bad: list[str] = []
+    for item in overrides:  # each one on its own: every bad override is named at once
+        try:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
+            override = OmegaConf.from_dotlist([item])
+            merged, accum_set = OmegaConf.merge(merged, override), accum_set or item.startswith("train.grad_accum=")
+            explicit |= _dotted_keys(OmegaConf.to_container(override))
+        except ConfigError as err:
+            bad.append(str(err))
+        except OmegaConfBaseException as err:
+            bad.append(_explain(err))
+        except (TypeError, ValueError) as err:  # a list where a map belongs (data.mix=[1,2]): OmegaConf's merge
+            bad.append(f"{err} (a list where a mapping belongs, or the reverse); check the overrides and "
+                       f"--config against configs/tiny.yaml")
+    if bad:  # the config they were meant to make does not exist: its own checks would mislead
+        raise one_error(bad)
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_explain(err)) from None
+    found = [] if not (accum_set and cfg.train.global_batch_size) else [
+        f"train.global_batch_size={cfg.train.global_batch_size} and train.grad_accum={cfg.train.grad_accum} are "
+        f"both set; drop train.grad_accum (it follows per world size)"]
+    found += problems(cfg)
+    for check in checks:
+        found += check(cfg)
+    if found:
+        raise one_error(found)
+    cfg.explicit = frozenset(explicit)
+    return cfg
+
+
+def _read(path: Path) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; pass a YAML file such as configs/tiny.yaml")
     try:
@@ -37,26 +82,7 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections (run:, model:, "
                           f"train:, ...), not a list; see configs/tiny.yaml")
-    try:
-        merged, accum_set = OmegaConf.merge(schema, loaded), OmegaConf.select(loaded, "train.grad_accum") is not None
-        explicit = _dotted_keys(OmegaConf.to_container(loaded)) if given else set()
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not key=value; write e.g. train.total_steps=100")
-            override = OmegaConf.from_dotlist([item])
-            merged, accum_set = OmegaConf.merge(merged, override), accum_set or item.startswith("train.grad_accum=")
-            explicit |= _dotted_keys(OmegaConf.to_container(override))
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise ConfigError(_explain(err)) from None
-    except (TypeError, ValueError) as err:  # a list where a map belongs (data.mix=[1,2]): OmegaConf's merge
-        raise ConfigError(f"{err} (a list where a mapping belongs, or the reverse); check the overrides and "
-                          f"--config against configs/tiny.yaml") from None
-    _check(not (accum_set and cfg.train.global_batch_size), f"train.global_batch_size={cfg.train.global_batch_size} and "
-           f"train.grad_accum={cfg.train.grad_accum} are both set; drop train.grad_accum (it follows per world size)")
-    validate(cfg)
-    cfg.explicit = frozenset(explicit)
-    return cfg
+    return loaded
 
 
 def _dotted_keys(tree: Any, prefix: str = "") -> set[str]:

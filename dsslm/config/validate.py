@@ -1,16 +1,49 @@
-"""Validation of a loaded Config: ConfigError naming the first key that cannot work, and how to fix it."""
+"""Validation of a loaded Config: one ConfigError naming every key that cannot work, and how to fix it.
+
+The checks run together and the user hears all their problems at once, not one per attempt: a
+check that would fail because of another (d_model % n_heads when n_heads is 0) runs only when
+that one passed, and a key already named is not named again.
+"""
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
+import re
 from typing import Any
 
 from dsslm.config.keys import HF_PREFIX, Config, ConfigError
 
+# The problems found so far by the validate() in progress; None outside one: a check then raises.
+_found: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("dsslm_config_problems", default=None)
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
+
+def _key_of(message: str) -> str:
+    match = re.match(r"[\w.-]+", message)
+    return match.group(0) if match else message
+
+
+def _check(ok: bool, message: str) -> bool:
+    if ok:
+        return True
+    found = _found.get()
+    if found is None:
         raise ConfigError(message)
+    if _key_of(message) not in {_key_of(m) for m in found}:
+        found.append(message)
+    return False
+
+
+def join_problems(problems: list[str]) -> str:
+    """Several problems as one line: `2 problems: (1) ...; (2) ...`."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+
+
+def one_error(problems: list[str]) -> ConfigError | None:
+    """Every problem in one ConfigError (one line on stderr), or None when there is none."""
+    return ConfigError(join_problems(problems)) if problems else None
 
 
 def _check_choice(key: str, value: Any, allowed: tuple) -> None:
@@ -18,7 +51,23 @@ def _check_choice(key: str, value: Any, allowed: tuple) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError naming the first key that cannot work, and how to fix it."""
+    """Raise one ConfigError naming every key that cannot work, and how to fix each."""
+    error = one_error(problems(cfg))
+    if error is not None:
+        raise error
+
+
+def problems(cfg: Config) -> list[str]:
+    """What validate() would say, one message per key that cannot work."""
+    token = _found.set([])
+    try:
+        _check_all(cfg)
+        return list(_found.get())
+    finally:
+        _found.reset(token)
+
+
+def _check_all(cfg: Config) -> None:
     _check_finite(cfg)
     t, e = cfg.train, cfg.engine
     _check_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
@@ -70,10 +119,10 @@ def validate_model(cfg: Config) -> None:
                        ("model.seq_len", m.seq_len), ("model.vocab_pad_to", m.vocab_pad_to)):
         _check(value >= 1, f"{key}={value} must be >= 1")
     _check(0 <= cfg.run.seed < 2**63, f"run.seed={cfg.run.seed} must be in [0, 2^63)")
-    _check(m.d_model % m.n_heads == 0,
-           f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
-    _check((m.d_model // m.n_heads) % 2 == 0,
-           f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
+    if (m.n_heads >= 1 and _check(m.d_model % m.n_heads == 0,
+                                  f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")):
+        _check((m.d_model // m.n_heads) % 2 == 0,
+               f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even for RoPE; change model.n_heads")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     _check(0.0 < m.norm_eps < 1.0, f"model.norm_eps={m.norm_eps} must be in (0, 1)")
     _check(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be > 0")
@@ -94,11 +143,12 @@ def validate_optim(cfg: Config) -> None:
     _check_choice("optim.name", o.name, ("adamw", "muon"))
     _check_choice("optim.muon_ns_dtype", o.muon_ns_dtype, ("auto", "bfloat16", "float32"))
     _check(o.muon_lr > 0 and 0 <= o.muon_momentum < 1, f"optim.muon_lr={o.muon_lr} must be > 0 and optim.muon_momentum={o.muon_momentum} in [0, 1)")
-    _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0")
-    _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
-    _check(0 <= o.warmup_steps <= t.total_steps,
-           f"optim.warmup_steps={o.warmup_steps} must be in [0, train.total_steps={t.total_steps}]")
-    if o.schedule == "wsd":
+    if _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0"):
+        _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
+    if t.total_steps >= 1:  # else named already: the bounds below follow from it
+        _check(0 <= o.warmup_steps <= t.total_steps,
+               f"optim.warmup_steps={o.warmup_steps} must be in [0, train.total_steps={t.total_steps}]")
+    if o.schedule == "wsd" and t.total_steps >= 1 and 0 <= o.warmup_steps <= t.total_steps:
         _check(1 <= o.decay_steps <= t.total_steps - o.warmup_steps,
                f"optim.decay_steps={o.decay_steps} must be in [1, train.total_steps - optim.warmup_steps"
                f"={t.total_steps - o.warmup_steps}] for optim.schedule=wsd")
@@ -127,7 +177,7 @@ def validate_spike_policy(cfg: Config) -> None:
     m, o, f, ob = cfg.monitor, cfg.optim, cfg.faults, cfg.observe
     _check(ob.audit_tol >= 0, f"observe.audit_tol={ob.audit_tol} must be >= 0")
     _check(cfg.eval.every >= 0 and cfg.eval.max_examples >= 0, f"eval.every={cfg.eval.every} and "
-           f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: only at the start; all examples)")
+           f"eval.max_examples={cfg.eval.max_examples} must be >= 0 (0: the start and the last step only; all examples)")
     _check(ob.every >= 0, f"observe.every={ob.every} must be >= 0 (0 = off)")
     _check(0 < ob.slow_fraction < 1, f"observe.slow_fraction={ob.slow_fraction} must be in (0, 1)")
     _check_choice("observe.wandb_mode", ob.wandb_mode, ("", "online", "offline"))
@@ -169,9 +219,9 @@ def validate_spike_policy(cfg: Config) -> None:
 def validate_mix(mix: dict[str, float]) -> None:
     """data.mix: finite weights >= 0 with a positive total; each named positive weight at least a
     millionth of the total (weights are kept in parts per million: a smaller one would be 0)."""
-    for domain, weight in mix.items():
-        _check(math.isfinite(weight) and weight >= 0, f"data.mix.{domain}={weight} must be a finite number >= 0")
-    if not mix:
+    valid = [_check(math.isfinite(weight) and weight >= 0, f"data.mix.{domain}={weight} must be a finite number >= 0")
+             for domain, weight in mix.items()]
+    if not mix or not all(valid):
         return
     total = sum(mix.values())
     _check(total > 0, "data.mix has no positive weight; give at least one domain a weight > 0, or drop data.mix")

@@ -5,7 +5,8 @@ import argparse
 import sys
 import time
 
-from dsslm.data.prepare import DEFAULT_VOCAB_SIZE, DataError, prepare, quiet_datasets
+from dsslm.config import join_problems
+from dsslm.data.prepare import DEFAULT_VOCAB_SIZE, DataError, arg_problems, prepare, quiet_datasets
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,9 +34,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    quiet_datasets()
     started = time.perf_counter()
     try:
+        # Before `datasets` is imported (seconds): a mistyped name or path is answered at once.
+        problems = arg_problems(args.domain, args.tokenizer, args.vocab_size, args.val_fraction, args.input)
+        if problems:
+            raise DataError(join_problems(problems))
+        quiet_datasets()
         manifest = prepare(args.input, args.out, domain=args.domain, tokenizer=args.tokenizer,
                            vocab_size=args.vocab_size, val_fraction=args.val_fraction, text_field=args.text_field)
     except DataError as e:

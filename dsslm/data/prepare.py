@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dsslm.config import join_problems
 from dsslm.durable import file_sha256, pid_running, publish_folder, write_json_atomic
 from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
 from dsslm.data.manifest import FORMAT, MANIFEST_FILE, load_manifest
@@ -194,17 +195,27 @@ def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", 
 
 
 def _check_args(domain: str, tokenizer: str | None, vocab_size: int | None, val_fraction: float) -> None:
-    if not DOMAIN_NAME.fullmatch(domain):
-        raise DataError(f"--domain {domain!r} is not a folder name; use letters, digits, '_', '-' and '.'")
+    problems = arg_problems(domain, tokenizer, vocab_size, val_fraction)
+    if problems:
+        raise DataError(join_problems(problems))
+
+
+def arg_problems(domain: str, tokenizer: str | None, vocab_size: int | None, val_fraction: float,
+                 inputs: list[str] = ()) -> list[str]:
+    """What is wrong with prepare's arguments, each on its own: none needs a file read or a library."""
+    problems = [] if DOMAIN_NAME.fullmatch(domain) else [
+        f"--domain {domain!r} is not a folder name; use letters, digits, '_', '-' and '.'"]
     if tokenizer not in (None, "byte", "bpe") and not Path(tokenizer).exists():
-        raise DataError(f"--tokenizer {tokenizer!r} is unknown; use byte, bpe, or the path of a tokenizer.json "
+        problems.append(f"--tokenizer {tokenizer!r} is unknown; use byte, bpe, or the path of a tokenizer.json "
                         "(or of a folder holding one)")
-    if vocab_size is not None and tokenizer not in (None, "bpe"):
-        raise DataError(f"--vocab-size is for --tokenizer bpe; {tokenizer} has its own vocabulary, drop --vocab-size")
+    elif vocab_size is not None and tokenizer not in (None, "bpe"):
+        problems.append(f"--vocab-size is for --tokenizer bpe; {tokenizer} has its own vocabulary, drop --vocab-size")
     if vocab_size is not None and not 258 <= vocab_size <= 1 << 32:
-        raise DataError(f"--vocab-size {vocab_size} is out of range; use 258 (256 bytes + EOS + 1 merge) to 2^32")
+        problems.append(f"--vocab-size {vocab_size} is out of range; use 258 (256 bytes + EOS + 1 merge) to 2^32")
     if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction {val_fraction} must be in [0, 1); 0.01 holds out 1%")
+        problems.append(f"--val-fraction {val_fraction} must be in [0, 1); 0.01 holds out 1%")
+    problems += [f"--input {path} does not exist; fix the path" for path in inputs if not Path(path).exists()]
+    return problems
 
 
 def _existing_manifest(out: Path, domain: str) -> dict | None:

@@ -4,15 +4,19 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from dsslm.config import Config
+from dsslm.config import Config, ConfigError
 from dsslm.engine.base import Engine
-from dsslm.engine.launch import announce, apply_launcher
+from dsslm.engine.launch import announce, apply_launcher, is_first_process
 from dsslm.engine.ranks import init_distributed
 
 
 def build_engine(cfg: Config, model: nn.Module) -> Engine:
     """Wrap `model` (already built, identical on every rank) in the configured engine."""
-    announce(apply_launcher(cfg))  # accelerate launch --use_deepspeed / --use_fsdp pick the engine
+    try:  # accelerate launch --use_deepspeed / --use_fsdp pick the engine
+        announce(apply_launcher(cfg))
+    except ConfigError as exc:  # the same flags and config in every process: the first one says so
+        exc.echoed = not is_first_process()
+        raise
     had_group = dist.is_initialized()
     try:
         return _construct(cfg, model)

@@ -8,6 +8,10 @@ silently fall back to plain DDP), so the launch flags are translated into `engin
   selects engine.kind=zero with that stage; `--deepspeed_config_file F` becomes engine.ds_config.
 - `--use_fsdp` (ACCELERATE_USE_FSDP) selects engine.kind=fsdp.
 - `--multi_gpu` alone changes nothing: engine.kind decides, as under torchrun.
+- Without a GPU (or with `--cpu`), and without `--multi_gpu` or a config file, accelerate runs
+  its single-process launcher whatever `--num_processes` says: that launcher alone sets
+  ACCELERATE_USE_CPU, and sets MASTER_PORT only when more than one process was asked for, with
+  no WORLD_SIZE. The run stops there (exit 2) with the command that starts them.
 
 The launcher wins over the config for the engine (the flags were typed for this run; `engine.*`
 may change on resume), and rank 0 prints one line saying so. Flags that would change what is
@@ -37,6 +41,7 @@ def apply_launcher(cfg: Config, env: dict | None = None) -> list[str]:
     """Fold Accelerate's launch flags into `cfg.engine` (in place); return what changed, as lines."""
     env = dict(os.environ) if env is None else env
     changes: list[str] = []
+    check_process_count(env)
     _check_agrees(cfg, env)
     if _flag(env, "ACCELERATE_USE_DEEPSPEED") and _flag(env, "ACCELERATE_USE_FSDP"):
         raise ConfigError("accelerate launch was given both --use_deepspeed and --use_fsdp; pick one "
@@ -67,6 +72,19 @@ def apply_launcher(cfg: Config, env: dict | None = None) -> list[str]:
                            f"dsslm shards with torch fully_shard itself, FSDP_* plugin options are not read)")
         cfg.engine.kind = "fsdp"
     return changes
+
+
+def check_process_count(env: dict) -> None:
+    """ConfigError where accelerate launch was asked for several processes and started one."""
+    simple_launcher = "ACCELERATE_USE_CPU" in env and not env.get("WORLD_SIZE")
+    if not (simple_launcher and env.get("MASTER_PORT")):
+        return
+    drop_cpu = "drop --cpu, and " if _flag(env, "ACCELERATE_USE_CPU") else ""
+    raise ConfigError(f"accelerate launch started 1 process, not the --num_processes (or --num_machines) asked for: "
+                      f"with no GPU, or --cpu, and neither --multi_gpu nor --config_file it runs its single-process "
+                      f"launcher; {drop_cpu}launch with `accelerate launch --multi_gpu --num_processes N -m dsslm.train "
+                      f"...` or `accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes N -m "
+                      f"dsslm.train ...` (N gloo processes on a CPU); for one process, unset MASTER_PORT")
 
 
 def _check_agrees(cfg: Config, env: dict) -> None:

@@ -34,6 +34,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -91,6 +92,18 @@ def say_if_building(device: torch.device) -> str | None:
             f"this takes a minute or two (cached in {folder})")
     print(line, file=sys.stderr, flush=True)
     return line
+
+
+@contextlib.contextmanager
+def build_notice(device: torch.device | None):
+    """A line before DeepSpeed's first build of its CPU extension (say_if_building) and one after
+    it, with the time it took; nothing where it is cached, or for `None` (ranks other than 0)."""
+    line = say_if_building(device) if device is not None else None
+    started = time.perf_counter()
+    yield
+    if line:
+        print(f"dsslm: built DeepSpeed's CPU communication extension in {time.perf_counter() - started:.0f} s; "
+              f"later starts load it from the cache", file=sys.stderr, flush=True)
 
 
 class DeepSpeedLossScale:
@@ -157,10 +170,9 @@ class ZeroEngine(Engine):
         # hidden matrix's part lies, so it makes every matrix whole before orthogonalising
         # (DeepSpeed issue 8441: Muon that never sees a matrix silently trains as SGD).
         optimizer = build_optimizer(model, cfg.optim, self.device)
-        if self.is_main:
-            say_if_building(self.device)
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
+        with build_notice(self.device if self.is_main else None):
+            self.ds, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=ds_config(cfg, self.world_size), dist_init_required=False)
         self.layout = self._layout()
         if isinstance(optimizer, MuonAdamW):
             self._feed_muon(optimizer)

@@ -21,7 +21,8 @@ def record(step: int, by_task: dict[str, dict], seconds: float) -> dict:
 
 class TaskEvals:
     """`eval.*` for one job: the tasks prepared at setup (a bad task exits 2 before the first step),
-    evaluated at the start (eval.at_start, a run starting at step 0) and every eval.every steps."""
+    evaluated at the start (eval.at_start, a run starting at step 0), every eval.every steps and at
+    the last step (train.total_steps, whatever eval.every: a run extended on resume ends measured)."""
 
     def __init__(self, cfg=None, engine=None, sinks=None, prepared: Prepared | None = None):
         self.cfg, self.engine, self.sinks, self.prepared = cfg, engine, sinks, prepared
@@ -46,7 +47,10 @@ class TaskEvals:
             self.run(step)
 
     def after_step(self, step: int) -> None:
-        if self.prepared is not None and self.cfg.eval.every and step % self.cfg.eval.every == 0:
+        if self.prepared is None:
+            return
+        every = self.cfg.eval.every
+        if (every and step % every == 0) or step == self.cfg.train.total_steps:
             self.run(step)
 
     def run(self, step: int) -> dict:

@@ -34,7 +34,7 @@ class _Stderr(logging.StreamHandler):
         super().emit(record)
 
 
-ETA_WINDOW = 100  # steps the ETA's wall time per step is measured over
+ETA_WINDOW = 200  # steps of the ETA's recent wall time per step (StepRate)
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -91,6 +91,10 @@ def _triage(f: dict) -> str:
             "transient": "caused by a transient fault: training continues unchanged",
             "unknown": "cause unknown (the replays told neither data nor state)"}.get(verdict, f"caused by {verdict}")
     line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: {what}"
+    if scope == "step":  # decided within the spike's step: this is the first line to say there was one
+        first = (f.get("evidence") or [{}])[0]
+        why = f" ({first['reason']})" if isinstance(first, dict) and first.get("reason") else ""
+        line = f"spike at step {f.get('spike_start', f.get('step'))}{why}, re-run in place: {what}"
     if scope == "window":
         line += f" (after replaying {f.get('replay_steps')} step(s) from step {f.get('from_step')})"
     line += _skipped(f)
@@ -133,6 +137,31 @@ def _lr_scale(f: dict) -> str:
     return f"learning rate scale {_g(f.get('old'))} -> {_g(f.get('new'))} at step {f.get('step')}{tail}"
 
 
+def _evaluation(record: dict) -> str:
+    """Each task's accuracy, per-character accuracy (acc_norm) and chance, and the gold's bits per byte."""
+    def metric(name: str, task: str) -> str:
+        value = (record.get(f"eval_{name}") or {}).get(task)
+        return f"{value:.3f}" if isinstance(value, (int, float)) else "?"
+    return "; ".join(f"{task} acc {metric('acc', task)}, per-char {metric('acc_norm', task)} (chance "
+                     f"{metric('chance', task)}), bpb {metric('bpb', task)}" for task in sorted(record["eval_acc"]))
+
+
+def _holder(previous: object) -> str:
+    """run.dir/LOCK's holder as a person names it: the process, where, since when."""
+    if not isinstance(previous, dict) or "pid" not in previous:
+        return "an unreadable lock"
+    job = f", Slurm job {previous['slurm_job_id']}" if previous.get("slurm_job_id") else ""
+    return (f"process {previous.get('pid')} on {previous.get('host', '?')}{job} (started "
+            f"{previous.get('started', '?')})")
+
+
+def memory_line(per_rank: dict[str, int]) -> str:
+    """One rank's memory event in words: MiB of parameters, gradients, optimizer state, rewind points."""
+    names = {"param_bytes": "parameters", "grad_bytes": "gradients", "optim_bytes": "optimizer state",
+             "rewind_point_bytes": "per rewind point", "rewind_bytes": "rewind points in all"}
+    return ", ".join(f"{v / 2**20:.1f} MiB {names.get(k, k)}" for k, v in per_rank.items() if isinstance(v, (int, float)))
+
+
 def _alert(f: dict) -> str:
     text = f.get("message") or ", ".join(f"{k}={_g(v)}" for k, v in f.items() if k not in ("step", "time"))
     return f"alert at step {f.get('step')}: {f.get('reason')}: {text}"
@@ -157,7 +186,8 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "restart_from_scratch": (logging.WARNING, lambda f: f"starting over at step 0 (run.restart_from_scratch): this "
                                                         f"run.dir was trained to step {f.get('recorded_step')}; kept, "
                                                         f"not resumed: {', '.join(f.get('not_resumable') or [])}"),
-    "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder: {f}"),
+    "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder, {_holder(f.get('previous'))}: "
+                                                 f"{f.get('reason')}"),
     "leftovers_removed": (logging.INFO, lambda f: f"removed half-written saves {f.get('folders')}"),
     "recovery_rebuilt": (logging.WARNING, lambda f: f"rebuilt the run's skip list: {f.get('reason')}"),
     "forensics_failed": (logging.WARNING, lambda f: f"spike forensics at step {f.get('step')} not written: "
@@ -178,6 +208,39 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
 }
 
 
+class StepRate:
+    """The wall time per step an ETA is planned with: the job's average or the last ETA_WINDOW
+    steps', whichever moves less from the last estimate (under a shared machine's varying load a
+    short window swung the ETA 10-60x between lines), and never below the steps' own mean time.
+    Wall time, not a step's own time: that leaves out validation, evaluations and saves (with
+    frequent validation the ETA said 0m00s for a run with most of its time to go)."""
+
+    def __init__(self) -> None:
+        self.since: tuple[int, float] | None = None  # (step, time) the job's average runs from
+        self.window: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
+        self.own_s, self.own_n = 0.0, 0
+        self.per_step: float | None = None
+
+    def update(self, step: int, now: float, step_time_s: float) -> float | None:
+        """Seconds per step after this step's record, or None while nothing is measured. The
+        job's first step (compilation, the first allocations, the prefetch's cold start: a minute
+        under compile for a second's step, once per requeue) only starts the clock; so does the
+        first step after a rewind (the step went back: no progress to measure)."""
+        if self.window and step <= self.window[-1][0]:
+            self.since = None
+            self.window.clear()
+        self.window.append((step, now))
+        if self.since is None:
+            self.since = (step, now)
+            return self.per_step
+        self.own_s, self.own_n = self.own_s + step_time_s, self.own_n + 1
+        (first, t0), (last, t1) = self.window[0], self.window[-1]
+        job, window = (now - self.since[1]) / (step - self.since[0]), (t1 - t0) / (last - first)
+        steadier = job if self.per_step is None else min((job, window), key=lambda r: abs(r - self.per_step))
+        self.per_step = max(steadier, self.own_s / self.own_n)
+        return self.per_step
+
+
 class Console:
     """Rank 0's lines for a person (all methods are no-ops elsewhere)."""
 
@@ -188,15 +251,14 @@ class Console:
         self.tty = enabled and (sys.stderr.isatty() if tty is None else tty)
         self.bar_shown = False
         self.started = time.time()
-        self.step_time: float | None = None  # moving average of the steps' own time, for the ETA
-        # (step, time.monotonic()) of the last ETA_WINDOW steps' records: the wall time per step.
-        self.marks: collections.deque[tuple[int, float]] = collections.deque(maxlen=ETA_WINDOW + 1)
+        self.eta = StepRate()
         self.first_step: int | None = None
         self.last: dict = {}
         self.val: dict[str, float] = {}
         self.best_val: dict[str, float] = {}
         self.spikes: list[str] = []
         self.saved: str | None = None
+        self.evaluation: dict | None = None  # the last eval.tasks record, for the summary
         if enabled:
             configure()
 
@@ -204,26 +266,12 @@ class Console:
     def step(self, record: dict) -> None:
         if not self.enabled:
             return
-        step, dt = record["step"], record.get("step_time_s", 0.0)
-        now = time.monotonic()
+        step = record["step"]
         if self.first_step is None:
-            # The job's first step holds compilation, the first allocations and the prefetch's
-            # cold start (a minute under compile for a second's step), and every requeue has one:
-            # the average starts at the second step, and until then the ETA is unknown.
             self.first_step = step
-        else:
-            self.step_time = dt if self.step_time is None else 0.9 * self.step_time + 0.1 * dt
-        # The wall time per step over the last ETA_WINDOW steps: a step's own time leaves out
-        # validation, downstream evals, saves and rewind points (with frequent validation the ETA
-        # said 0m00s for a run with most of its time to go), and a window, not one step's gap,
-        # keeps a pause for a save from swinging it. A rewind (the step goes back) starts it again.
-        if self.marks and step <= self.marks[-1][0]:
-            self.marks.clear()
-        self.marks.append((step, now))
-        (first, t0), (last, t1) = self.marks[0], self.marks[-1]
-        per_step = max(self.step_time or 0.0, (t1 - t0) / (last - first) if last > first else 0.0)
+        per_step = self.eta.update(step, time.monotonic(), record.get("step_time_s", 0.0))
         self.last = record
-        eta = max(0, self.total_steps - step) * (per_step if self.step_time is not None else math.inf)
+        eta = max(0, self.total_steps - step) * (per_step if per_step is not None else math.inf)
         if self.tty:
             sys.stderr.write(f"\rstep {step}/{self.total_steps}  loss {record['loss']:.4f}  "
                              f"{record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}   ")
@@ -234,6 +282,10 @@ class Console:
                      f"lr {record.get('lr', 0):.3g}  {record.get('tokens_per_s', 0):,.0f} tok/s  eta {_duration(eta)}")
 
     def val_loss(self, record: dict) -> None:
+        """A validation record's line, or a downstream evaluation's (eval.tasks: `eval_acc`...)."""
+        if self.enabled and isinstance(record.get("eval_acc"), dict):
+            self.evaluation = record
+            self._line(logging.INFO, f"step {record['step']}: evaluation: {_evaluation(record)}")
         if not self.enabled or not record.get("val_loss"):
             return
         self.val = dict(record["val_loss"])
@@ -281,10 +333,12 @@ class Console:
         spikes = (f"{len(self.spikes)} spike event(s){job}: " + "; ".join(self.spikes[-10:]) if self.spikes
                   else f"no spikes{job}")
         loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
+        evals = (f"last evaluation (step {self.evaluation['step']}): {_evaluation(self.evaluation)}; "
+                 if self.evaluation else "")
         took = (f"in all; this job trained steps {self.first_step}-{f.get('step')} in {_duration(seconds)}" if resumed
                 else f"in {_duration(seconds)}")
         self._line(logging.INFO, f"finished: step {f.get('step')} of {self.total_steps}, {f.get('tokens', 0):,} tokens "
-                   f"{took}{loss}; validation loss: {val or 'not measured'}; {spikes}; "
+                   f"{took}{loss}; validation loss: {val or 'not measured'}; {evals}{spikes}; "
                    f"checkpoints in {self.run_dir / 'checkpoints'}" + (f" (newest {self.saved})" if self.saved else ""))
 
     def _line(self, level: int, text: str) -> None:

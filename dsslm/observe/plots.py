@@ -296,6 +296,11 @@ def plot_gnorm(run: Run, out: Path) -> Path:
     return finish(fig, out / "gnorm.png", ax)
 
 
+def rate(value: float) -> str:
+    """A throughput as a person reads it: 1,267 (not EngFormatter's `1.26681 k`), 4.52 below 100."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def plot_throughput(run: Run, out: Path) -> Path:
     fig, (ax,) = new_figure(f"Throughput: {run.name}", "tokens/s (all ranks)")
     steps, kept = column(run.train, "step"), run.train_kept
@@ -303,7 +308,7 @@ def plot_throughput(run: Run, out: Path) -> Path:
     plot_kept_and_abandoned(ax, steps, tokens_per_s, kept, "tab:blue", "tokens/s", lw=0.9)
     if np.isfinite(tokens_per_s[kept]).any():
         median = np.nanmedian(tokens_per_s[kept])
-        ax.axhline(median, color="black", ls=":", lw=1.0, label=f"median {EngFormatter().format_eng(median)}")
+        ax.axhline(median, color="black", ls=":", lw=1.0, label=f"median {rate(median)} tokens/s")
     ax.yaxis.set_major_formatter(EngFormatter())
     ax.set_ylim(bottom=0)
     draw_markers(ax, run, ("rewind", "resume"))

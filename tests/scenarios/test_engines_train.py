@@ -134,3 +134,26 @@ def test_accelerate_precision_mismatch_exits_2(tmp_path):
     assert proc.returncode == 2
     assert "train.precision=bf16" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_accelerate_launch_of_2_processes_on_a_cpu_stops_at_once_with_the_command_that_runs_2(tmp_path):
+    """Without a GPU, `accelerate launch --num_processes 2` starts one process (its single-process
+    launcher): it trained alone and exited 0. Now exit 2 before anything is written, one line
+    naming the command that starts 2, and that command trains on 2 ranks. (accelerate reports a
+    process's failure as its own exit 1, naming the process's code.)"""
+    run_dir = tmp_path / "run"
+    accelerate = [str(Path(PYTHON).parent / "accelerate"), "launch"]
+    script = ["-m", "dsslm.train", f"run.dir={run_dir}", *TINY, "train.total_steps=2", "optim.warmup_steps=1",
+              "ckpt.every=2"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    port = ["--main_process_port", str(free_port())]
+    proc = subprocess.run([*accelerate, "--num_processes", "2", *port, *script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dsslm")]
+    assert "returned non-zero exit status 2" in proc.stderr and len(said) == 1, proc.stderr[-3000:]
+    assert "accelerate launch --multi_gpu --num_processes N -m dsslm.train" in said[0]
+    assert not run_dir.exists()
+    proc = subprocess.run([*accelerate, "--multi_gpu", "--num_processes", "2", *port, *script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert events(run_dir, "start")[0]["world_size"] == 2

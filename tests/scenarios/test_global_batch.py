@@ -2,6 +2,8 @@
 a resume on another GPU count keeps the batch and the learning-rate plan with no --allow-drift."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dsslm.config import load
@@ -66,14 +68,36 @@ def test_resume_2_ranks_to_1_keeps_global_batch_and_lr_plan_without_allow_drift(
         assert records[step]["loss"] == pytest.approx(ref[step], rel=1e-4), step  # fp32 reduction order
 
 
-def test_a_changed_product_names_the_one_key_that_keeps_the_global_batch(tmp_path, capsys):
+def test_a_changed_product_names_the_keys_that_keep_the_global_batch(tmp_path, capsys):
     """A run made without train.global_batch_size, resumed with another product (here grad_accum;
     on another world size the same): the advice was "restore it", of a key that does not exist.
-    It names train.global_batch_size=<the old batch>, which resumes."""
+    It names the keys that keep the old batch, and they resume as written, appended to the command."""
     run = [f"run.dir={tmp_path / 'run'}", *TINY, "train.total_steps=6", "train.micro_batch_size=2"]
     assert main([*run, "train.grad_accum=2"]) == 0
     capsys.readouterr()
-    assert main([*run, "train.grad_accum=1", "train.total_steps=8"]) == 2
+    resume = [*run, "train.grad_accum=1", "train.total_steps=8"]
+    assert main(resume) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "set train.global_batch_size=4" in err[0], err
-    assert main([*run, "train.global_batch_size=4", "train.total_steps=8"]) == 0
+    assert len(err) == 1 and "set train.grad_accum=2 (or drop train.grad_accum and set train.global_batch_size=4)" \
+        in err[0], err
+    assert main([*resume, "train.grad_accum=2"]) == 0
+
+
+@pytest.mark.slow
+def test_a_resume_on_2_processes_is_refused_once_last_and_its_advice_resumes_under_torchrun(tmp_path):
+    """1 process of micro-batch 4, resumed on 2: the advice was train.global_batch_size=4, which
+    2 x 4 refused again, once per process. Now one line, the last dsslm prints (torchrun's report
+    follows, with the ranks' exit code 2), and the keys it names resume as written."""
+    run_dir = tmp_path / "run"
+    more = ("train.total_steps=4", "ckpt.every=2", "optim.warmup_steps=1")
+    assert main([f"run.dir={run_dir}", *TINY, "train.total_steps=2", "ckpt.every=2", "optim.warmup_steps=1"]) == 0
+    proc = run_train(run_dir, *more, nproc=2, check=False)
+    lines = proc.stderr.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("dsslm:")]
+    refusals = [i for i in said if "refused" in lines[i]]
+    assert len(refusals) == 1 and refusals[0] == said[-1], proc.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*2", "\n".join(lines[said[-1]:])), proc.stderr[-3000:]
+    advice = re.search(r"; set ((?:train\.[a-z_]+=\d+ ?)+)", lines[said[-1]]).group(1).split()
+    assert advice == ["train.global_batch_size=4", "train.micro_batch_size=2"]
+    run_train(run_dir, *more, *advice, nproc=2)
+    assert [s["world_size"] for s in events(run_dir, "start")] == [1, 2]

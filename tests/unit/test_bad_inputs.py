@@ -100,7 +100,7 @@ def test_ctrl_c_while_the_config_is_read_is_one_line_and_exit_130(tmp_path, caps
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train_module, "load", interrupted)
+    monkeypatch.setattr(train_module, "load_checked", interrupted)
     assert main([f"run.dir={tmp_path / 'run'}", *TINY]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "interrupted" in err[0], err

@@ -524,3 +524,17 @@ def test_the_checker_catches_what_it_should(tmp_path):
 @pytest.mark.parametrize("cli", ["train", "drill", "report", "export", "sample", "eval", "data"])
 def test_every_cli_parser_is_found(cli):
     assert isinstance(cli_parser(cli), argparse.ArgumentParser), cli_parser(cli)
+
+
+def test_what_the_readmes_commands_write_is_left_out_of_git():
+    """README's quick start writes data/books and hf/books into the checkout; git status listed them."""
+    import shutil
+    import subprocess
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    readme = (ROOT / "README.md").read_text()
+    written = set(re.findall(r"--out (\S+)", readme)) | set(re.findall(r"run\.dir=(\S+)", readme)) | {"runs/tiny"}
+    assert {"data/books", "hf/books"} <= written
+    paths = [f"{folder}/file" for folder in sorted(written)] + ["dsslm/data/__init__.py", "dsslm/hf/__init__.py"]
+    proc = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert set(proc.stdout.split()) == set(paths[:-2]), proc.stdout  # and the package's own data/ and hf/ are kept

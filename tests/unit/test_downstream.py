@@ -271,3 +271,16 @@ def test_eval_config_keys(tmp_path):
         ["hellaswag", "a/b.jsonl"], 10, False, 50)
     with pytest.raises(ConfigError, match="eval.every=-1"):
         tiny_cfg(tmp_path, "eval.every=-1")
+
+
+@pytest.mark.parametrize("every,total,evaluated", [(4, 10, [4, 8, 10]), (5, 10, [5, 10]), (0, 10, [10])])
+def test_the_last_step_is_evaluated_whatever_eval_every(tmp_path, every, total, evaluated):
+    """A run resumed to train.total_steps=10 with eval.every=4 ended at step 10 unevaluated, although
+    validation always runs there."""
+    from dsslm.evals.loop import TaskEvals
+    cfg = tiny_cfg(tmp_path, "eval.tasks=[t.jsonl]", f"eval.every={every}", f"train.total_steps={total}")
+    evals, ran = TaskEvals(cfg, prepared=object()), []
+    evals.run = ran.append
+    for step in range(1, total + 1):
+        evals.after_step(step)
+    assert ran == evaluated

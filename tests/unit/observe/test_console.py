@@ -3,6 +3,8 @@ event a person should see, a summary at the end; only rank 0; level and format t
 from __future__ import annotations
 
 import logging
+import random
+import re
 
 import pytest
 
@@ -103,6 +105,75 @@ def test_the_eta_counts_the_time_between_steps_not_only_the_steps(tmp_path, caps
     lines = [line for line in capsys.readouterr().err.splitlines() if " dsslm: step " in line]
     assert "eta 3m08s" in lines[5], lines[5]   # step 6: 94 steps x 2 s, not x 0.5 s (0m47s)
     assert "eta 3m12s" in lines[7], lines[7]   # after the rewind: step 4, 96 steps x 2 s
+
+def test_each_evaluation_is_a_line_and_the_last_one_is_in_the_summary(tmp_path, capsys):
+    """eval.tasks results reached metrics.jsonl only: no line, nothing in the final summary."""
+    s = sinks(tmp_path, total=10)
+    for step, acc in ((5, 0.25), (10, 0.3)):
+        s.log_step(record(step))
+        s.log_val({"step": step, "eval_acc": {"hellaswag": acc, "arc_easy": 0.4}, "eval_acc_norm": {"hellaswag": 0.26,
+                   "arc_easy": 0.41}, "eval_chance": {"hellaswag": 0.25, "arc_easy": 0.2495},
+                   "eval_bpb": {"hellaswag": 3.5, "arc_easy": 3.7}, "eval_examples": {"hellaswag": 20, "arc_easy": 20}})
+    s.emit("end", step=10, tokens=1280, skipped_steps=0)
+    lines = [line.split(" dsslm: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    evaluations = [line for line in lines if "evaluation" in line]
+    assert evaluations[0] == ("step 5: evaluation: arc_easy acc 0.400, per-char 0.410 (chance 0.249), bpb 3.700; "
+                              "hellaswag acc 0.250, per-char 0.260 (chance 0.250), bpb 3.500")
+    assert "last evaluation (step 10): arc_easy acc 0.400" in lines[-1] and "hellaswag acc 0.300" in lines[-1]
+
+
+def test_the_eta_holds_steady_under_a_varying_load(tmp_path, capsys, monkeypatch):
+    """Steps of 0.2 s, 1 s or 8 s at random, and phases three times slower: the ETA swung 3.6x from
+    one line to the next (10-60x on a shared machine). It moves with the job's pace, not each burst."""
+    clock, rng = [1000.0], random.Random(0)
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+    s = sinks(tmp_path, log_every=10, total=1000)
+    for step in range(1, 1001):
+        u = rng.random()
+        dt = (0.2 if u < 0.7 else 1.0 if u < 0.95 else 8.0) * (3 if (step // 50) % 3 == 2 else 1)
+        clock[0] += dt
+        s.log_step(record(step) | {"step_time_s": dt})
+    rates = []  # seconds per remaining step, as each line plans them
+    for line in capsys.readouterr().err.splitlines():
+        step, eta = re.search(r"step (\d+)/1000 .* eta (\S+)$", line).groups()
+        if 50 <= int(step) < 1000:
+            h, m, sec = re.fullmatch(r"(?:(\d+)h)?(\d+)m(\d+)?s?", eta).groups()
+            rates.append((int(h or 0) * 3600 + int(m) * 60 + int(sec or 0)) / (1000 - int(step)))
+    swings = [max(a, b) / min(a, b) for a, b in zip(rates, rates[1:])]
+    assert max(swings) < 1.5, max(swings)
+
+
+def test_a_spike_decided_within_its_step_is_named_before_its_verdict(tmp_path, capsys):
+    """An outlier re-run in place: its triage verdict ("caused by a transient fault") was the first
+    line about it, and for data the "update skipped" line came after the verdict."""
+    s = sinks(tmp_path)
+    evidence = [{"phase": "original", "steps": [[30, 9.1, 1000.0, "skip_step"]], "reason": "grad norm 50x the median"},
+                {"phase": "rerun_in_place", "steps": [[30, 9.1, 1000.0, "skip_step"]]}]
+    for verdict in ("transient", "data"):
+        s.emit("triage", step=30, verdict=verdict, scope="step", spike_start=30, target=30, replay_steps=1,
+               skip=[{"shard": "a.bin", "tokens": [0, 9]}] if verdict == "data" else [], evidence=evidence)
+    s.emit("skip", step=30, loss=9.1, gnorm=1000.0, data_position=116, reason="grad norm 50x the median")
+    lines = [line.split(" dsslm: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert lines == [
+        "spike at step 30 (grad norm 50x the median), re-run in place: caused by a transient fault: training "
+        "continues unchanged",
+        "spike at step 30 (grad norm 50x the median), re-run in place: caused by the data; skips the data it read "
+        "(1 span(s) of documents)",
+        "step 30: update skipped (grad norm 50x the median); loss 9.1, grad norm 1000"]
+
+
+def test_a_lock_takeover_and_the_memory_line_are_words_not_python_dicts(tmp_path, capsys):
+    s = sinks(tmp_path)
+    s.emit("lock_takeover", previous={"host": "node7", "pid": 4242, "started": "2026-12-03T10:00:00+0000",
+                                      "slurm_job_id": "123", "token": "ab"}, reason="pid 4242 is not running on node7")
+    line = capsys.readouterr().err.strip().split(" dsslm: ", 1)[1]
+    assert line == ("took run.dir over from a dead holder, process 4242 on node7, Slurm job 123 (started "
+                    "2026-12-03T10:00:00+0000): pid 4242 is not running on node7")
+    said = console_module.memory_line({"param_bytes": 2**20, "grad_bytes": 2**20, "optim_bytes": 2**21,
+                                       "rewind_point_bytes": 3 * 2**20, "rewind_bytes": 6 * 2**20})
+    assert said == ("1.0 MiB parameters, 1.0 MiB gradients, 2.0 MiB optimizer state, 3.0 MiB per rewind point, "
+                    "6.0 MiB rewind points in all")
+
 
 def test_triage_lines_say_what_is_skipped_and_nothing_when_nothing_is(tmp_path, capsys):
     s = sinks(tmp_path)

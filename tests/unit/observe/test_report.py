@@ -217,6 +217,23 @@ def test_a_report_into_a_checkpoint_folder_is_refused(tmp_path, capsys):
     assert list((run_dir / "checkpoints" / "step-00000003").iterdir()) == []
 
 
+def test_the_wall_time_is_the_jobs_own_not_the_hours_between_them(tmp_path):
+    """A run preempted after 50 s and requeued 3 hours later for 25 s more said 3:01:15 of wall
+    time; a start on the finished run a day later added that day too."""
+    metrics = [step_record(step) for step in range(1, 151)]
+    later, day = 3 * 3600, 24 * 3600
+    events = [event("start", 0), *[event("save", s, checkpoint=f"step-{s:08d}") for s in (50, 100)],
+              event("preempt_save", 100, signal="SIGTERM"),
+              *[e | {"time": e["time"] + later} for e in (event("lock_takeover", 100, previous={}, reason="gone"),
+                                                         event("resume", 100, checkpoint="step-00000100"),
+                                                         event("start", 100), event("end", 150))],
+              *[e | {"time": e["time"] + later + day} for e in (event("resume", 150, checkpoint="step-00000150"),
+                                                               event("data_verified", 150), event("finished", 150))]]
+    run = plots.load_run(write_run(tmp_path / "run", metrics, events))
+    assert report.wall_time(run) == ("0:01:15 in 3 jobs (each one's first to last event; the time between jobs "
+                                     "left out)")
+
+
 def test_status_is_the_newest_jobs_own_end():
     """An older job's end or escalation said "finished" of a run extended and then killed."""
     start = event("start", 0)
@@ -360,3 +377,12 @@ def test_a_run_without_step_records_leaves_no_report_folder(tmp_path, capsys):
     # Nor the folders above a nested --out (only the last one was removed).
     assert report.main([str(run_dir), "--out", str(tmp_path / "a" / "b" / "c")]) == 2
     assert not (tmp_path / "a").exists()
+
+
+def test_the_throughput_legend_reads_like_a_number(tmp_path, monkeypatch):
+    """It read `median 1.26681 k`."""
+    labels = []
+    monkeypatch.setattr(plots, "finish", lambda fig, path, ax: labels.extend(ax.get_legend_handles_labels()[1]))
+    metrics = [step_record(step, tokens_per_s=1266.81 + (step % 3)) for step in range(1, 31)]
+    plots.plot_throughput(plots.load_run(write_run(tmp_path / "run", metrics, [event("start", 0)])), tmp_path)
+    assert "median 1,268 tokens/s" in labels, labels

@@ -147,6 +147,9 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        # Its rows stack three projections of equal height, in this order (hf/convert.py relies on
+        # it too): an optimizer that treats each projection as its own matrix (Muon) reads this.
+        self.qkv.stacked = ("q", "k", "v")
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -244,6 +247,7 @@ class SwiGLU(nn.Module):
         super().__init__()
         hidden = ffn_hidden_of(cfg.d_model, cfg.ffn_hidden)
         self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        self.gate_up.stacked = ("gate", "up")  # rows: gate | up (see Attention.qkv)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, FrozenSet, List, Union
+from typing import ClassVar, Dict, FrozenSet, List, Optional, Union
 
 HF_PREFIX = "hf:"  # run.init_from=hf:HF_DIR starts from a Hugging Face folder's weights
 
@@ -114,7 +114,9 @@ class OptimCfg:
     muon_lr: float = 0.02       # muon: Muon's peak rate (scheduled like peak_lr), before torch's shape scaling
     muon_momentum: float = 0.95  # muon: its Nesterov momentum
     muon_ns_dtype: str = "auto"  # muon: Newton-Schulz's dtype, bfloat16 | float32 | auto (bf16 on CUDA, fp32 on CPU)
-    muon_distribute: bool = True  # muon: each matrix orthogonalised by one rank, results all-gathered (DDP, FSDP, ZeRO-3)
+    muon_distribute: bool = True  # muon: each matrix orthogonalised by one rank (docs/engines.md#muon)
+    muon_split: bool = True     # muon: q, k, v and gate, up orthogonalised each on its own (false: qkv, gate_up whole)
+    muon_weight_decay: Optional[float] = None  # muon: Muon's decay; null: AdamW's decay per step (docs/configuration.md#muon)
 
 
 @dataclass

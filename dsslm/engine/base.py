@@ -24,7 +24,8 @@ from dsslm.engine.blocks import set_matmul_precision
 from dsslm.engine.ranks import STALL_TIMEOUT_S, Exchange, Worker, init_distributed, pick_device, picklable, wait_for_ranks
 # MOMENTS, STATE_KINDS and optim_kinds: ckpt/resume.py and recovery/rewind_points.py import them from here.
 from dsslm.engine.state import MOMENTS, STATE_KINDS, OptimState, Shard, StateReader, optim_kinds  # noqa: F401
-from dsslm.optim import MuonAdamW, adamw_impl, set_lr
+from dsslm.muon import Fragment, MuonAdamW, Ranks
+from dsslm.optim import adamw_impl, set_lr
 from dsslm.precision import LossScaler
 
 T = TypeVar("T")
@@ -40,18 +41,36 @@ def derive_grad_accum(cfg: Config, world_size: int) -> None:
         cfg.train.grad_accum = accumulation_for(cfg.train, world_size)
 
 
-def share_orthogonalisations(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
-    """optim.muon_distribute, on an engine where every rank holds every whole matrix (DDP, FSDP2,
-    ZeRO-3): Muon gives each matrix to one rank and all-gathers the results (`MuonAdamW.share`)."""
-    if not (isinstance(optimizer, MuonAdamW) and cfg.optim.muon_distribute and dist.is_initialized()
-            and dist.get_world_size() > 1):
+def connect_muon(optimizer: torch.optim.Optimizer, cfg: Config,
+                 held: list[tuple[torch.Tensor, list[Fragment]]] | None = None) -> None:
+    """Give Muon the process group (`MuonAdamW.ranks`) and, on a sharded engine, its layout:
+    `held` the tensors this rank steps and the `Fragment`s of matrices each holds (the same
+    order on every rank); every rank's span of every matrix is gathered here, once."""
+    if not isinstance(optimizer, MuonAdamW) or not dist.is_initialized():
         return
+    world = dist.get_world_size()
 
-    def gather(t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, t)  # looked up per call: a wrapper (a profiler) sees it
+    def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t)  # looked up per call: a wrapper (a profiler, the bench) sees it
         return out
-    optimizer.share = (dist.get_rank(), dist.get_world_size(), gather)
+
+    def all_to_all(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        out = send.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(out, send, recv_sizes, send_sizes)
+        return out
+    optimizer.ranks = Ranks(dist.get_rank(), world, all_gather, all_to_all, cfg.optim.muon_distribute)
+    if held is not None:
+        mine = [(f.name, f.start, f.numel) for _, fragments in held for f in fragments]
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for parts in everyone:
+            for name, start, numel in parts:
+                spans.setdefault(name, []).append((start, numel))
+        if any(len(parts) != world for parts in spans.values()):
+            raise AssertionError("every rank must name every hidden matrix once (numel 0 where it holds none)")
+        optimizer.register(held, {name: tuple(parts) for name, parts in spans.items()})
 
 
 class Engine(abc.ABC):

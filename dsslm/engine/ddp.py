@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import TorchAdamWEngine, share_orthogonalisations
+from dsslm.engine.base import TorchAdamWEngine, connect_muon
 from dsslm.engine.state import (OptimState, Shard, StateReader, adam_state_by_name, check_names, load_adam_state,
                                 load_replica_state, replica_local_state)
 from dsslm.engine.blocks import prepare_model
@@ -26,7 +26,7 @@ class DDPEngine(TorchAdamWEngine):
         model.to(self.device)
         prepare_model(model, cfg.train, whole_model=True)
         self.optimizer = build_optimizer(model, cfg.optim, self.device)  # DDP: whole matrices as they are
-        share_orthogonalisations(self.optimizer, cfg)
+        connect_muon(self.optimizer, cfg)
         self.params = dict(model.named_parameters())
         self.names = {id(p): n for n, p in self.params.items()}
         if self.distributed:

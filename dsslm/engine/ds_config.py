@@ -65,7 +65,7 @@ def ds_config(cfg: Config, world_size: int) -> dict:
             node[leaf] = value
     if cfg.optim.name == "muon":
         # DeepSpeed asserts on any client optimizer it has not tested; ours steps the flat
-        # partitions it is given (elementwise) and makes the matrices whole itself (optim.MuonAdamW).
+        # partitions it is given (elementwise) and makes the matrices whole itself (muon.MuonAdamW).
         conf.setdefault("zero_allow_untested_optimizer", True)
     if zero["stage"] == 3:
         # Parameter gathering stays inside DeepSpeed's forward hooks; never all-gather on save.

@@ -31,16 +31,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dsslm.clip import ClipBound
 from dsslm.config import Config
-from dsslm.engine.base import TorchAdamWEngine, share_orthogonalisations, whole
+from dsslm.engine.base import TorchAdamWEngine, connect_muon, whole
 from dsslm.engine.state import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,
                                 adam_step_tensor, check_names, group_of, optim_kinds, storage_bytes)
 from dsslm.engine.launch import ensure_process_group
 from dsslm.engine.blocks import prepare_model
+from dsslm.muon import Fragment
 from dsslm.optim import build_optimizer
 
 
@@ -72,10 +73,12 @@ class FSDPEngine(TorchAdamWEngine):
         # Tied weights have two names (tok_emb.weight, lm_head.weight); checkpoints use the first.
         canonical = {id(p): n for n, p in self.params.items()}
         self.aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
-        # Muon orthogonalises whole matrices: each rank gathers the momentum-updated matrix (one
-        # all-gather per matrix), orthogonalises it and keeps its own rows of the result.
-        self.optimizer = build_optimizer(model, cfg.optim, self.device, whole=_full_matrix, part=_my_rows)
-        share_orthogonalisations(self.optimizer, cfg)
+        self.optimizer = build_optimizer(model, cfg.optim, self.device)
+        # Muon orthogonalises whole matrices: each is assembled from the ranks' dim-0 shards on the
+        # one rank that orthogonalises it, which sends each rank back its own rows (muon.MuonAdamW).
+        connect_muon(self.optimizer, cfg, [(self.params[n], [Fragment(n, tuple(self.params[n].shape), 0,
+                                                                      *self._span(self.params[n]))])
+                                           for n in getattr(self.optimizer, "matrices", [])])
         self._grad_bytes = 0
 
     # --- the training step -------------------------------------------------------------------
@@ -185,6 +188,11 @@ class FSDPEngine(TorchAdamWEngine):
         first = offset[0] if shape[0] else 0
         return first * row_len, (first + shape[0]) * row_len
 
+    def _span(self, param: DTensor) -> tuple[int, int]:
+        """(start, numel) of this rank's dim-0 shard in the parameter's flattening: Muon's Fragment."""
+        start, end = self._rows(param)
+        return start, end - start
+
     def local_state(self) -> list[Shard]:
         """Each rank's own dim-0 shard of every weight and optimizer tensor: no gather."""
         out = []
@@ -237,14 +245,3 @@ class FSDPEngine(TorchAdamWEngine):
         return {"param_bytes": param_bytes, "grad_bytes": self._grad_bytes, "optim_bytes": optim_bytes}
 
 
-def _full_matrix(t: torch.Tensor) -> torch.Tensor:
-    """The whole matrix of a sharded (DTensor) one: an all-gather."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _my_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a full tensor every rank holds, laid out as `param`: a local slice
-    (src_data_rank=None), no communication."""
-    if not isinstance(param, DTensor):
-        return full
-    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

@@ -57,13 +57,14 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,  # no
 
 from dsslm.clip import ClipBound  # noqa: E402
 from dsslm.config import Config, ConfigError  # noqa: E402
-from dsslm.engine.base import Engine, share_orthogonalisations  # noqa: E402
+from dsslm.engine.base import Engine, connect_muon  # noqa: E402
 from dsslm.engine.state import (STATE_KIND_OF, STATE_KINDS, TORCH_KEYS, OptimState, Shard, StateReader,  # noqa: E402
                                 adam_step_tensor, check_names, optim_kinds, storage_bytes)
 from dsslm.engine.ds_config import ds_config  # noqa: E402,F401  (re-exported: tests and tools import it here)
 from dsslm.engine.launch import ensure_process_group  # noqa: E402
 from dsslm.engine.blocks import prepare_model  # noqa: E402
-from dsslm.optim import Fragment, MuonAdamW, build_optimizer, set_lr  # noqa: E402
+from dsslm.muon import Fragment, MuonAdamW  # noqa: E402
+from dsslm.optim import build_optimizer, set_lr  # noqa: E402
 from dsslm.precision import SCALER_SPEC  # noqa: E402
 
 # DeepSpeed calls the collectives torch renamed; torch warns on every call, flooding stderr.
@@ -199,7 +200,8 @@ class ZeroEngine(Engine):
     def _feed_muon(self, muon: MuonAdamW) -> None:
         """Register, for every flat partition DeepSpeed made of Muon's group, where each hidden
         matrix's part lies in it; the same list (every matrix of the partition, held or not) on
-        every rank, so all ranks run the same collectives in the same order."""
+        every rank, so all ranks run the same collectives in the same order. Each matrix is then
+        assembled on one rank only (a stage 1-2 partition usually holds it whole: nothing moves)."""
         names = {id(p): n for n, p in self.params.items()}
         opt = self.optimizer
         if self.layout == "zero3":
@@ -209,6 +211,7 @@ class ZeroEngine(Engine):
             groups = opt.bf16_groups if self.layout == "bf16" else opt.bit16_groups
             parts = [(self._flat_partitions()[i], params) for i, params in enumerate(groups)
                      if muon.param_groups[i].get("muon")]
+        held = []
         for flat, params in parts:
             fragments = []
             for param in params:
@@ -220,15 +223,8 @@ class ZeroEngine(Engine):
                     mapping = param._hp_mapping
                     flat_start = mapping.hp_fragment_address.start if mapping is not None else 0
                 fragments.append(Fragment(name, tuple(self.param_shapes[name]), flat_start, span[0], span[1] - span[0]))
-            muon.fragments[id(flat)] = fragments
-        if sorted(f.name for fs in muon.fragments.values() for f in fs) != sorted(muon.matrices):
-            raise AssertionError("Muon's matrices and DeepSpeed's partitions of them do not match")
-        muon.sum_ranks = lambda t: dist.all_reduce(t)  # looked up per call: a wrapper (a profiler) sees it
-        # Stages 1-2 already share the work: a matrix is orthogonalised only by the ranks holding
-        # part of it (one, or two across a partition boundary); an all-gather would cost more than
-        # it saves. Stage 3 cuts every matrix across every rank, so each would run NS on all of them.
-        if self.layout == "zero3":
-            share_orthogonalisations(muon, self.cfg)
+            held.append((flat, fragments))
+        connect_muon(muon, self.cfg, held)
 
     def _check_stage(self) -> None:
         if self.cfg.train.precision == "fp16" and not deepspeed.get_accelerator().is_fp16_supported():

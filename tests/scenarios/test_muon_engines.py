@@ -1,8 +1,9 @@
-"""optim.name=muon on every engine: each hidden matrix orthogonalised once per step (by one rank
-under DDP, FSDP2 and ZeRO-3, which share the work; under ZeRO-1/2 by every rank that holds part of
-it), so no engine falls back to SGD or AdamW; the same curve on DDP, FSDP2 and ZeRO 1/2/3 at 1 and
-2 ranks, and the same bits whether the work is shared or not; the state in the checkpoint layout;
-a resume to the bit on the same engine."""
+"""optim.name=muon on every engine: each block of each hidden matrix (q, k, v; gate, up; the
+others whole) orthogonalised once per step, by one rank, so no engine falls back to SGD or AdamW;
+on ZeRO and FSDP each matrix assembled on that rank alone, every rank receiving back only its
+part; the same curve on DDP, FSDP2 and ZeRO 1/2/3 at 1 and 2 ranks, and the same bits whether the
+work is shared or not; the state in the checkpoint layout; a resume to the bit on the same engine,
+and a run saved before per-block Muon resuming with one line that says its updates differ."""
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,7 @@ ENGINES = {"ddp": ("ddp", 1), "fsdp": ("fsdp", 1), "zero1": ("zero", 1), "zero2"
            "ddp_bf16": ("ddp", 1, "train.precision=bf16"), "zero1_bf16": ("zero", 1, "train.precision=bf16"),
            # every rank orthogonalising every matrix itself (optim.muon_distribute=false)
            **{f"{k}_alone": (e, s, "optim.muon_distribute=false") for k, e, s in
-              (("ddp", "ddp", 1), ("fsdp", "fsdp", 1), ("zero3", "zero", 3))}}
+              (("ddp", "ddp", 1), ("fsdp", "fsdp", 1), ("zero1", "zero", 1), ("zero3", "zero", 3))}}
 SPLIT, TOTAL = 4, 6
 
 
@@ -50,10 +51,17 @@ def muon_worker(rank: int, world_size: int, kind: str, state=None, pieces=None) 
     """Steps [0, TOTAL) (full state and this rank's local_state pieces kept at SPLIT), or, given a
     full state or all ranks' pieces, the steps after SPLIT from it."""
     from dsslm.engine.state import OptimState
+    import torch.distributed as dist
     torch.set_num_threads(1)
     cfg = make_cfg(*ENGINES[kind][:2], *MUON, *ENGINES[kind][2:])
     engine = build(cfg)
-    out = {}
+    out = {"wire": [0, 0]}  # elements Muon's all-to-alls sent to and received from other ranks
+    if world_size > 1:
+        def counted(output, input, output_split_sizes, input_split_sizes, *args, **kwargs):
+            out["wire"][0] += input.numel() - input_split_sizes[rank]
+            out["wire"][1] += output.numel() - output_split_sizes[rank]
+            return all_to_all(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+        all_to_all, dist.all_to_all_single = dist.all_to_all_single, counted
     if state is None and pieces is None:
         out["curve"] = run_steps(engine, cfg, range(SPLIT), grad_accum=2)
         out["split"] = plain(engine.full_state())
@@ -66,7 +74,10 @@ def muon_worker(rank: int, world_size: int, kind: str, state=None, pieces=None) 
             engine.load_full_state(model_sd, OptimState(**optim))
         out["curve"] = []
     out["curve"] += run_steps(engine, cfg, range(SPLIT, TOTAL), grad_accum=2)
-    out["counts"] = dict(getattr(engine.optimizer, "optimizer", engine.optimizer).orthogonalised)  # ZeRO wraps ours
+    muon = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps ours
+    out["counts"] = dict(muon.orthogonalised)
+    out["peak"], out["owned"] = muon.buffer_peak, sum(
+        math.prod(e.shape) for plan in muon._plans.values() for b in plan for e in b if e.owner == rank)
     out["final"] = plain(engine.full_state())
     engine.close()
     return out
@@ -77,26 +88,46 @@ def straight(kind: str, world_size: int) -> list[dict]:
     return run_distributed(muon_worker, world_size, (kind,))
 
 
-def hidden_matrices() -> list[str]:
+def hidden_matrices() -> dict[str, int]:
+    """Every hidden matrix by name, with its number of elements."""
     from dsslm.model import build_model
     cfg = make_cfg("ddp", 1, *MUON)
-    return sorted(n for n, p in build_model(cfg.model).named_parameters() if p.dim() == 2 and n.startswith("blocks."))
+    return {n: p.numel() for n, p in build_model(cfg.model).named_parameters() if p.dim() == 2 and n.startswith("blocks.")}
+
+
+def hidden_blocks() -> list[str]:
+    """What Muon orthogonalises: qkv's q, k and v and gate_up's gate and up each on its own."""
+    stacks = {"qkv.weight": ("q", "k", "v"), "gate_up.weight": ("gate", "up")}
+    return sorted(f"{n}[{b}]" if b else n for n in hidden_matrices()
+                  for b in stacks.get(".".join(n.split(".")[-2:]), ("",)))
 
 
 @pytest.mark.parametrize("kind,world", [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2), ("zero1", 2),
                                         ("zero2", 2), ("zero3", 1), ("zero3", 2), ("zero1_bf16", 2)])
-def test_each_hidden_matrix_is_orthogonalised_once_per_step(kind, world):
+def test_each_block_is_orthogonalised_once_per_step_by_one_rank(kind, world):
     runs = straight(kind, world)
     held = [set(r["counts"]) for r in runs]
     assert all(set(r["counts"].values()) == {TOTAL} for r in runs), [r["counts"] for r in runs]
-    if kind in ("zero1", "zero2", "zero1_bf16"):
-        # every rank that holds part of a matrix orthogonalises the whole matrix, every step, and a
-        # matrix cut by the partition boundary is made whole from both ranks
-        assert set().union(*held) == set(hidden_matrices()) and held[0] & held[1], held
-    else:  # shared: each matrix by exactly one rank, and both ranks take some
-        assert sorted(n for h in held for n in h) == hidden_matrices() and all(held), held
+    # each block by exactly one rank, both ranks take some, and a matrix's blocks stay together
+    assert sorted(n for h in held for n in h) == hidden_blocks() and all(held), held
+    assert all(len({r for r, h in enumerate(held) for b in h if b.startswith(n + "[") or b == n}) == 1
+               for n in hidden_matrices())
+    if world > 1 and not kind.startswith("ddp"):
+        # Each matrix assembled on its owner only, and each rank sent back only its part. FSDP and
+        # ZeRO-3 hold half of every matrix: half of the elements cross per step each way, where
+        # the all-reduce that made every matrix whole on every rank moved all of them, twice.
+        # ZeRO-1/2's partitions hold most matrices whole, so only the one cut by the boundary moves.
+        elements = sum(hidden_matrices().values())
+        for r in runs:
+            sent, received = (n / TOTAL for n in r["wire"])
+            if kind in ("fsdp", "zero3"):
+                assert sent == received == elements / 2, (r["wire"], elements)
+            else:
+                assert 0 < sent < elements / 4 and 0 < received < elements / 4, (r["wire"], elements)
+            # Muon's buffers at their largest: at most the bucket (here every matrix) plus what the rank owns
+            assert 0 < r["peak"] <= 4 * (elements + r["owned"]), (r["peak"], elements, r["owned"])
     optim = runs[0]["final"][1]  # rank 0 gets the full state (sharded engines gather to it)
-    assert sorted(optim["momentum"]) == hidden_matrices()  # Muon's state, by name, at full shape
+    assert sorted(optim["momentum"]) == sorted(hidden_matrices())  # Muon's state, by name, at full shape
     assert not set(optim["momentum"]) & set(optim["exp_avg"]) and set(optim["step"].values()) == {float(TOTAL)}
     reference = straight("ddp_bf16" if kind.endswith("bf16") else "ddp", 1)[0]["curve"]
     assert all(r["curve"] == runs[0]["curve"] for r in runs)  # every rank reports the same numbers
@@ -120,16 +151,16 @@ def adamw_worker(rank: int, world_size: int) -> list:
     return curve
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "zero1", "zero3"])
 def test_sharing_the_orthogonalisations_changes_no_bit(kind):
-    """One rank runs NS on each matrix and all-gathers the result: the bits every rank would have
-    computed alone (and, alone, every rank orthogonalises every matrix)."""
+    """One rank runs NS on each matrix and hands each rank its part (DDP: all of it): the bits
+    every rank would have computed alone (and, alone, every rank orthogonalises every matrix)."""
     shared, alone = straight(kind, 2), straight(f"{kind}_alone", 2)
-    assert all(r["counts"] == {name: TOTAL for name in hidden_matrices()} for r in alone)
+    assert all(r["counts"] == {name: TOTAL for name in hidden_blocks()} for r in alone)
     assert shared[0]["curve"] == alone[0]["curve"]
     (model_a, optim_a), (model_b, optim_b) = shared[0]["final"], alone[0]["final"]  # rank 0: the full state
     assert model_a and all((model_a[n] == model_b[n]).all() for n in model_a)
-    assert sorted(optim_a["momentum"]) == hidden_matrices()
+    assert sorted(optim_a["momentum"]) == sorted(hidden_matrices())
     assert all((optim_a["momentum"][n] == optim_b["momentum"][n]).all() for n in optim_a["momentum"])
 
 

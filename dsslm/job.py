@@ -40,9 +40,10 @@ from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
-from dsslm.observe.audit import ResumeAudit, run_env
+from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
 from dsslm.observe.sinks import LogWriteError, Sinks
+from dsslm.optim import older_muon, older_muon_note
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor
@@ -170,8 +171,12 @@ def start(job: Job) -> str:
     env = run_env(engine.device.type, engine.world_size, engine.name, cfg.train.micro_batch_size,
                   cfg.train.grad_accum, torch.__version__, torch.get_num_threads(), schedule)
     if how == "resume" and engine.is_main:  # read what the interrupted job recorded, before we record anything
+        recorded = last_start(job.run_dir / "events.jsonl")
+        if cfg.optim.name == "muon" and older_muon(recorded.get("config")):
+            print(older_muon_note(cfg.optim, job.state.step), flush=True)
         job.audit = ResumeAudit.after_resume(job.run_dir, job.state.step, env, cfg.observe.audit_tol,
-                                             cfg.train.total_steps, job.sinks.emit, to_dict(cfg), RESUME_MUTABLE_KEYS)
+                                             cfg.train.total_steps, job.sinks.emit, to_dict(cfg), RESUME_MUTABLE_KEYS,
+                                             start=recorded)
         job.sinks.listeners.append(job.audit.observe)  # the triage decisions must come again too
     if cfg.monitor.enabled:
         job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind

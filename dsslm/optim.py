@@ -3,6 +3,7 @@ learning rate as a pure function of the step."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -140,6 +141,24 @@ def muon_weight_decay(cfg: OptimCfg) -> float:
     if cfg.muon_weight_decay is not None:
         return cfg.muon_weight_decay
     return cfg.weight_decay * cfg.peak_lr / cfg.muon_lr
+
+
+def older_muon(recorded: Any) -> bool:
+    """Whether a recorded config (a `start` event's, as a dict) ran Muon as dsslm did before it
+    orthogonalised each projection on its own and decayed at AdamW's rate per step (issue 41):
+    such a config has no optim.muon_split."""
+    optim = recorded.get("optim") if isinstance(recorded, dict) else None
+    return isinstance(optim, dict) and optim.get("name") == "muon" and "muon_split" not in optim
+
+
+def older_muon_note(cfg: OptimCfg, step: int) -> str:
+    """The one line a resume of such a run prints: what its updates now do differently."""
+    wd = cfg.weight_decay
+    return (f"dsslm: this Muon run was saved before issue 41 (qkv and gate_up orthogonalised whole, decay "
+            f"optim.weight_decay={wd:g} x Muon's rate): from step {step + 1} its updates differ (each projection "
+            f"on its own, decay {muon_weight_decay(cfg):.4g} x Muon's rate, AdamW's per step: "
+            f"docs/configuration.md#muon); optim.muon_split=false optim.muon_weight_decay={wd:g} --allow-drift "
+            f"optim.muon_split --allow-drift optim.muon_weight_decay keeps the old ones")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimCfg, device: torch.device) -> torch.optim.AdamW:

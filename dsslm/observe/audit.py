@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from dsslm.observe.sinks import read_jsonl_backward
+from dsslm.optim import older_muon
 
 INPUT_KEYS = ("lr", "lr_scale", "data_batch", "data_position", "batch_sequences")  # what the step was fed
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -120,12 +121,14 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def config_changes(recorded: Any, now: dict | None, mutable: tuple[str, ...]) -> list[str]:
     """The keys whose values differ between the config the records were made with and `now`,
     leaving out `mutable` keys (and their sub-keys) and keys either side lacks (an older version's
-    config has fewer: not a change). [] where either is unknown."""
+    config has fewer: not a change, but for Muon's updates before issue 41, `optim.muon_split`).
+    [] where either is unknown."""
     if not isinstance(recorded, dict) or not now:
         return []
     before, after = _flat(recorded), _flat(now)
-    return sorted(k for k in after if k in before and before[k] != after[k]
-                  and not any(k == m or k.startswith(m + ".") for m in mutable))
+    changed = [k for k in after if k in before and before[k] != after[k]
+               and not any(k == m or k.startswith(m + ".") for m in mutable)]
+    return sorted(changed + (["optim.muon_split"] if older_muon(recorded) else []))
 
 
 STOPS = ("end", "finished", "escalation", "preempt_save", "failed")  # how a job's events end
@@ -180,14 +183,16 @@ class ResumeAudit:
     @classmethod
     def after_resume(cls, run_dir: Path, from_step: int, env: dict, tol: float, total_steps: int,
                      emit: Callable[..., Any], config: dict | None = None,
-                     mutable: tuple[str, ...] = ()) -> "ResumeAudit":
+                     mutable: tuple[str, ...] = (), start: dict | None = None) -> "ResumeAudit":
         """Read what the crashed job recorded after `from_step` (call before this job writes).
         `config`: this job's config (as its `start` event records it), compared, but for the
         `mutable` keys (drift.RESUME_MUTABLE_KEYS), with the config of the job that wrote the
         records. Where they differ (this resume or that job's passed --allow-drift), the records
         ran another computation: nothing is compared. An alert there said "the resume did not
-        restore everything" of a change a user asked for, and paged someone."""
-        start = last_start(run_dir / "events.jsonl")  # read once: the env and the config of one job
+        restore everything" of a change a user asked for, and paged someone. `start`: that job's
+        `start` event, where the caller has read it already."""
+        if start is None:
+            start = last_start(run_dir / "events.jsonl")  # read once: the env and the config of one job
         changed = config_changes(start.get("config"), config, mutable)
         if changed:
             emit("resume_audit", step=from_step, from_step=from_step, compared=0, verdict="nothing_to_compare",

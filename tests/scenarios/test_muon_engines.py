@@ -190,7 +190,7 @@ def test_muon_state_resumes_across_engines_within_the_engines_tolerance(saved, r
 
 @pytest.mark.parametrize("engine", [("engine.kind=ddp",), ("engine.kind=zero", "engine.zero_stage=3"),
                                     ("engine.kind=ddp", "ckpt.format=sharded")], ids=["ddp", "zero3", "ddp-sharded"])
-def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_bits(tmp_path, engine):
+def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_bits(tmp_path, capsys, engine):
     """Resumed from step 4, not from step 0: a restart from scratch on CPU gives the same bits too,
     so the losses alone cannot tell. (A sharded Muon checkpoint was passed over: its index check
     wanted AdamW's moments for every stepped parameter, and every resume started again at 0.)"""
@@ -200,7 +200,9 @@ def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_b
     assert main([f"run.dir={tmp_path / 'straight'}", *common]) == 0
     crashed = run_train(tmp_path / "crashed", *common[len(TINY):], "faults.crash_at_step=6", check=False)
     assert crashed.returncode != 0
+    capsys.readouterr()
     assert main([f"run.dir={tmp_path / 'crashed'}", *common]) == 0
+    assert "saved before issue 41" not in capsys.readouterr().out
     assert [e["step"] for e in events(tmp_path / "crashed", "resume")] == [4]
     assert not events(tmp_path / "crashed", "passed_over")
     assert losses_by_step(tmp_path / "crashed") == losses_by_step(tmp_path / "straight")
@@ -209,6 +211,31 @@ def test_a_muon_run_killed_and_resumed_through_its_checkpoint_ends_on_the_same_b
     from safetensors.torch import load_file
     optim = load_file(tmp_path / "crashed" / "checkpoints" / "step-00000008" / "optim.safetensors")
     assert any(k.startswith("momentum/blocks.") for k in optim) and not any(k.startswith("momentum/tok_emb") for k in optim)
+
+
+def test_a_run_saved_before_per_block_muon_resumes_and_says_in_one_line_that_its_updates_differ(tmp_path, capsys):
+    """Its checkpoint holds one momentum buffer per matrix either way, so it loads; the job that
+    wrote the steps after the checkpoint ran the fused update (its config, in its `start` event,
+    has no optim.muon_split), so the audit compares nothing and raises no alert."""
+    import json
+    from dsslm.train import main
+    from helpers import TINY, events, run_train
+    common = [*MUON, "train.total_steps=8", "ckpt.every=4", "ckpt.async_save=false"]
+    run_dir = tmp_path / "old"
+    assert run_train(run_dir, *common, "faults.crash_at_step=6", check=False).returncode != 0
+    log = run_dir / "events.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for event in lines:  # what dsslm wrote before issue 41: no such keys
+        if event.get("event") == "start":
+            del event["config"]["optim"]["muon_split"], event["config"]["optim"]["muon_weight_decay"]
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    capsys.readouterr()
+    assert main([f"run.dir={run_dir}", *TINY, *common]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "saved before issue 41" in line]
+    assert len(said) == 1 and "from step 5 its updates differ" in said[0], said
+    audit = events(run_dir, "resume_audit")
+    assert [a["verdict"] for a in audit] == ["nothing_to_compare"] and "optim.muon_split" in audit[0]["reason"]
+    assert not events(run_dir, "alert") and [e["step"] for e in events(run_dir, "resume")] == [4]
 
 
 @pytest.mark.parametrize("saved, now", [("muon", "adamw"), ("adamw", "muon")])

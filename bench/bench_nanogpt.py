@@ -222,7 +222,8 @@ def first_under(evals: list, target: float):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (train.py, model.py, ...)")
+    parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (train.py, model.py, ...); not needed by "
+                                                     "--pairs 0 --max-iters 0 --sweep")
     parser.add_argument("--text", type=Path, default=OUT / "shakespeare.txt",
                         help="tinyshakespeare's input.txt, or bench/shakespeare_text.py's stand-in")
     parser.add_argument("--pairs", type=int, default=3)
@@ -245,8 +246,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="both compiled (nanoGPT --compile=True, dsslm train.compile=true); the recipe is eager")
     args = parser.parse_args()
-    if not (args.nanogpt / "train.py").is_file() or not args.text.is_file():
-        raise SystemExit(f"need {args.nanogpt}/train.py and {args.text}; see this script's docstring")
+    needs_nanogpt = args.pairs > 0 or args.max_iters > 0
+    if (needs_nanogpt and not (args.nanogpt and (args.nanogpt / "train.py").is_file())) or not args.text.is_file():
+        raise SystemExit(f"need {args.nanogpt or '--nanogpt'}/train.py and {args.text}; see this script's docstring")
     data_dir, _ = prepare_data(args.text)
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
     print(f"text {args.text} ({args.text.stat().st_size:,} bytes), {tokens} tokens/iteration, threads "

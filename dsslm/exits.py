@@ -39,6 +39,17 @@ EXIT_BAD_NODE = 76       # a node failed its check before the first step: requeu
 EXIT_INTERRUPTED = 130   # Ctrl-C
 # Codes no requeue can cure: a launcher that requeues on failure stops on these.
 NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_CRASH_LOOP)
+# Which rank's code a job's launcher reports when ranks differ (a hang's survivors exit 75 while the
+# stopped rank dies of SIGKILL): a person's codes first, the crash loop the first of them (it is
+# what ends the requeues), then the requeue codes, then a failed write.
+_JOB_ORDER = (EXIT_CRASH_LOOP, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_BAD_NODE,
+              EXIT_WRITE_FAILED)
+
+
+def job_exit_code(codes: list[int]) -> int:
+    """The one exit code of a job whose ranks exited with `codes` (negative: killed by a signal):
+    the first of _JOB_ORDER present, else the first other failure, else 1 (torchrun's own)."""
+    return next((c for c in _JOB_ORDER if c in codes), next((c for c in codes if c > 0), 1))
 
 
 class Preempted(BaseException):

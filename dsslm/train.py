@@ -44,6 +44,7 @@ from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
+from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER
 from dsslm.optim import lr_at
 from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
@@ -130,12 +131,15 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
     stop = StopFlag()  # first: from here a SIGTERM/SIGUSR1 before the first step is a clean exit 0
     with contextlib.ExitStack() as cleanup:  # saves finished, events recorded, lock released, group left
         cleanup.callback(stop.close)
+        job = None
         try:
             job = setup(cfg, allow_drift, cleanup)
             return run_loop(job, stop)
         except Exception as exc:
             if stop.stopped_in_setup:  # a peer that left on the same signal broke a collective
                 raise Preempted(stop.signum) from exc
+            if job is not None:
+                job.watchdog.failed(exc)  # a dead peer or the collectives' timeout: diagnosed, exit 75 there
             raise
 
 
@@ -171,6 +175,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
             first_step = None   # once: a rewind to the start does not report again
+        job.progress.report(state.step, EVALUATION)
         if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
         job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
@@ -186,6 +191,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
     stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
+    job.progress.report(state.step, CHECKPOINT)
     check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
@@ -214,16 +220,20 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     job.triage.before_step(state)  # a triage replay's data left out from its base on
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
     lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
+    job.progress.report(step, DATA)
     fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
     job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.corrupt(batches, fed.indices)
     streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
+    job.progress.report(step, FORWARD_BACKWARD)
     result = compute(job, step, batches, tokens, lambda: stop.requested)  # read after the backward
     if job.triage.spread_pending:  # once per job, where kernels are not bitwise deterministic
         result = measure_spread(job, step, batches, streams, result, stop)
+    job.progress.report(step, COLLECTIVE)
     verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
+    job.progress.report(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
         job.clipper.commit()

@@ -49,7 +49,7 @@ from dsslm.observe import reaper
 from dsslm.observe.console import warn_at_start
 from dsslm.observe.hangs import fold_failures, read_learned
 from dsslm.observe.sinks import LogWriteError, Sinks
-from dsslm.observe.watchdog import CHECKPOINT, LOAD, Links, Progress, Watchdog
+from dsslm.observe.watchdog import CHECKPOINT, EVALUATION, LOAD, Links, Progress, Watchdog
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor
@@ -158,6 +158,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)),
               progress=reports, watchdog=watchdog)
     triage.save_base = lambda: save(job, sync=True)  # an escalating triage's base, held only in memory
+    job.evals.before = lambda step: reports.report(step, EVALUATION)
     return job
 
 

@@ -175,7 +175,6 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
             first_step = None   # once: a rewind to the start does not report again
-        job.progress.report(state.step, EVALUATION)
         if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
         job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
@@ -356,6 +355,7 @@ def timed(record: StepRecord, started: float, state: TrainState) -> dict:
 def validate(job: Job, diagnostics: Diagnostics) -> None:
     """Validation loss and bits per byte per domain, logged and checked for a diverging domain."""
     state = job.state
+    job.progress.report(state.step, EVALUATION)
     val_loss, val_bpb = evaluate(job)
     job.sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb,
                        "domain_tokens": dict(state.domain_tokens)})

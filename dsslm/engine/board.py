@@ -84,7 +84,9 @@ def collective_failure(exc: BaseException) -> str | None:
 class StoreBoard:
     """Beats in the job's TCPStore under `dsslm/watch/<token>/`, exchanged by a daemon thread every
     `beat_s`: our last beat posted, every rank's read back, and the verdict if a rank announced one.
-    `view()` is the last complete exchange: (its monotonic time, beats by rank, verdict)."""
+    `view()` is the last complete exchange: (its monotonic time, beats by rank, verdict). The beat
+    is `source()` at the exchange (so it is as fresh as the store can show it) plus `n`, the count
+    of exchanges: a peer sees this rank beating while `n` moves."""
 
     def __init__(self, address: tuple[str, int], token: str, rank: int, world_size: int, beat_s: float):
         self.address, self.prefix, self.rank = address, f"dsslm/watch/{token}/", rank
@@ -92,6 +94,7 @@ class StoreBoard:
         self.beat_s = beat_s
         self.op_timeout = timedelta(seconds=min(30.0, max(2.0, 4 * beat_s)))
         self.outbox: bytes | None = None
+        self.source: Any = None  # () -> dict: this rank's beat, read at each exchange
         self.announcing: str | None = None
         self.last: tuple[float, list[Any], str | None] = (time.monotonic(), [None] * world_size, None)
         self.exchanges = 0
@@ -113,6 +116,7 @@ class StoreBoard:
 
     def close(self, beat: dict, wait_s: float) -> None:
         """Post a last beat (`exited`), wait up to `wait_s` for it to go out, stop."""
+        self.source = None
         self.post(beat)
         done = self.exchanges
         self._wake.set()
@@ -136,6 +140,8 @@ class StoreBoard:
             client = dist.TCPStore(*self.address, is_master=False, timeout=self.op_timeout, wait_for_workers=False)
             self._store = dist.PrefixStore(self.prefix, client)
         store = self._store
+        if self.source is not None and not self._stop.is_set():
+            self.post({**self.source(), "n": self.exchanges})
         if self.outbox is not None:
             store.set(self.keys[self.rank], self.outbox)
         if self.announcing is not None:

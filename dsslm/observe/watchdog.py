@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import math
 import os
 import signal
 import socket
@@ -140,11 +141,14 @@ class Verdict:
 
 
 def judge(seen: list[Seen], floor_s: float, store_silent_s: float, store: str, broken: str | None = None,
-          grace_s: float = 0.0) -> Verdict | None:
+          grace_s: float = 0.0, quiet_s: float = math.inf) -> Verdict | None:
     """The verdict on a job from every rank's view, or None. `broken`: the training thread's
     collective failed (`timeout`, or `peer`: a peer's connection closed), so a peer or the store
-    silent for `grace_s` is gone, not floor_s."""
-    live = sorted((s for s in seen if not s.exited), key=lambda s: -s.age_s)
+    silent for `grace_s` is gone, not floor_s. Nobody is called stuck while another rank has
+    not beaten for `quiet_s`: the one that went quiet may be the one the others wait for, its last
+    report later than its last beat, and floor_s of silence names it."""
+    # The quiet ranks first, then by their last report, earliest first.
+    live = sorted((s for s in seen if not s.exited), key=lambda s: (s.silent_s <= quiet_s, -s.age_s))
     if not live:
         return None
     if broken == "timeout":
@@ -158,7 +162,7 @@ def judge(seen: list[Seen], floor_s: float, store_silent_s: float, store: str, b
         return Verdict("store_silent", live[:1], live[1:],
                        f"the job's store at {store} has not answered for {store_silent_s:.0f} s")
     top = live[0]
-    if broken is None and top.age_s > top.limit_s:
+    if broken is None and top.age_s > top.limit_s and not any(s.silent_s > quiet_s for s in live):
         return Verdict("stuck", [top], live[1:], f"in {top.phase} for {top.age_s:.0f} s, past its limit "
                                                  f"of {top.limit_s:.0f} s")
     return None
@@ -168,13 +172,13 @@ class LocalBoard:
     """One process: no store, no peers."""
 
     def __init__(self) -> None:
-        self.beat: dict | None = None
+        self.source: Callable[[], dict] | None = None
 
     def post(self, beat: dict) -> None:
-        self.beat = beat
+        pass
 
     def view(self) -> tuple[float, list[Any], str | None]:
-        return time.monotonic(), [self.beat], None
+        return time.monotonic(), [None], None
 
     def announce(self, verdict: str) -> None:
         pass
@@ -212,10 +216,11 @@ class Watchdog:
         self.changed: dict[int, tuple[Any, float]] = {}  # rank -> (its beat count, when it last changed)
         self.bound: float | None = None
         self.broken: str | None = None
-        self.beats, self.closed, self.leaving = 0, False, False
+        self.closed, self.leaving = False, False
         self._leave_lock = threading.Lock()
         self._stop = threading.Event()
         self.reaper: subprocess.Popen | None = None
+        links.board.source = lambda: dataclasses.asdict(self._me(time.monotonic()))  # read by the board's exchange
         self._thread = threading.Thread(target=self._run, name="dsslm-watchdog", daemon=True)
         self._thread.start()
 
@@ -236,17 +241,16 @@ class Watchdog:
     def tick(self, now: float) -> None:
         step = self.progress.now[0]
         self._learn(step)
-        self.beats += 1
-        self.links.board.post({**dataclasses.asdict(self._me(now)), "n": self.beats})
         at, beats, verdict = self.links.board.view()
         if verdict is None and now - at > 3 * self.cfg.beat_s:  # the store is silent: a partition's other side may have called
             verdict = hangs.claimed(self.run_dir, self.token)
         if verdict is not None:
             self._join(verdict)
             return
+        seen = self._seen(now, at, beats)  # every tick: it also tracks when each rank's beats last moved
         if self.cfg.enabled or self.broken:
-            found = judge(self._seen(now, at, beats), self.cfg.floor_s, now - max(at, self.rebased),
-                          self.links.store, self.broken, self.grace_s)
+            found = judge(seen, self.cfg.floor_s, now - max(at, self.rebased), self.links.store, self.broken,
+                          self.grace_s, 4 * self.cfg.beat_s)
             if found is not None:
                 self.call(found)
         self._reset_failures(step)
@@ -321,7 +325,10 @@ class Watchdog:
         if kind == "timeout":
             now = time.monotonic()
             at, beats, _ = self.links.board.view()
-            self.call(judge(self._seen(now, at, beats), self.cfg.floor_s, 0.0, self.links.store, kind))
+            verdict = judge(self._seen(now, at, beats), self.cfg.floor_s, 0.0, self.links.store, kind,
+                            quiet_s=4 * self.cfg.beat_s)
+            verdict.why += f" ({' '.join(str(exc).split())[:300]})"
+            self.call(verdict)
         self.broken = kind
         deadline = time.monotonic() + self.grace_s + 3 * self.cfg.beat_s
         while time.monotonic() < deadline:  # the thread calls it (and never returns) or finds every peer alive
@@ -419,8 +426,8 @@ class Watchdog:
         self.closed = True
         self._stop.set()
         self._thread.join(timeout=2 * self.cfg.beat_s + 1)
-        self.links.board.close({**dataclasses.asdict(self._me(time.monotonic())), "n": self.beats + 1,
-                                "exited": True}, wait_s=2 * self.cfg.beat_s)
+        self.links.board.close({**dataclasses.asdict(self._me(time.monotonic())), "n": -1, "exited": True},
+                               wait_s=2 * self.cfg.beat_s)
         if self.reaper is not None:
             self.reaper.kill()
             self.reaper.wait()

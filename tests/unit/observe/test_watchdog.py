@@ -54,6 +54,17 @@ def test_the_earliest_report_past_its_limit_is_stuck():
     assert sorted(s.rank for s in verdict.waiting) == [0, 2]
 
 
+def test_no_rank_is_stuck_while_another_has_gone_quiet():
+    """Rank 1 stopped in a save; its last beat (step 4) is older than its last report (step 10), so
+    rank 0, waiting since its own save began, looks like the earliest report. While rank 1 is
+    quiet the stuck rule waits; at floor_s of silence rank 1 is named."""
+    ranks = [seen(0, CHECKPOINT, age=61, limit=60), seen(1, FORWARD_BACKWARD, age=59, silent=50, step=4)]
+    assert judge(ranks, 60, 1, "a:1", quiet_s=8) is None
+    assert judge(ranks, 60, 1, "a:1").first[0].rank == 0  # without the rule: the wrong rank
+    ranks[1].silent_s = 61
+    assert [s.rank for s in judge(ranks, 60, 1, "a:1", quiet_s=8).first] == [1]
+
+
 def test_ranks_waiting_for_a_peer_in_a_long_phase_are_no_hang():
     """Rank 0 writes a first (untimed: ceiling) save for 200 s; rank 1 waits in a collective whose own
     limit (60 s) it passed long ago. Only the rank the others wait for is judged: no verdict."""
@@ -81,6 +92,8 @@ def test_a_broken_collective_calls_a_silent_peer_after_the_grace_and_never_a_liv
     assert judge(live_peer, 60, 1, "a:1", broken="peer", grace_s=6) is None  # not "stuck" either: it failed, it is not hung
     timed_out = judge(live_peer, 60, 1, "a:1", broken="timeout")
     assert timed_out.cause == "collective_timeout" and timed_out.first[0].rank == 1
+    quiet_peer = [seen(0, COLLECTIVE, age=9), seen(1, FORWARD_BACKWARD, age=5, silent=5)]  # its beats lag its reports
+    assert judge(quiet_peer, 60, 1, "a:1", broken="timeout", quiet_s=2).first[0].rank == 1
 
 
 def test_where_the_job_stopped_is_the_furthest_step_and_phase():

@@ -360,6 +360,7 @@ class Watchdog:
             if won is not None:
                 self._record(folder, code, *won)
         finally:
+            tell_agent(code)
             for fn in self.links.on_leave:
                 try:
                     fn()
@@ -431,6 +432,18 @@ class Watchdog:
         if self.reaper is not None:
             self.reaper.kill()
             self.reaper.wait()
+
+
+def tell_agent(code: int) -> None:
+    """The code this rank leaves with, for `python -m dsslm.engine.agent` (its DSSLM_AGENT_EXIT_FILE):
+    it exits with it even where torchrun's shutdown would wait on an unreachable rendezvous."""
+    path = os.environ.get("DSSLM_AGENT_EXIT_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass
 
 
 def describe(record: dict, folder: Path) -> str:

@@ -38,7 +38,7 @@ from dsslm.config import Config, ConfigError
 from dsslm.data import DataError
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
-                         EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now)
+                         EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
@@ -54,9 +54,6 @@ from dsslm.rng import set_step_streams, step_streams
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
 FP16_OVERFLOW = "fp16_overflow"
-# A file rank 0 writes one word into as it leaves, for a launcher that must tell a preemption save from
-# the run's end (both exit 0): `finished` or `preempted`. slurm/train.sbatch requeues only the second.
-STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
 
 
 @dataclass

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from dsslm.config import WatchdogCfg
 from dsslm.durable import write_json_atomic
-from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE
+from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, STATUS_FILE_ENV
 from dsslm.observe import hangs, reaper
 from dsslm.observe.sinks import EventLog
 
@@ -407,6 +407,7 @@ class Watchdog:
             pass
         line = describe(record, folder)
         print(f"dsslm: {line}", file=sys.stderr, flush=True)
+        note_status(f"hang {code}")
         events = EventLog(self.run_dir, True, self.alert_command)
         events.emit("hang", step=step, phase=phase, cause=verdict.cause, record=str(folder),
                     exit_code=code, in_a_row=row, line=line)
@@ -437,11 +438,20 @@ class Watchdog:
 def tell_agent(code: int) -> None:
     """The code this rank leaves with, for `python -m dsslm.engine.agent` (its DSSLM_AGENT_EXIT_FILE):
     it exits with it even where torchrun's shutdown would wait on an unreachable rendezvous."""
-    path = os.environ.get("DSSLM_AGENT_EXIT_FILE")
+    _write_line("DSSLM_AGENT_EXIT_FILE", str(code))
+
+
+def note_status(line: str) -> None:
+    """`hang 75` or `hang 6` for the launcher ($DSSLM_STATUS_FILE): srun's code is one for all nodes."""
+    _write_line(STATUS_FILE_ENV, line)
+
+
+def _write_line(env: str, line: str) -> None:
+    path = os.environ.get(env)
     if path:
         try:
             with open(path, "w") as f:
-                f.write(f"{code}\n")
+                f.write(line + "\n")
         except OSError:
             pass
 

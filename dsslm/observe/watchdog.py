@@ -319,9 +319,6 @@ class Watchdog:
         kind = self.links.classify(exc)
         if kind is None or self.closed:
             return
-        if self.leaving:
-            time.sleep(self.join_s * 4)  # the watchdog thread is ending the process
-            return
         if kind == "timeout":
             now = time.monotonic()
             at, beats, _ = self.links.board.view()
@@ -346,12 +343,14 @@ class Watchdog:
         self._leave(folder, code, (verdict, row) if won else None)
 
     def _join(self, announced: str) -> None:
-        name, code = announced.split()
-        self._leave(self.run_dir / hangs.HANGS / name, int(code), None)
+        name, _, code = announced.partition(" ")
+        if code.isdigit() and name and "/" not in name and not name.startswith("."):  # another process wrote it
+            self._leave(self.run_dir / hangs.HANGS / name, int(code), None)
 
     def _leave(self, folder: Path | None, code: int, won: tuple[Verdict, int] | None) -> None:
         with self._leave_lock:
-            if self.leaving:
+            if self.leaving:  # the other thread is ending the process
+                time.sleep(self.join_s + 60)
                 return
             self.leaving = True
         try:

@@ -116,7 +116,7 @@ dist.destroy_process_group()
 '''
 
 
-def flight(tmp: Path, rounds: int = 3) -> dict:
+def flight(tmp: Path, rounds: int = 7) -> dict:
     script = tmp / "flight.py"
     script.write_text(FLIGHT)
     out = {"on": [], "off": []}

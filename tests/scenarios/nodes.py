@@ -6,8 +6,9 @@ drills and the multi-node tests (`from nodes import ...`).
 nodeb) and an /etc/hosts that names both. The filesystem is shared (run.dir, the data), as a
 cluster's shared filesystem is; `Node.binds` mounts a node-local path over a shared one (a node's
 own copy of DATA_DIR). `launch` starts `python -m dsslm.engine.agent` (torchrun that exits with
-the ranks' own code) on each node given: c10d rendezvous on node A's address, gloo over the veth
-(GLOO_SOCKET_IFNAME). `HOST` is this machine as one node, for single-node drills.
+the ranks' own code) on each node given: c10d rendezvous on node A's hostname, gloo over the veth
+(each hostname resolves to its node's address). `HOST` is this machine as one node, for
+single-node drills. `slurm_cluster.TwoNodeSlurm` runs a slurmd in each node.
 
 `Node.kill()` SIGKILLs every process of a node (`ip netns pids`); `Node.link(False)` takes its
 link down. The `two_nodes` fixture (module scope: the namespaces are shared by a file's tests)
@@ -66,13 +67,13 @@ class Node:
         mounts = [f"mount --bind {self.hosts} /etc/hosts"] + [f"mount --bind {own} {shared}"
                                                                 for shared, own in self.binds.items()]
         script = f"hostname {self.name} && " + " && ".join(mounts) + ' && exec "$@"'
-        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "--propagation", "private",
-                "sh", "-c", script, "sh", *argv]
+        # nsenter, not `ip netns exec`: that one remounts /sys, which hides the host's cgroups (slurmd needs them).
+        return ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--uts", "--mount", "--propagation",
+                "private", "sh", "-c", script, "sh", *argv]
 
     def popen(self, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+        # No GLOO_SOCKET_IFNAME: gloo binds to the address its hostname resolves to, as on a cluster.
         full = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **env}
-        if self.ifname:
-            full["GLOO_SOCKET_IFNAME"] = self.ifname
         with open(log, "ab") as out:
             return subprocess.Popen(self.wrap(argv), cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -82,9 +83,9 @@ class Node:
             return []
         return [int(p) for p in _sh("ip", "netns", "pids", self.netns, check=False).stdout.split()]
 
-    def kill(self) -> None:
-        """Every process of this node, at once: a node that dies."""
-        for pid in self.pids():
+    def kill(self, keep: frozenset[int] = frozenset()) -> None:
+        """Every process of this node (but `keep`), at once: a node that dies."""
+        for pid in set(self.pids()) - keep:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -174,6 +175,7 @@ class TwoNodes:
         self.hosts.write_text(f"127.0.0.1 localhost\n10.77.{subnet}.1 nodea\n10.77.{subnet}.2 nodeb\n")
         self.a = Node("nodea", f"{PREFIX}-{tag}-a", f"10.77.{subnet}.1", f"{PREFIX}{tag}a", self.hosts)
         self.b = Node("nodeb", f"{PREFIX}-{tag}-b", f"10.77.{subnet}.2", f"{PREFIX}{tag}b", self.hosts)
+        self.keep: set[int] = set()
 
     def up(self) -> None:
         a, b = self.a, self.b
@@ -197,9 +199,10 @@ class TwoNodes:
             _sh("ip", "netns", "del", node.netns, check=False)
 
     def reset(self) -> None:
-        """Between tests: no process left, the links up, no node-local mounts."""
+        """Between tests: no process left (but the daemons in `keep`: a Slurm cluster's), the links up,
+        no node-local mounts."""
         for node in (self.a, self.b):
-            node.kill()
+            node.kill(frozenset(self.keep))
             node.link(True)
             node.binds = {}
 
@@ -207,7 +210,7 @@ class TwoNodes:
 def make_nodes(root: Path) -> TwoNodes:
     if os.geteuid() != 0:
         raise NodesUnavailable("network namespaces need root")
-    for tool in ("ip", "unshare", "mount"):
+    for tool in ("ip", "nsenter", "unshare", "mount"):
         if shutil.which(tool) is None and shutil.which(tool, path="/usr/sbin:/sbin") is None:
             raise NodesUnavailable(f"no `{tool}` on this machine")
     nodes = TwoNodes(root)

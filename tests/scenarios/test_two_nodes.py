@@ -28,6 +28,7 @@ QUICK = ["observe.watchdog.floor_s=2", "observe.watchdog.beat_s=0.25", "observe.
 def fresh_nodes(two_nodes):
     two_nodes.reset()
     yield
+    two_nodes.reset()  # before a module fixture of the next test starts on them (the Slurm cluster)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -108,3 +109,48 @@ def test_a_node_whose_link_goes_down_ends_the_job_with_one_record(two_nodes, tmp
     everyone = record["first"] + record["waiting"]
     assert sorted(s["host"] for s in everyone) == ["nodea", "nodeb"], record
     assert not a.pids() and not b.pids()
+
+
+@pytest.fixture(scope="module")
+def slurm_on_two_nodes(two_nodes, tmp_path_factory):
+    """A Slurm cluster of the two nodes: one slurmd in each namespace (slurm_cluster.TwoNodeSlurm)."""
+    from slurm_cluster import SlurmUnavailable, TwoNodeSlurm, ensure_installed
+    try:
+        ensure_installed()
+    except SlurmUnavailable as exc:
+        pytest.skip(f"no Slurm: {exc}")
+    two_nodes.reset()
+    cluster = TwoNodeSlurm(tmp_path_factory.mktemp("slurm2"), two_nodes)
+    try:
+        cluster.start()
+        two_nodes.keep |= {proc.pid for proc in cluster.procs.values()}  # the other tests' resets spare them
+        yield cluster
+    finally:
+        two_nodes.keep.clear()
+        cluster.stop()
+
+
+@pytest.mark.slurm
+def test_slurm_across_two_nodes_requeues_a_hang_and_stops_a_crash_loop(slurm_on_two_nodes, tmp_path):
+    """slurm/train.sbatch on 2 nodes, one rank each (srun starts a torchrun agent per node): rank 1
+    stops in step 12 at every start; exit 75 and a requeue twice, then exit 6, not requeued. srun
+    reports one code for both nodes' tasks; the hang caller's line in DSSLM_STATUS_FILE decides."""
+    from slurm_cluster import FINISHED_STATES
+    from test_slurm import JOB_TIMEOUT_S, RUN_ARGS, SBATCH, job_log
+    from helpers import PYTHON, ROOT
+    cluster, run_dir = slurm_on_two_nodes, tmp_path / "run"
+    drill = ["faults.hang_step=12", "faults.hang_rank=1", *QUICK]
+    env = {"DSSLM_PYTHON": PYTHON, "DSSLM_NPROC_PER_NODE": "1", "DS_ACCELERATOR": "cpu"}
+    job_id = cluster.sbatch(SBATCH, [f"run.dir={run_dir}", *RUN_ARGS, *drill],
+                            ["--nodes=2", f"--output={tmp_path}/%x-%j.out"], env=env, cwd=ROOT)
+    try:
+        info = cluster.wait_state(job_id, FINISHED_STATES, 2 * JOB_TIMEOUT_S)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{job_log(tmp_path, job_id)}") from None
+    log = job_log(tmp_path, job_id)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "6:0", "2"), log
+    hangs = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "hang"]
+    assert [(e["step"], e["in_a_row"], e["exit_code"]) for e in hangs] == [(12, 1, 75), (12, 2, 75), (12, 3, 6)], log
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start"]
+    assert {e["world_size"] for e in starts} == {2} and "nodeb" in log and "nodea" in log, log
+    assert records(run_dir)[-1]["first"][0]["rank"] == 1, records(run_dir)[-1]

@@ -5,6 +5,9 @@ train() adds the loader, token-weighted accumulation, the monitor, metrics.jsonl
 checkpoint checks. Shape: nanoGPT's CPU recipe (4 layers, 4 heads, d 128, context 64, batch 12,
 fp32, one process).
 
+Then the watchdog's share of it: the progress reports a train() step makes (counted in a run),
+each timed alone (a million calls), as a fraction of train()'s step (goal < 0.5%).
+
     .venv/bin/python bench/bench_overhead.py [--steps 300] [--rounds 3]
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dsslm.data.corpus import default_data_dir  # noqa: E402
 from dsslm.data.loader import Loader  # noqa: E402
 from dsslm.model import build_model  # noqa: E402
 from dsslm.observe.sinks import Sinks  # noqa: E402
+from dsslm.observe.watchdog import COLLECTIVE, DATA, FORWARD_BACKWARD, OPTIMIZER, Progress  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.train import train  # noqa: E402
 
@@ -84,6 +88,35 @@ class emit_clocks:
         Sinks.emit = self.original
 
 
+def report_ns(calls: int = 1_000_000) -> float:
+    """Nanoseconds per Progress.report, a step's four phases in turn (timed steps: the learning path)."""
+    progress = Progress()
+    progress.first_step = -5
+    phases = (DATA, FORWARD_BACKWARD, COLLECTIVE, OPTIMIZER)
+    started = time.perf_counter()
+    for step in range(calls // len(phases)):
+        for phase in phases:
+            progress.report(step, phase)
+    return (time.perf_counter() - started) / calls * 1e9
+
+
+def reports_per_step(steps: int) -> float:
+    """Progress.report calls per train() step, counted in a run (setup's and the end's included)."""
+    calls, original = [0], Progress.report
+
+    def counted(self, step, phase):
+        calls[0] += 1
+        return original(self, step, phase)
+    Progress.report = counted
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            train(load(None, SHAPE + [f"run.dir={tmp}", f"train.total_steps={steps}", f"ckpt.every={steps}",
+                                      "optim.warmup_steps=5"]))
+    finally:
+        Progress.report = original
+    return calls[0] / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
@@ -106,6 +139,10 @@ def main() -> None:
     over_cpu = statistics.median(f[1] / b[1] - 1 for f, b in zip(framework, bare))
     print(f"overhead  : {100 * over_wall:+.2f}% wall, {100 * over_cpu:+.2f}% CPU (median of per-round ratios; "
           f"target <= 3%)")
+    per_step, ns = reports_per_step(min(args.steps, 50)), report_ns()
+    step_s = statistics.median(r[0] for r in framework)
+    print(f"watchdog  : {per_step:.2f} progress reports per step x {ns:.0f} ns = {per_step * ns / 1e3:.2f} us, "
+          f"{100 * per_step * ns * 1e-9 / step_s:.4f}% of train()'s step (goal < 0.5%)")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def run_inprocess(config: str | None, overrides: list[str]) -> int:
     from dsslm.train import train
     cfg = load(config, overrides)
     # One process group for all three jobs: re-creating a destroyed one on torchrun's store hangs.
-    init_distributed(pick_device(cfg))
+    init_distributed(pick_device(cfg), cfg.engine.collective_timeout_s)
     try:
         return train(cfg)
     except DrillAbort:

@@ -39,6 +39,22 @@ EXIT_BAD_NODE = 76       # a node failed its check before the first step: requeu
 EXIT_INTERRUPTED = 130   # Ctrl-C
 # Codes no requeue can cure: a launcher that requeues on failure stops on these.
 NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_CRASH_LOOP)
+# A file a run writes one line into as it leaves, for a launcher that must tell exits apart whose
+# codes it may not see whole (srun reports one code for every node's task): rank 0's `finished` or
+# `preempted` (both exit 0; slurm/train.sbatch requeues only the second), the hang caller's `hang 75`
+# or `hang 6` (observe/watchdog.py).
+STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
+# Which rank's code a job's launcher reports when ranks differ (a hang's survivors exit 75 while the
+# stopped rank dies of SIGKILL): a person's codes first, the crash loop the first of them (it is
+# what ends the requeues), then the requeue codes, then a failed write.
+_JOB_ORDER = (EXIT_CRASH_LOOP, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_BAD_NODE,
+              EXIT_WRITE_FAILED)
+
+
+def job_exit_code(codes: list[int]) -> int:
+    """The one exit code of a job whose ranks exited with `codes` (negative: killed by a signal):
+    the first of _JOB_ORDER present, else the first other failure, else 1 (torchrun's own)."""
+    return next((c for c in _JOB_ORDER if c in codes), next((c for c in codes if c > 0), 1))
 
 
 class Preempted(BaseException):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
+import secrets
 import socket
 import sys
 import time
@@ -36,13 +38,18 @@ from dsslm.data.tokenizer import load_tokenizer
 from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of, plan_hashing, share_of,
                                update_cache)
 from dsslm.engine import Engine, build_engine
+from dsslm.engine.board import (StoreBoard, collective_failure, flight_record, set_collective_timeout,
+                                store_address)
 from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
+from dsslm.observe import reaper
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
+from dsslm.observe.hangs import fold_failures, read_learned
 from dsslm.observe.sinks import LogWriteError, Sinks
+from dsslm.observe.watchdog import CHECKPOINT, EVALUATION, LOAD, Links, Progress, Watchdog
 from dsslm.optim import older_muon, older_muon_note
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.forensics import Forensics
@@ -76,6 +83,8 @@ class Job:
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
     failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
     evals: TaskEvals = dataclasses.field(default_factory=TaskEvals.off)  # eval.tasks, read and checked by setup
+    progress: Progress = dataclasses.field(default_factory=Progress)  # (step, phase) reports the watchdog reads
+    watchdog: Watchdog | None = None
 
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
@@ -108,7 +117,10 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     lock = RunLock(run_dir, cfg.run.lock_stale_s)
     cleanup.callback(lock.release)  # first: a stop signal once LOCK is linked (in decide's broadcast) removes it
     takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
+    failures = engine.decide(lambda: fold_failures(run_dir))  # the crash-loop count, under the lock
     verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
+    reports, watchdog = start_watchdog(cfg, engine, run_dir, lock, failures)  # after the hashing: it has its own wait
+    cleanup.callback(watchdog.close)  # after finish_saves: the last save is watched too
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
     feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
@@ -144,8 +156,10 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
     job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
-              evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)))
+              evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)),
+              progress=reports, watchdog=watchdog)
     triage.save_base = lambda: save(job, sync=True)  # an escalating triage's base, held only in memory
+    job.evals.before = lambda step: reports.report(step, EVALUATION)
     return job
 
 
@@ -154,6 +168,7 @@ def start(job: Job) -> str:
     started ("resume", "import", "branch", "fresh"), or "finished": a resumed run with nothing
     left to train, which says so and is not started again."""
     cfg, engine = job.cfg, job.engine
+    job.progress.report(job.state.step, LOAD)  # the watchdog allows observe.watchdog.first_s until the first step
     hf_dir = hf_dir_of(cfg.run.init_from)
     how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
     if how == "resume" and job.state.step >= cfg.train.total_steps:
@@ -192,12 +207,14 @@ def start(job: Job) -> str:
               f"(sequence {job.state.next_sequence})", flush=True)
         warn_at_start(cfg, engine.device.type, engine.n_params, tokens_per_step, torch.get_num_threads())
     job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
+    job.progress.first_step = job.state.step + 1
     return how
 
 
 def save(job: Job, sync: bool = False) -> None:
     """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes).
     Escalation instead of a checkpoint whose skip list a resume would refuse (too many entries)."""
+    job.progress.report(job.state.step, CHECKPOINT)
     job.rewinder.check_skip_list(job.state.skip_list, job.state.step)
     if job.engine.is_main:
         job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
@@ -224,6 +241,30 @@ def finish_saves(store: CheckpointStore):
             print(f"dsslm: also: {err}", file=sys.stderr, flush=True)
         return False
     return on_exit
+
+
+def start_watchdog(cfg: Config, engine: Engine, run_dir: Path, lock: RunLock,
+                   failures: dict | None) -> tuple[Progress, Watchdog]:
+    """The progress reports and this rank's watchdog (observe/watchdog.py): beats in the job's store
+    from 2 ranks up; each node's first rank starts the node's reaper."""
+    f = cfg.faults
+    drill = f.hang_step >= 0 and f.hang_rank == engine.rank
+    progress = Progress((f.hang_step, f.hang_phase) if drill else (-1, ""), read_learned(run_dir))
+    token = engine.decide(lambda: secrets.token_hex(8))  # the job's keys and claim: a group may outlive a job
+    links = Links(flight=flight_record, classify=collective_failure, set_timeout=set_collective_timeout,
+                  on_leave=[lock.release] if engine.is_main else [])
+    address = store_address() if engine.world_size > 1 else None
+    if address is not None:
+        links.board = StoreBoard(address, token, engine.rank, engine.world_size, cfg.observe.watchdog.beat_s)
+        links.store = f"{address[0]}:{address[1]}"
+    watchdog = Watchdog(cfg.observe.watchdog, run_dir, engine.rank, token, links, progress, failures,
+                        cfg.run.alert_command, engine.is_main)
+    if engine.world_size > 1:
+        ids = engine.all_gather((socket.gethostname(), os.getpid(), reaper.pid_start(os.getpid())))
+        node = [r for r, (host, _, _) in enumerate(ids) if host == ids[engine.rank][0]]
+        if node[0] == engine.rank:
+            watchdog.start_reaper([ids[r][1:] for r in node])
+    return progress, watchdog
 
 
 def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:

@@ -38,12 +38,13 @@ from dsslm.config import Config, ConfigError
 from dsslm.data import DataError
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
-                         EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now)
+                         EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
+from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER
 from dsslm.optim import lr_at
 from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
@@ -53,9 +54,6 @@ from dsslm.rng import set_step_streams, step_streams
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
 FP16_OVERFLOW = "fp16_overflow"
-# A file rank 0 writes one word into as it leaves, for a launcher that must tell a preemption save from
-# the run's end (both exit 0): `finished` or `preempted`. slurm/train.sbatch requeues only the second.
-STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
 
 
 @dataclass
@@ -130,12 +128,15 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
     stop = StopFlag()  # first: from here a SIGTERM/SIGUSR1 before the first step is a clean exit 0
     with contextlib.ExitStack() as cleanup:  # saves finished, events recorded, lock released, group left
         cleanup.callback(stop.close)
+        job = None
         try:
             job = setup(cfg, allow_drift, cleanup)
             return run_loop(job, stop)
         except Exception as exc:
             if stop.stopped_in_setup:  # a peer that left on the same signal broke a collective
                 raise Preempted(stop.signum) from exc
+            if job is not None:
+                job.watchdog.failed(exc)  # a dead peer or the collectives' timeout: diagnosed, exit 75 there
             raise
 
 
@@ -186,6 +187,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
     stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
+    job.progress.report(state.step, CHECKPOINT)
     check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
@@ -214,16 +216,20 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     job.triage.before_step(state)  # a triage replay's data left out from its base on
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
     lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
+    job.progress.report(step, DATA)
     fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
     job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.corrupt(batches, fed.indices)
     streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
+    job.progress.report(step, FORWARD_BACKWARD)
     result = compute(job, step, batches, tokens, lambda: stop.requested)  # read after the backward
     if job.triage.spread_pending:  # once per job, where kernels are not bitwise deterministic
         result = measure_spread(job, step, batches, streams, result, stop)
+    job.progress.report(step, COLLECTIVE)
     verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
+    job.progress.report(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
         job.clipper.commit()
@@ -346,6 +352,7 @@ def timed(record: StepRecord, started: float, state: TrainState) -> dict:
 def validate(job: Job, diagnostics: Diagnostics) -> None:
     """Validation loss and bits per byte per domain, logged and checked for a diverging domain."""
     state = job.state
+    job.progress.report(state.step, EVALUATION)
     val_loss, val_bpb = evaluate(job)
     job.sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb,
                        "domain_tokens": dict(state.domain_tokens)})

@@ -136,6 +136,9 @@ class EngineCfg:
     kind: str = "ddp"           # ddp | zero | fsdp
     zero_stage: int = 1
     ds_config: str = ""         # "" = ds_configs/zero{stage}.json
+    # Collectives' timeout until the job's first step is done; then a bound derived from the
+    # measured phase times (observe.watchdog's longest limit plus a margin): dsslm/observe/watchdog.py.
+    collective_timeout_s: float = 1800.0
     fsdp_grad_reduce: str = "step"  # fsdp: step (hold unsharded grads to the last micro-batch) | micro_batch
 
 
@@ -187,6 +190,20 @@ class FaultsCfg:
     grad_fault_mode: str = "scale"  # scale (by grad_fault_scale) | nan (non-finite)
     grad_fault_scale: float = 1000.0
     replay_noise: float = 0.0   # non-deterministic kernels: each computation's loss x (1 +- this), alternating
+    hang_step: int = -1         # the hang drill: stop (SIGSTOP) a rank as it enters hang_phase of this step, every start
+    hang_rank: int = 0
+    hang_phase: str = "forward_backward"  # data | forward_backward | optimizer | collective | checkpoint | evaluation
+
+
+@dataclass
+class WatchdogCfg:  # observe.watchdog: hangs, dead nodes and crash loops (dsslm/observe/watchdog.py)
+    enabled: bool = True        # call hangs (false: progress is still reported and timed, the collective bound set)
+    floor_s: float = 60.0       # no phase is called hung sooner; a rank whose beats stop this long is gone
+    ceiling_s: float = 600.0    # no learned limit is longer; a phase not timed yet (a first save) gets this
+    factor: float = 10.0        # a phase may take this many times its longest measured duration
+    first_s: float = 1800.0     # the job's start (checkpoint load) and its first step (compilation, warm-up)
+    beat_s: float = 2.0         # seconds between a rank's beats (in the job's store) and its judgements
+    crash_loop: int = 3         # hangs in a row at one step and phase that end the requeues (exit 6); 0 = never
 
 
 @dataclass
@@ -204,6 +221,7 @@ class ObserveCfg:
     # Resume audit where results are not bitwise reproducible (CUDA, another world size): the
     # relative loss / grad-norm difference tolerated between a recomputed step and its record.
     audit_tol: float = 0.05
+    watchdog: WatchdogCfg = field(default_factory=WatchdogCfg)
 
 
 @dataclass

@@ -99,6 +99,29 @@ def _check_all(cfg: Config) -> None:
     validate_optim(cfg)
     validate_data(cfg)
     validate_spike_policy(cfg)
+    validate_watchdog(cfg)
+
+
+# The phases a rank reports (dsslm/observe/watchdog.py's PHASES, less the start's load): where the
+# hang drill can stop it.
+DRILL_PHASES = ("data", "forward_backward", "optimizer", "collective", "checkpoint", "evaluation")
+
+
+def validate_watchdog(cfg: Config) -> None:
+    """observe.watchdog, engine.collective_timeout_s and the hang drill."""
+    w, f = cfg.observe.watchdog, cfg.faults
+    _check(w.floor_s > 0, f"observe.watchdog.floor_s={w.floor_s} must be > 0")
+    _check(w.ceiling_s >= w.floor_s and w.first_s >= w.floor_s,
+           f"observe.watchdog.ceiling_s={w.ceiling_s} and first_s={w.first_s} must be >= floor_s={w.floor_s}")
+    _check(w.factor >= 1, f"observe.watchdog.factor={w.factor} must be >= 1")
+    # A live rank beats several times within floor_s, or a late beat would look like a dead rank.
+    _check(0 < w.beat_s <= w.floor_s / 4, f"observe.watchdog.beat_s={w.beat_s} must be in (0, floor_s / 4 = "
+                                          f"{w.floor_s / 4:g}]")
+    _check(w.crash_loop >= 0, f"observe.watchdog.crash_loop={w.crash_loop} must be >= 0 (0 = never stop requeueing)")
+    _check(cfg.engine.collective_timeout_s >= 1,
+           f"engine.collective_timeout_s={cfg.engine.collective_timeout_s} must be >= 1")
+    _check_choice("faults.hang_phase", f.hang_phase, DRILL_PHASES)
+    _check(f.hang_rank >= 0, f"faults.hang_rank={f.hang_rank} must be a rank >= 0")
 
 
 def _check_finite(node: Any, prefix: str = "") -> None:

@@ -87,7 +87,7 @@ class Engine(abc.ABC):
         self.optim_impl = adamw_impl(cfg.optim.impl, self.device)  # what optim.impl=auto resolved to
         # A group someone else made (the resume drill runs several jobs in one) outlives us.
         self.owns_group = not dist.is_initialized()
-        init_distributed(self.device)
+        init_distributed(self.device, cfg.engine.collective_timeout_s)
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1

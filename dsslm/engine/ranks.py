@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from dsslm.config import Config, ConfigError
+from dsslm.engine.board import enable_flight_recorder
 
-# The collectives' timeout. Nothing waits in a collective for longer than a step, a checkpoint
+# The collectives' timeout until the first step (engine.collective_timeout_s; then the watchdog's
+# bound, observe/watchdog.py). Nothing waits in a collective for longer than a step, a checkpoint
 # gather or rank 0 hashing the one checkpoint it loads (a 16 GB folder hashes in ~10-30 s); the
 # one wait that grows with the corpus (hashing its shards) goes through `gather_long` instead.
 COLLECTIVE_TIMEOUT_S = 1800
@@ -40,7 +42,7 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_s: int = COLLECTIVE_TIMEOUT_S) -> None:
+def init_distributed(device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
     """Join the process group that torchrun / accelerate launch / srun described in the environment.
 
     Plain `python -m dsslm.train` (no WORLD_SIZE) stays a single process with no group at all.
@@ -49,6 +51,7 @@ def init_distributed(device: torch.device, timeout_s: int = COLLECTIVE_TIMEOUT_S
         return
     # nccl only moves CUDA tensors; gloo is the CPU path (the one the tests exercise).
     backend = "nccl" if device.type == "cuda" else "gloo"
+    enable_flight_recorder()  # read when the group is made: what a hang's record shows of each rank's collectives
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 

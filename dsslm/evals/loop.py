@@ -26,6 +26,7 @@ class TaskEvals:
 
     def __init__(self, cfg=None, engine=None, sinks=None, prepared: Prepared | None = None):
         self.cfg, self.engine, self.sinks, self.prepared = cfg, engine, sinks, prepared
+        self.before: Callable[[int], None] = lambda step: None  # the watchdog hears of each evaluation (job.setup)
 
     @classmethod
     def off(cls) -> "TaskEvals":
@@ -54,6 +55,7 @@ class TaskEvals:
             self.run(step)
 
     def run(self, step: int) -> dict:
+        self.before(step)
         engine, cfg = self.engine, self.cfg
         started = time.perf_counter()
         engine.train_mode(False)

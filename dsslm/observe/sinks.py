@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 from dsslm.config import ConfigError, ObserveCfg
 from dsslm.observe.console import Console
 
-ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert")
+ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert", "hang")
 ALERT_TIMEOUT_S = 30
 MAX_ALERT_FAILURES_SHOWN = 3
 

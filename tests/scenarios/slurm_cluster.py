@@ -9,6 +9,10 @@ A machine that cannot have the cluster (not root, packages neither there nor ins
 Teardown cancels every job, then stops each process this module started, by pid: nothing is
 left running.
 
+`TwoNodeSlurm` is the same cluster on the two nodes of tests/scenarios/nodes.py: slurmctld and a
+slurmd on node A, a slurmd on node B, each in its node's namespaces (entered with nsenter: `ip netns
+exec` remounts /sys, and slurmd needs the host's cgroups there), a spool, pid and log file each.
+
 Standalone check: `python tests/scenarios/slurm_cluster.py` starts the cluster, runs `srun hostname`
 through sbatch, prints the timings and stops everything.
 """
@@ -139,14 +143,20 @@ def _stop_process(proc: subprocess.Popen, timeout_s: float = 10) -> None:
         proc.wait(timeout_s)
 
 
-def write_slurm_conf(root: Path, host: str, cpus: int) -> Path:
-    """A one-node cluster: node `host` at 127.0.0.1, one partition `debug`, all state under root."""
-    for d in ("state", "spool", "log"):
+def write_slurm_conf(root: Path, host: str, cpus: int, nodes: dict[str, str] | None = None) -> Path:
+    """A one-node cluster: node `host` at 127.0.0.1, one partition `debug`, all state under root.
+    `nodes` ({name: address}, the first hosting slurmctld): a cluster of those, one slurmd each
+    (tests/scenarios/nodes.py's namespaces), with a spool, pid and log file per node (%n)."""
+    nodes = nodes or {host: "127.0.0.1"}
+    per_node = "-%n" if len(nodes) > 1 else ""
+    for d in ("state", "log", *(f"spool-{n}" if per_node else "spool" for n in nodes)):
         (root / d).mkdir(parents=True, exist_ok=True)
+    first, first_address = next(iter(nodes.items()))
+    node_lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={cpus} State=UNKNOWN" for n, a in nodes.items())
     conf = root / "slurm.conf"
     conf.write_text(f"""\
 ClusterName=dsslmtest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={first}({first_address})
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -155,11 +165,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire={CRED_EXPIRE_S}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool{per_node}
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd{per_node}.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd{per_node}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -185,8 +195,8 @@ InactiveLimit=0
 MessageTimeout=10
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
     return conf
 
@@ -203,6 +213,7 @@ class SlurmCluster:
         self.env["PATH"] = self.env.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin"
         self.procs: dict[str, subprocess.Popen] = {}
         self.job_ids: list[int] = []
+        self.wrap = lambda argv: argv  # where clients and daemons run (TwoNodeSlurm: in a node's namespaces)
 
     # daemons
 
@@ -219,7 +230,7 @@ class SlurmCluster:
     def _start_daemon(self, name: str, argv: list[str]) -> None:
         with open(self.root / "log" / f"{name}.out", "ab") as log:  # the daemon keeps its own copy
             self.procs[name] = subprocess.Popen(
-                argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                self.wrap(argv), env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
 
@@ -250,9 +261,8 @@ class SlurmCluster:
                 self.client(["scancel", *map(str, self.job_ids)], check=False)
                 self._wait_jobs_gone(KILL_WAIT_S + 15)
         finally:
-            for name in ("slurmd", "slurmctld", "munged"):
-                if name in self.procs:
-                    _stop_process(self.procs[name])
+            for name in reversed(list(self.procs)):  # slurmd(s), slurmctld, munged
+                _stop_process(self.procs[name])
             self._kill_leftover_job_processes()
 
     def _wait_jobs_gone(self, timeout_s: float) -> None:
@@ -297,7 +307,7 @@ class SlurmCluster:
     # clients
 
     def client(self, argv: list[str], check: bool = True, timeout_s: float = 30) -> subprocess.CompletedProcess:
-        done = _run(argv, timeout_s, env=self.env)
+        done = _run(self.wrap(argv), timeout_s, env=self.env)
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
         return done
@@ -306,7 +316,7 @@ class SlurmCluster:
                env: dict[str, str] | None = None, cwd: str | Path | None = None) -> int:
         """Submit a batch script; return the job id. `env` is added to the submitting environment."""
         argv = [_which("sbatch"), "--parsable", *flags, str(script), *args]
-        done = _run(argv, 30, env={**self.env, **(env or {})}, cwd=cwd)
+        done = _run(self.wrap(argv), 30, env={**self.env, **(env or {})}, cwd=cwd)
         if done.returncode != 0:
             raise RuntimeError(f"sbatch exited {done.returncode}: {done.stderr.strip()}")
         job_id = int(done.stdout.strip().split(";")[0])
@@ -332,6 +342,45 @@ class SlurmCluster:
     def wait_state(self, job_id: int, states: set[str] | str, timeout_s: float) -> dict[str, str]:
         states = {states} if isinstance(states, str) else set(states)
         return self.wait_job(job_id, lambda j: j.get("JobState") in states, timeout_s)
+
+
+class TwoNodeSlurm(SlurmCluster):
+    """slurmctld and a slurmd on node A, a slurmd on node B (tests/scenarios/nodes.py's TwoNodes:
+    network namespaces, each its own hostname, so each slurmd finds its NodeName by it); clients run
+    on node A. munged's socket is a path on the shared filesystem: one munged serves both."""
+
+    def __init__(self, root: Path, nodes):
+        super().__init__(root)
+        self.nodes = nodes
+        self.host = nodes.a.name
+        self.cpus = max(1, self.cpus // 2)
+        self.conf = write_slurm_conf(root, self.host, self.cpus, {n.name: n.address for n in (nodes.a, nodes.b)})
+        self.env["SLURM_CONF"] = str(self.conf)
+        self.wrap = nodes.a.wrap
+
+    def start(self) -> None:
+        started = time.monotonic()
+        munged = start_munge(self.root / "log")
+        if munged is not None:
+            self.procs["munged"] = munged
+        self._start_daemon("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        for node in (self.nodes.a, self.nodes.b):
+            self.wrap = node.wrap
+            self._start_daemon(f"slurmd-{node.name}", [_which("slurmd"), "-D", "-f", str(self.conf)])
+        self.wrap = self.nodes.a.wrap
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            states = self.client(["sinfo", "-h", "-N", "-o", "%t"], check=False).stdout.split()
+            if states == ["idle", "idle"]:
+                self.start_s = time.monotonic() - started
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"two nodes not idle after {START_TIMEOUT_S} s (sinfo: {states}):\n{self._log_tails()}")
+
+    def _log_tails(self) -> str:
+        logs = self.root / "log"
+        return "\n".join(f"--- {name}\n{_tail(logs / name)}" for name in
+                         ("slurmctld.log", "slurmd-nodea.log", "slurmd-nodeb.log", "slurmctld.out"))
 
 
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}

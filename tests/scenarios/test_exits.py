@@ -310,15 +310,15 @@ def test_a_second_ctrl_c_stops_at_once_and_exits_130(tmp_path, monkeypatch, caps
 def test_the_sbatch_agent_exits_with_the_ranks_own_code(tmp_path, code):
     """slurm/train.sbatch requeues a preempted job unless the ranks exited 2 (bad input) or 3
     (escalation); torchrun reported any rank failure as 1, so that branch never ran and an
-    escalation near a preemption was requeued. The script's agent now exits with the code."""
-    import re
-
+    escalation near a preemption was requeued. The script's agent (dsslm.engine.agent) now exits with
+    the code."""
     from helpers import PYTHON, ROOT
-    agent = re.search(r"AGENT='(.*?)'\n", (ROOT / "slurm" / "train.sbatch").read_text(), re.S).group(1)
+    assert "-m dsslm.engine.agent" in (ROOT / "slurm" / "train.sbatch").read_text()
     script = tmp_path / "rank.py"
     script.write_text(f"import os, sys\nsys.exit({code} if os.environ['RANK'] == '1' else 0)\n")
-    proc = subprocess.run([PYTHON, "-c", agent, "--nproc_per_node", "2", str(script)], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run([PYTHON, "-m", "dsslm.engine.agent", "--nproc_per_node", "2", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == code, proc.stderr[-2000:]
 
 

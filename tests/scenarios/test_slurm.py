@@ -249,6 +249,27 @@ def test_after_a_notice_only_a_preemption_save_is_requeued(tmp_path, status, req
     assert not list((tmp_path / "slurm" / "logs").glob(".status-*"))
 
 
+@pytest.mark.parametrize("srun, requeued, said", [
+    ("exit 75", True, "diagnosed a hang or a dead node"),
+    ("exit 6", False, "exit 6 needs a person"),
+    ("exit 2", False, "exit 2 needs a person"),
+    # srun's one code may be a node's task that --kill-on-bad-exit killed: the caller's line decides.
+    ('echo "hang 75" >"$DSSLM_STATUS_FILE"; exit 137', True, "diagnosed a hang or a dead node"),
+    ('echo "hang 6" >"$DSSLM_STATUS_FILE"; exit 75', False, "exit 6 needs a person"),
+    ("exit 1", False, "ranks exited with 1")])
+def test_a_diagnosed_hang_is_requeued_and_a_crash_loop_never(tmp_path, srun, requeued, said):
+    rc, out, calls = run_alone(tmp_path, srun)
+    assert ("requeue 42" in calls) == requeued and said in out, (rc, out, calls)
+    assert rc == (0 if requeued else int(said.split()[1]) if "needs a person" in said else 1), out
+
+
+def test_the_scripts_exit_codes_are_dsslms():
+    from dsslm.exits import EXIT_REQUEUE, NEEDS_A_PERSON
+    script = SBATCH.read_text()
+    assert f"\nEXIT_REQUEUE={EXIT_REQUEUE}\n" in script
+    assert f'\nNEEDS_A_PERSON=" {" ".join(map(str, sorted(NEEDS_A_PERSON)))} "\n' in script
+
+
 # dsslm.train under the launcher
 
 
@@ -331,3 +352,21 @@ def test_usr1_saves_at_the_step_reached_and_requeues(slurm_cluster, reference_ru
     log = job_log(tmp_path, job_id)
     assert "SIGUSR1: forwarding" in log and "(dsslm: preempted)" in log and "requeueing job" in log, log
     assert last_loss_per_step(run_dir) == last_loss_per_step(reference_run)
+
+
+def test_a_hang_at_the_same_step_every_start_stops_after_three_starts_unrequeued(slurm_cluster, tmp_path):
+    """The hang drill stops rank 1 in step 12 at every start: exit 75 and a requeue twice, then the
+    third hang in a row at the same step and phase is a crash loop: exit 6, not requeued."""
+    run_dir = tmp_path / "run"
+    drill = ["faults.hang_step=12", "faults.hang_rank=1", "observe.watchdog.floor_s=2", "observe.watchdog.beat_s=0.25"]
+    job_id = submit(slurm_cluster, tmp_path, [f"run.dir={run_dir}", *RUN_ARGS, *drill], {})
+    try:
+        info = slurm_cluster.wait_state(job_id, FINISHED_STATES, JOB_TIMEOUT_S)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{job_log(tmp_path, job_id)}") from None
+    log = job_log(tmp_path, job_id)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "6:0", "2"), log
+    hangs = [e for e in events(run_dir) if e["event"] == "hang"]
+    assert [(e["step"], e["in_a_row"], e["exit_code"]) for e in hangs] == [(12, 1, 75), (12, 2, 75), (12, 3, 6)], log
+    assert log.count("diagnosed a hang or a dead node") == 2 and "exit 6 needs a person" in log, log
+    assert "a crash loop, not requeued (exit 6)" in log, log

@@ -1,0 +1,469 @@
+"""The watchdog: a hung, stopped, dead or unreachable rank becomes a diagnosis and a requeue.
+
+A stopped process stops every thread in it and a dead node takes its processes with it, so each
+rank is judged by the others, from beats they can read whatever it does:
+
+- the training thread reports `(step, phase)` to a `Progress`: one tuple stored, read by
+- a thread per rank (`Watchdog`), which every observe.watchdog.beat_s posts the rank's beat (step,
+  phase, time in it, its limit, host, pid) to the job's store (engine/board.py), reads every rank's
+  back and judges (`judge`):
+  - a rank whose beats stopped for floor_s is gone (stopped, dead, cut off); so is the store when
+    it stops answering (its host is);
+  - else the rank whose last report is the earliest (the one the others wait for) is stuck once
+    past its phase's limit: factor x that phase's longest time in this run, clamped to
+    [floor_s, ceiling_s]; ceiling_s for a phase not timed yet; first_s for the job's start and
+    first step (checkpoint load, compilation);
+  - a collective that failed in the training thread (`failed`): a peer whose connection closed and
+    stopped beating for a few beats is gone; the collectives' timeout is past every limit.
+- The first rank to call it claims `run.dir/hangs/.called-<job>` (observe/hangs.py) and announces
+  it in the store; every reachable rank dumps its stacks and flight record there; the caller writes
+  hang.json, one console line and a `hang` event (the alert command runs); rank 0 releases
+  run.dir's lock; every process exits EXIT_REQUEUE, or EXIT_CRASH_LOOP on the crash_loop-th hang
+  in a row at the same step and phase. Each node's reaper (observe/reaper.py) kills its stopped ranks.
+
+The learned phase times are saved in run.dir/watchdog.json, so a requeued job starts with them;
+after the first step the collectives' timeout becomes `Limits.bound()`, past every phase's limit,
+so a hang the watchdog cannot see (its thread starved) still ends there, with the same record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dsslm.config import WatchdogCfg
+from dsslm.durable import write_json_atomic
+from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, STATUS_FILE_ENV
+from dsslm.observe import hangs, reaper
+from dsslm.observe.sinks import EventLog
+
+LOAD, DATA, FORWARD_BACKWARD, OPTIMIZER = "load", "data", "forward_backward", "optimizer"
+COLLECTIVE, CHECKPOINT, EVALUATION = "collective", "checkpoint", "evaluation"
+PHASES = (LOAD, DATA, FORWARD_BACKWARD, OPTIMIZER, COLLECTIVE, CHECKPOINT, EVALUATION)
+# The order of a step's phases: where the job stopped is the furthest (step, phase) a rank reached.
+ORDER = {LOAD: 0, DATA: 1, FORWARD_BACKWARD: 2, COLLECTIVE: 3, OPTIMIZER: 4, EVALUATION: 5, CHECKPOINT: 6}
+# A step's decision may restore a checkpoint (a rewind, a triage replay's base): its limit also
+# covers the longest load and save this run has timed.
+COVERS = {COLLECTIVE: (CHECKPOINT, LOAD)}
+GAP_BEATS = 4  # the watchdog's own loop late by this many beats: this process was stopped or starved
+
+
+class Progress:
+    """The training thread's reports: `now = (step, phase, since)`, replaced whole, so the watchdog
+    thread reads a consistent triple without a lock, and the longest time each phase took (the
+    job's first step aside: compilation, warm-up). A report is a clock read (vDSO, no syscall), a
+    tuple and a few compares: about 0.3 us (bench/bench_overhead.py)."""
+
+    def __init__(self, trap: tuple[int, str] = (-1, ""), longest: dict[str, float] | None = None):
+        self.now: tuple[int, str, float] = (-1, LOAD, time.monotonic())
+        self.first_step: int | None = None  # the job's first step: set by job.start
+        # Every phase has its key from the start (-1: not timed yet): the watchdog thread reads the
+        # dict while this thread writes it, which is safe while no key is added.
+        self.longest = {phase: float((longest or {}).get(phase, -1.0)) for phase in PHASES}
+        self.trap_step, self.trap_phase = trap  # faults.hang_step / hang_phase
+        self.pending: Callable[[], None] | None = None  # the watchdog's work for this thread (the collective bound)
+
+    def report(self, step: int, phase: str) -> None:
+        now = time.monotonic()
+        last_step, last_phase, since = self.now
+        self.now = (step, phase, now)
+        if now - since > self.longest[last_phase] and last_step != self.first_step:
+            self.longest[last_phase] = now - since
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
+        if step == self.trap_step and phase == self.trap_phase:
+            os.kill(os.getpid(), signal.SIGSTOP)  # the hang drill: every thread of this rank stops here
+
+
+class Limits:
+    """How long each phase may take, from the longest time it took in this run (`longest`, the
+    Progress's table: -1 = not timed yet)."""
+
+    def __init__(self, cfg: WatchdogCfg, longest: dict[str, float]):
+        self.cfg, self.longest = cfg, longest
+
+    def of(self, phase: str, first: bool) -> float:
+        c = self.cfg
+        if first:
+            return c.first_s
+        if self.longest.get(phase, -1.0) < 0:
+            return c.ceiling_s
+        longest = max(self.longest.get(p, -1.0) for p in (phase, *COVERS.get(phase, ())))
+        return min(c.ceiling_s, max(c.floor_s, c.factor * longest))
+
+    def bound(self) -> float:
+        """The collectives' timeout after the first step: past every phase's limit by floor_s, the
+        watchdog's time to call it and leave."""
+        return max(self.of(p, first=False) for p in PHASES) + self.cfg.floor_s
+
+
+@dataclass
+class Seen:
+    """One rank as a watchdog sees it."""
+    rank: int
+    host: str
+    pid: int
+    step: int
+    phase: str
+    age_s: float           # since its last report, now
+    limit_s: float         # its phase's limit, as its own watchdog computed it
+    silent_s: float = 0.0  # how long its beats had not changed, at the last exchange
+    exited: bool = False
+
+
+@dataclass
+class Verdict:
+    cause: str             # stopped_beating | peer_lost | store_silent | stuck | collective_timeout
+    first: list[Seen]      # who stopped first (the earliest last report first)
+    waiting: list[Seen]    # the others, live, waiting
+    why: str
+
+    def where(self) -> tuple[int, str]:
+        """Where the job stopped: the furthest (step, phase) a rank reached. A stopped rank's own
+        last beat may predate its last report by up to a beat; the ranks waiting for it stop at the
+        first collective that needs it, the same place every time (the crash loop's key)."""
+        ranks = [s for s in self.first + self.waiting if s.phase in ORDER]
+        if not ranks:
+            return -1, LOAD
+        far = max(ranks, key=lambda s: (s.step, ORDER[s.phase]))
+        return far.step, far.phase
+
+
+def judge(seen: list[Seen], floor_s: float, store_silent_s: float, store: str, broken: str | None = None,
+          grace_s: float = 0.0, quiet_s: float = math.inf) -> Verdict | None:
+    """The verdict on a job from every rank's view, or None. `broken`: the training thread's
+    collective failed (`timeout`, or `peer`: a peer's connection closed), so a peer or the store
+    silent for `grace_s` is gone, not floor_s. Nobody is called stuck while another rank has
+    not beaten for `quiet_s`: the one that went quiet may be the one the others wait for, its last
+    report later than its last beat, and floor_s of silence names it."""
+    # The quiet ranks first, then by their last report, earliest first.
+    live = sorted((s for s in seen if not s.exited), key=lambda s: (s.silent_s <= quiet_s, -s.age_s))
+    if not live:
+        return None
+    if broken == "timeout":
+        return Verdict("collective_timeout", live[:1], live[1:], "a collective ran past its timeout")
+    limit = grace_s if broken == "peer" else floor_s
+    gone = [s for s in live if s.silent_s > limit]
+    if gone:
+        return Verdict("peer_lost" if broken else "stopped_beating", gone, [s for s in live if s not in gone],
+                       f"no beat for {gone[0].silent_s:.0f} s")
+    if store_silent_s > limit:
+        return Verdict("store_silent", live[:1], live[1:],
+                       f"the job's store at {store} has not answered for {store_silent_s:.0f} s")
+    top = live[0]
+    if broken is None and top.age_s > top.limit_s and not any(s.silent_s > quiet_s for s in live):
+        return Verdict("stuck", [top], live[1:], f"in {top.phase} for {top.age_s:.0f} s, past its limit "
+                                                 f"of {top.limit_s:.0f} s")
+    return None
+
+
+class LocalBoard:
+    """One process: no store, no peers."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict] | None = None
+
+    def post(self, beat: dict) -> None:
+        pass
+
+    def view(self) -> tuple[float, list[Any], str | None]:
+        return time.monotonic(), [None], None
+
+    def announce(self, verdict: str) -> None:
+        pass
+
+    def close(self, beat: dict, wait_s: float) -> None:
+        pass
+
+
+@dataclass
+class Links:
+    """What the watchdog asks of the engine (engine/board.py), and what it runs as it leaves."""
+    board: Any = dataclasses.field(default_factory=LocalBoard)
+    store: str = "none"                                   # the store's address, for the record
+    flight: Callable[[], tuple[str | None, str | None]] = lambda: (None, None)  # (record, waiting in)
+    classify: Callable[[BaseException], str | None] = lambda exc: None        # timeout | peer | None
+    set_timeout: Callable[[float], None] = lambda seconds: None
+    on_leave: list[Callable[[], None]] = dataclasses.field(default_factory=list)  # rank 0: release the lock
+    exit: Callable[[int], None] = os._exit
+
+
+class Watchdog:
+    """One rank's watchdog thread; `progress` is what its training thread reports to."""
+
+    def __init__(self, cfg: WatchdogCfg, run_dir: Path, rank: int, token: str, links: Links, progress: Progress,
+                 failures: dict | None = None, alert_command: str = "", is_main: bool | None = None):
+        self.cfg, self.run_dir, self.rank, self.token, self.links = cfg, Path(run_dir), rank, token, links
+        self.progress, self.failures, self.alert_command = progress, failures, alert_command
+        self.is_main = rank == 0 if is_main is None else is_main
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.limits = Limits(cfg, progress.longest)
+        self._saved = dict(progress.longest)
+        self.grace_s = max(3 * cfg.beat_s, 2.0)  # a peer whose connection closed and stopped beating this long is gone
+        self.join_s = max(3.0, 5 * cfg.beat_s)   # the caller waits this long for the others' dumps
+        self.started = self.rebased = time.monotonic()
+        self.changed: dict[int, tuple[Any, float]] = {}  # rank -> (its beat count, when it last changed)
+        self.bound: float | None = None
+        self.broken: str | None = None
+        self.closed, self.leaving = False, False
+        self._leave_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.reaper: subprocess.Popen | None = None
+        links.board.source = lambda: dataclasses.asdict(self._me(time.monotonic()))  # read by the board's exchange
+        self._thread = threading.Thread(target=self._run, name="dsslm-watchdog", daemon=True)
+        self._thread.start()
+
+    # --- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.cfg.beat_s):
+            now = time.monotonic()
+            if now - last > GAP_BEATS * self.cfg.beat_s + 1.0:
+                self.rebased, self.changed = now, {}  # we were stopped: nobody else aged meanwhile
+            last = now
+            try:
+                self.tick(now)
+            except Exception as exc:  # noqa: BLE001 - the watchdog must never take the run down
+                print(f"dsslm: watchdog: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+    def tick(self, now: float) -> None:
+        step = self.progress.now[0]
+        self._learn(step)
+        at, beats, verdict = self.links.board.view()
+        if verdict is None and now - at > 3 * self.cfg.beat_s:  # the store is silent: a partition's other side may have called
+            verdict = hangs.claimed(self.run_dir, self.token)
+        if verdict is not None:
+            self._join(verdict)
+            return
+        seen = self._seen(now, at, beats)  # every tick: it also tracks when each rank's beats last moved
+        if self.cfg.enabled or self.broken:
+            found = judge(seen, self.cfg.floor_s, now - max(at, self.rebased), self.links.store, self.broken,
+                          self.grace_s, 4 * self.cfg.beat_s)
+            if found is not None:
+                self.call(found)
+        self._reset_failures(step)
+
+    def _me(self, now: float) -> Seen:
+        step, phase, since = self.progress.now
+        first = self.progress.first_step is None or step == self.progress.first_step
+        return Seen(self.rank, self.host, self.pid, step, phase, round(now - max(since, self.rebased), 3),
+                    self.limits.of(phase, first))
+
+    def _seen(self, now: float, at: float, beats: list[Any]) -> list[Seen]:
+        out = []
+        for rank, beat in enumerate(beats):
+            if rank == self.rank:
+                out.append(self._me(now))
+                continue
+            if not hangs.seen_ok(beat):  # never beat, or not a beat: silent since we started
+                out.append(Seen(rank, "?", 0, -1, "?", now - self.rebased, float("inf"), max(0.0, at - self.rebased)))
+                continue
+            count, changed_at = self.changed.get(rank, (None, at))
+            if beat.get("n") != count:
+                self.changed[rank] = (beat.get("n"), at)
+                changed_at = at
+            fields = {k: beat[k] for k in ("host", "pid", "step", "phase")}
+            limit = beat.get("limit_s") if isinstance(beat.get("limit_s"), (int, float)) else float("inf")
+            out.append(Seen(rank, **fields, age_s=beat["age_s"] + now - changed_at, limit_s=limit,
+                            silent_s=max(0.0, at - changed_at), exited=beat.get("exited") is True))
+        return out
+
+    def _learn(self, step: int) -> None:
+        """Save the phase times (rank 0) when a phase is first timed or grew by 10% where it moves
+        a limit, and hand the training thread the collectives' bound once the first step is done
+        and whenever it moves."""
+        longest, saved = dict(self.progress.longest), self._saved
+
+        def grew(phase: str) -> bool:
+            now, before = longest[phase], saved[phase]
+            return (before < 0 <= now) or (now > 1.1 * before and self.cfg.factor * now > self.cfg.floor_s)
+        if self.is_main and any(grew(phase) for phase in PHASES):
+            try:
+                hangs.write_learned(self.run_dir, {k: v for k, v in longest.items() if v >= 0})
+                self._saved = longest
+            except OSError:
+                pass  # the next growth tries again; a requeue without them starts from the defaults
+        first = self.progress.first_step
+        if first is not None and step > first:
+            bound = self.limits.bound()
+            if self.bound is None or abs(bound - self.bound) > 0.01 * self.bound:
+                self.bound = bound
+                self.progress.pending = lambda: self.links.set_timeout(bound)  # set by the training thread
+
+    def _reset_failures(self, step: int) -> None:
+        f = self.failures
+        if self.is_main and f is not None and f["in_a_row"] > 0 and step > f["step"]:
+            try:
+                self.failures = hangs.reset_failures(self.run_dir, f)
+            except OSError:
+                pass
+
+    # --- the training thread's collective failed ---------------------------------------------
+
+    def failed(self, exc: BaseException) -> None:
+        """Called with the exception a training thread's collective raised: a dead peer (its
+        connection closed and its beats stopped) or the collectives' timeout is diagnosed and the
+        process exits here; otherwise this returns and the exception goes on (exit 1)."""
+        kind = self.links.classify(exc)
+        if kind is None or self.closed:
+            return
+        if kind == "timeout":
+            now = time.monotonic()
+            at, beats, _ = self.links.board.view()
+            verdict = judge(self._seen(now, at, beats), self.cfg.floor_s, 0.0, self.links.store, kind,
+                            quiet_s=4 * self.cfg.beat_s)
+            verdict.why += f" ({' '.join(str(exc).split())[:300]})"
+            self.call(verdict)
+        self.broken = kind
+        deadline = time.monotonic() + self.grace_s + 3 * self.cfg.beat_s
+        while time.monotonic() < deadline:  # the thread calls it (and never returns) or finds every peer alive
+            time.sleep(self.cfg.beat_s / 4)
+        self.broken = None
+
+    # --- calling it, and leaving --------------------------------------------------------------
+
+    def call(self, verdict: Verdict) -> None:
+        row = hangs.in_a_row(self.run_dir, *verdict.where())
+        code = EXIT_CRASH_LOOP if self.cfg.crash_loop and row >= self.cfg.crash_loop else EXIT_REQUEUE
+        folder, code, won = hangs.claim(self.run_dir, self.token, code)
+        if folder is not None:
+            self.links.board.announce(f"{folder.name} {code}")
+        self._leave(folder, code, (verdict, row) if won else None)
+
+    def _join(self, announced: str) -> None:
+        name, _, code = announced.partition(" ")
+        if code.isdigit() and name and "/" not in name and not name.startswith("."):  # another process wrote it
+            self._leave(self.run_dir / hangs.HANGS / name, int(code), None)
+
+    def _leave(self, folder: Path | None, code: int, won: tuple[Verdict, int] | None) -> None:
+        with self._leave_lock:
+            if self.leaving:  # the other thread is ending the process
+                time.sleep(self.join_s + 60)
+                return
+            self.leaving = True
+        try:
+            if folder is not None:
+                self._dump(folder)
+            if won is not None:
+                self._record(folder, code, *won)
+        finally:
+            tell_agent(code)
+            for fn in self.links.on_leave:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - leaving anyway
+                    pass
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.links.exit(code)
+
+    def _dump(self, folder: Path) -> None:
+        """This rank's Python stacks, flight record and view, into the hang's folder."""
+        try:
+            with open(folder / f"stacks-rank{self.rank}.txt", "w") as f:
+                faulthandler.dump_traceback(f, all_threads=True)
+            record, waiting = self.links.flight()
+            if record:
+                (folder / f"flight-rank{self.rank}.json").write_text(record)
+            write_json_atomic(folder / f"rank-{self.rank}.json",
+                              {**dataclasses.asdict(self._me(time.monotonic())), "collective": waiting})
+        except Exception as exc:  # noqa: BLE001 - the record is worth less than leaving
+            print(f"dsslm: watchdog: rank {self.rank} could not dump into {folder}: {exc}", file=sys.stderr, flush=True)
+
+    def _record(self, folder: Path, code: int, verdict: Verdict, row: int) -> None:
+        everyone = verdict.first + verdict.waiting
+        expect = [s.rank for s in everyone if s.silent_s <= self.grace_s]  # the ones that can still dump
+        deadline = time.monotonic() + self.join_s
+        while time.monotonic() < deadline and not all((folder / f"rank-{r}.json").exists() for r in expect):
+            time.sleep(0.05)
+        views = {s.rank: hangs.read_json(folder / f"rank-{s.rank}.json", hangs.SEEN_SPEC, "rank view") or {}
+                 for s in everyone}
+        step, phase = verdict.where()
+
+        def entry(s: Seen) -> dict:
+            collective = views[s.rank].get("collective")
+            return {**dataclasses.asdict(s), "collective": collective if isinstance(collective, str) else None,
+                    "dumped": bool(views[s.rank])}
+        record = {"schema": 1, "cause": verdict.cause, "why": verdict.why, "step": step, "phase": phase,
+                  "first": [entry(s) for s in verdict.first], "waiting": [entry(s) for s in verdict.waiting],
+                  "called_by": {"rank": self.rank, "host": self.host}, "store": self.links.store,
+                  "in_a_row": row, "exit_code": code, "time": time.time()}
+        try:
+            hangs.write_record(folder, record)
+        except OSError:
+            pass
+        line = describe(record, folder)
+        print(f"dsslm: {line}", file=sys.stderr, flush=True)
+        note_status(f"hang {code}")
+        events = EventLog(self.run_dir, True, self.alert_command)
+        events.emit("hang", step=step, phase=phase, cause=verdict.cause, record=str(folder),
+                    exit_code=code, in_a_row=row, line=line)
+        events.close()  # waits for the alert command (bounded)
+
+    # --- the job's start and end --------------------------------------------------------------
+
+    def start_reaper(self, node: list[tuple[int, int]]) -> None:
+        """Watch this node's ranks `(pid, start time)` from a process of their own (observe/reaper.py)."""
+        claim = self.run_dir / hangs.HANGS / f".called-{self.token}"
+        grace = self.join_s + 30.0 + 2 * self.cfg.beat_s  # the caller's wait for dumps, then its alert command
+        argv = [sys.executable, reaper.__file__, str(claim), f"{grace:g}", f"{self.cfg.beat_s:g}",
+                *(f"{pid}:{start}" for pid, start in node)]
+        self.reaper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, close_fds=True)
+
+    def close(self) -> None:
+        """The job is over (its saves finished): stop judging, say so to the others, stop the reaper."""
+        self.closed = True
+        self._stop.set()
+        self._thread.join(timeout=2 * self.cfg.beat_s + 1)
+        self.links.board.close({**dataclasses.asdict(self._me(time.monotonic())), "n": -1, "exited": True},
+                               wait_s=2 * self.cfg.beat_s)
+        if self.reaper is not None:
+            self.reaper.kill()
+            self.reaper.wait()
+
+
+def tell_agent(code: int) -> None:
+    """The code this rank leaves with, for `python -m dsslm.engine.agent` (its DSSLM_AGENT_EXIT_FILE):
+    it exits with it even where torchrun's shutdown would wait on an unreachable rendezvous."""
+    _write_line("DSSLM_AGENT_EXIT_FILE", str(code))
+
+
+def note_status(line: str) -> None:
+    """`hang 75` or `hang 6` for the launcher ($DSSLM_STATUS_FILE): srun's code is one for all nodes."""
+    _write_line(STATUS_FILE_ENV, line)
+
+
+def _write_line(env: str, line: str) -> None:
+    path = os.environ.get(env)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass
+
+
+def describe(record: dict, folder: Path) -> str:
+    """The console line: where it stopped, who, who waited in what, the record, the exit."""
+    who = ", ".join(f"rank {s['rank']} ({s['host']}, pid {s['pid']})" for s in record["first"]) or "no rank"
+    waits = "; ".join(f"rank {s['rank']} waited in {s['collective'] or s['phase']}" for s in record["waiting"][:4])
+    more = f" and {len(record['waiting']) - 4} more" if len(record["waiting"]) > 4 else ""
+    if record["exit_code"] == EXIT_CRASH_LOOP:
+        end = (f"hang {record['in_a_row']} in a row at step {record['step']} in {record['phase']}: a crash loop, not "
+               f"requeued (exit {EXIT_CRASH_LOOP}); fix the cause, then start the run again")
+    else:
+        end = f"exit {record['exit_code']} (requeue)"
+    return (f"hang at step {record['step']} in {record['phase']} ({record['cause']}: {record['why']}): {who}"
+            f"{'; ' + waits + more if waits else ''}; record in {folder}; {end}")

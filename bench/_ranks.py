@@ -39,7 +39,7 @@ def run_ranks(target: Callable, world: int, args: tuple, timeout_s: float = 3600
                 for p in procs:
                     p.kill()
                 raise SystemExit(f"a rank exited with code {dead[0]}; its traceback is above" if dead
-                                 else f"no result within {timeout_s:.0f} s")
+                                 else f"no result within {timeout_s:.0f} s") from None
     for p in procs:
         p.join()
     return sorted(results, key=lambda r: r["rank"])

@@ -146,7 +146,8 @@ def bench_prefetch(args) -> None:
         for enabled in (False, True):
             rounds = ", ".join(f"{w:.3f}" for w in waits[enabled])
             print(f"prefetch {'on ' if enabled else 'off'}: loader wait per step median "
-                  f"{statistics.median(waits[enabled]):.3f} ms (rounds {rounds}), step {statistics.median(steps[enabled]):.2f} ms")
+                  f"{statistics.median(waits[enabled]):.3f} ms (rounds {rounds}), "
+                  f"step {statistics.median(steps[enabled]):.2f} ms")
     print(f"prefetch done; {load()}")
 
 

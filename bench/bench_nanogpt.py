@@ -4,7 +4,8 @@
 
 Shape (nanoGPT's README, "I only have a macbook"): 4 layers, 4 heads, d 128, context 64, batch 12,
 fp32, one process, no compile, lr 1e-3 -> 1e-4 cosine over 2000 iterations, warmup 100, beta2
-0.99, dropout 0; dsslm's SwiGLU 344 wide, nanoGPT's MLP parameter count (FFN_MATCHED). Both trainers read the same tokens: the text as bytes, prepared once by
+0.99, dropout 0; dsslm's SwiGLU 344 wide, nanoGPT's MLP parameter count (FFN_MATCHED). Both
+trainers read the same tokens: the text as bytes, prepared once by
 `dsslm.data prepare` (byte tokenizer, 10% validation), and nanoGPT's train.bin / val.bin /
 meta.pkl written from those very shards (vocabulary 257 for both). Nothing of nanoGPT is
 modified: its train.py runs from a scratch folder (bench/out/nanogpt/) holding its configurator

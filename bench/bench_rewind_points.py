@@ -72,7 +72,8 @@ def worker(rank: int, world: int, port: int, engine_kind: str, d_model: int, lay
     checkpointer.restore(ring.checkpoint(ring.newest(1)))
     restore_s, after_restore = time.perf_counter() - t0, peak_mb()
     out.put({"rank": rank, "params_m": round(sum(math.prod(s) for s in engine.param_shapes.values()) / 1e6, 1),
-             "held_mb": round(held), "take_peak_mb": round(after_take - base), "restore_peak_mb": round(after_restore - after_take),
+             "held_mb": round(held), "take_peak_mb": round(after_take - base),
+             "restore_peak_mb": round(after_restore - after_take),
              "take_s": round(take_s, 3), "restore_s": round(restore_s, 3)})
     engine.close()
 

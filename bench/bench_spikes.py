@@ -33,7 +33,8 @@ Per cell, over seeds (mean; per-seed values in --json): final validation loss ag
 arm's clean run of the same seed (for `clean`, against `fixed` clean; for `recipe`, against `fixed`
 recipe), OLMo-core's spike score (the share of steps whose loss or grad norm is above mean +
 6 sigma of the previous 128, or non-finite), rewinds, steps recomputed (step records abandoned by a
-rewind, plus in-place re-runs), data batches skipped (skip-list batches plus skipped steps; in brackets those named as data, skipped in every epoch), runs
+rewind, plus in-place re-runs), data batches skipped (skip-list batches plus skipped steps; in
+brackets those named as data, skipped in every epoch), runs
 that diverged (non-finite or > 1.5x the reference val loss) or escalated (exit 3), attribution
 accuracy (the last triage decision covering a drilled event against its cause), drilled sequences
 fed in kept steps (the last record of a step, verdict ok) before / from the first detected spike

@@ -51,7 +51,7 @@ def evaluate(trained: Trained, data: str | Path | None, batches: int | None, bat
     domains = {}
     for domain in loader.domains:
         sums = validation_sums(trained.model, loader.val_batches(domain, batches, batch_size), cfg.train.precision,
-                               trained.device, lambda targets: counter.count(domain, targets))
+                               trained.device, lambda targets: counter.count(domain, targets))  # noqa: B023
         if sums.tokens:
             domains[domain] = {"loss": sums.loss, "bpb": sums.bits_per_byte, "tokens": sums.tokens,
                                "bytes": sums.bytes}

@@ -5,6 +5,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Debian's Slurm packages for the real-Slurm tests (they skip with a reason where apt cannot run).
 [ -f .ci/slurm-deps ] && bash .ci/slurm-deps || echo "slurm packages not installed; slurm tests will skip"
+# The linter first ([tool.ruff] in pyproject.toml), in seconds: a finding fails the run before the
+# tests' twenty minutes, with ruff's own exit code.
+.venv/bin/ruff check --quiet dsslm tests bench || {
+    rc=$?; echo "ruff check failed (exit $rc): fix the findings above; tests not run"; exit "$rc"; }
 export DS_ACCELERATOR=cpu
 # pytest runs as a child, not exec'd, so the suite's duration prints after it; its exit code stays
 # this script's (and so .ci/run's).

@@ -84,10 +84,10 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
                 if dead:
-                    raise AssertionError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before returning")
+                    raise AssertionError(f"rank {dead[0][0]} died with exit code {dead[0][1]} before returning") from None
                 if time.monotonic() > deadline:
                     raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result "
-                                         f"within {timeout_s}s")
+                                         f"within {timeout_s}s") from None
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} raised:\n{value}")

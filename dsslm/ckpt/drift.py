@@ -125,7 +125,8 @@ RESUME_MUTABLE_KEYS = (
     "run.tensorboard", "run.alert_command", "run.lock_stale_s", "run.restart_from_scratch",
     "data.dir", "data.verify", "data.prefetch",
     "train.total_steps",
-    "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults", "monitor.max_rewinds", "engine",
+    "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults",
+    "monitor.max_rewinds", "engine",
     "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
     "monitor.rewind_every", "monitor.rewind_points",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.

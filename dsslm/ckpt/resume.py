@@ -217,7 +217,7 @@ class Checkpointer(Acceptance):
                 reason = str(exc)
                 if isinstance(exc, NotAccepted):
                     refusals.append(f"{Path(path).name}: {reason}")
-                self.engine.decide(lambda: self.store.refuse(path, reason))
+                self.engine.decide(lambda: self.store.refuse(path, reason))  # noqa: B023
 
     def _nothing_lost(self) -> None:
         """Rank 0, when no checkpoint can be resumed: NothingToResume where run.dir's logs show a run

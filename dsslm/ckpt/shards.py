@@ -149,7 +149,7 @@ def check_headers(index: dict, headers: dict[str, dict]) -> None:
         if meta.get("save") != index["save"] or meta.get("rank") != str(r) or meta.get("world_size") != str(w):
             raise CheckpointError(f"{name} was written by another save (its metadata: {meta}); shard files "
                                   f"cannot be mixed between checkpoints")
-    for key, entry in index["tensors"].items():
+    for entry in index["tensors"].values():
         for file, name, start, end in entry["pieces"]:
             header = headers[file].get(name)
             if header is None or header != [entry["dtype"], [end - start]]:

@@ -28,7 +28,8 @@ class RunCfg:
     tensorboard: bool = True    # write TensorBoard files when the package is installed
     alert_command: str = ""     # shell command fed each alert event as JSON on stdin
     lock_stale_s: float = 600.0  # a run.dir lock held from another node is taken over after this long without a heartbeat
-    restart_from_scratch: bool = False  # train from step 0 although run.dir's logs show a run whose checkpoints were all set aside
+    # Train from step 0 although run.dir's logs show a run whose checkpoints were all set aside.
+    restart_from_scratch: bool = False
 
 
 @dataclass

@@ -5,7 +5,8 @@ ctime_ns) are still those it had then, is not hashed again; everything else is. 
 are cached in `DATA_DIR/.dsslm-verified.json` (or, where DATA_DIR is read-only, in the run's
 folder), replaced atomically. The cache is read without being trusted: an entry that is
 malformed, names a file of another size or time, holds a digest other than the manifest's, or
-read the tokens in another dtype than the manifest's, is a miss, and the shard is hashed. The ctime cannot be set by a user (touch, utime, a copy
+read the tokens in another dtype than the manifest's, is a miss, and the shard is hashed. The
+ctime cannot be set by a user (touch, utime, a copy
 that keeps times all change it), so editing a shard in place and restoring its mtime is a miss
 too. What no file time reveals (bits rotting on the disk, a deliberately forged cache) is what
 `data.verify=full` is for: it ignores the cache, hashes every shard and rewrites the cache.

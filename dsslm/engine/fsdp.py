@@ -233,8 +233,9 @@ class FSDPEngine(TorchAdamWEngine):
                     mine = torch.zeros_like(local)
                     if end > start:
                         mine.copy_(reader.read(f"optim/{kind}/{name}", start, end).reshape(local.shape))
-                    state[TORCH_KEYS.get(kind, kind)] = DTensor.from_local(mine, param.device_mesh, param.placements, run_check=False,
-                                                     shape=param.shape, stride=param.stride())
+                    state[TORCH_KEYS.get(kind, kind)] = DTensor.from_local(mine, param.device_mesh, param.placements,
+                                                                           run_check=False, shape=param.shape,
+                                                                           stride=param.stride())
                 self.optimizer.state[param] = state
 
     def memory_report(self) -> dict[str, int]:

@@ -39,7 +39,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 if not torch.cuda.is_available():
@@ -282,7 +281,8 @@ class ZeroEngine(Engine):
         for name, param in self.params.items():
             grad = safe_get_full_grad(param)
             if grad is not None:
-                norms[name] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) / float(getattr(self.optimizer, "loss_scale", 1.0))
+                norms[name] = (float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+                               / float(getattr(self.optimizer, "loss_scale", 1.0)))
         return norms
 
     def step(self, lr: float) -> None:

@@ -186,7 +186,7 @@ def test_a_notice_before_the_ranks_start_requeues_and_a_finished_run_is_not_requ
 # cluster cannot time.
 
 
-def run_alone(tmp_path: Path, srun: str, env: dict[str, str] = {}, slow_log_after_srun: bool = False):
+def run_alone(tmp_path: Path, srun: str, env: dict[str, str] | None = None, slow_log_after_srun: bool = False):
     """Run train.sbatch with `srun` standing in for srun (a bash body) and an scontrol that notes its
     arguments in tmp_path/scontrol; `slow_log_after_srun`: from the stand-in srun's start on, each
     log line of the script takes 0.5 s (its `date`). Returns (exit status, stdout, scontrol calls)."""
@@ -203,7 +203,7 @@ def run_alone(tmp_path: Path, srun: str, env: dict[str, str] = {}, slow_log_afte
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
-           "SLURM_JOB_NODELIST": "node1", "DSSLM_ROOT": str(tmp_path), "DSSLM_NPROC_PER_NODE": "1", **env}
+           "SLURM_JOB_NODELIST": "node1", "DSSLM_ROOT": str(tmp_path), "DSSLM_NPROC_PER_NODE": "1", **(env or {})}
     done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
     calls = (tmp_path / "scontrol").read_text() if (tmp_path / "scontrol").exists() else ""
     return done.returncode, done.stdout + done.stderr, calls

@@ -82,7 +82,7 @@ def long_work(rank: int, world_size: int) -> list[str]:
     results = []
     for case in ("slow but steady", "raises", "stuck"):
         try:
-            results.append(" / ".join(engine.gather_long(lambda p: work(case, p), "test work", stall_timeout_s=1.5)))
+            results.append(" / ".join(engine.gather_long(lambda p: work(case, p), "test work", stall_timeout_s=1.5)))  # noqa: B023
         except (RuntimeError, ValueError) as exc:
             results.append(f"{type(exc).__name__}: {exc}")
     # A second job in the same process group (as the resume drill runs them) must not see the

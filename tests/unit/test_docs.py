@@ -99,7 +99,7 @@ def anchors(path: Path) -> set[str]:
     found: set[str] = set()
     lines = path.read_text(encoding="utf-8").splitlines()
     previous = None
-    for kind, number, line, *_ in blocks("\n".join(lines)):
+    for kind, _number, line, *_ in blocks("\n".join(lines)):
         heading = None
         if kind == "prose":
             match = re.match(r"^ {0,3}#{1,6}(?:\s+(.*?))?\s*$", line)

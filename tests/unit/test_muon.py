@@ -39,7 +39,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
 def test_each_projection_steps_as_torch_muon_on_its_own_parameter():
     """The reference no Muon-against-itself comparison can fake: torch.optim.Muon on Q, K, V,
     gate and up as separate parameters (and on the unstacked matrices), at the documented rate
-    (muon_lr / peak_lr of the plan), decay (weight_decay x peak_lr / muon_lr), Nesterov momentum and torch's shape scaling of each block; torch AdamW on the rest.
+    (muon_lr / peak_lr of the plan), decay (weight_decay x peak_lr / muon_lr), Nesterov momentum
+    and torch's shape scaling of each block; torch AdamW on the rest.
     Both fed the same gradients for 3 steps. NS in bf16, torch's dtype; to 1e-6."""
     cfg = cfg_with("optim.impl=single", "optim.muon_ns_dtype=bfloat16")
     o = cfg.optim

@@ -109,7 +109,7 @@ def test_a_refusal_cut_short_by_the_launchers_sigterm_is_still_the_refusal(monke
         try:
             raise ConfigError("resume refused: made with global_batch_size=4, now 8")
         except ConfigError:
-            raise exits.Preempted(signal.SIGTERM)
+            raise exits.Preempted(signal.SIGTERM)  # noqa: B904 (the implicit context, as in main)
     monkeypatch.setattr(train_module, "train", refused_then_stopped)
     assert main([]) == exits.EXIT_BAD_INPUT
     assert capsys.readouterr().err == "dsslm: resume refused: made with global_batch_size=4, now 8\n"

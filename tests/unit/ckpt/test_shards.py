@@ -252,7 +252,7 @@ def test_a_kill_at_every_point_of_a_retention_delete_leaves_no_folder_without_ma
         names = sorted(p.name for p in (run / "checkpoints").iterdir())
         assert all(invalid_reason(run / "checkpoints" / n) is None for n in names if parse_name(n)), names
         events = []
-        restarted = CheckpointStore(run, keep_last=1, on_event=lambda event, **f: events.append((event, f)))
+        restarted = CheckpointStore(run, keep_last=1, on_event=lambda event, **f: events.append((event, f)))  # noqa: B023
         restarted.remove_leftovers()
         assert [p.name for p in (run / "checkpoints").iterdir()] == (["step-00000008"] if 0 < after else
                                                                      ["step-00000004", "step-00000008"]), after

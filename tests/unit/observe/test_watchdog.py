@@ -297,4 +297,4 @@ def test_a_single_process_stuck_past_its_limit_is_called_recorded_and_exits_75(t
     assert "Thread" in (folder / "stacks-rank0.txt").read_text()
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert event["event"] == "hang" and event["exit_code"] == EXIT_REQUEUE
-    assert f"hang at step 2 in data (stuck: in data for" in capsys.readouterr().err
+    assert "hang at step 2 in data (stuck: in data for" in capsys.readouterr().err

@@ -38,7 +38,7 @@ def warmed_monitor(n_steps=200, cfg=None, seed=0):
     """A monitor that has seen `n_steps` clean steps of the late, flat part of a curve."""
     monitor = SpikeMonitor(cfg or MonitorCfg())
     stream = list(clean_curve(seed, n_steps=2000 + n_steps))[2000:]
-    assert set(feed(monitor, ((i, l, g) for i, (_, l, g) in enumerate(stream)))) == {Verdict.OK}
+    assert set(feed(monitor, ((i, loss, g) for i, (_, loss, g) in enumerate(stream)))) == {Verdict.OK}
     return monitor
 
 

@@ -575,7 +575,8 @@ def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
     calls, emitted = [], []
     entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
     window_data = ([{"shard": "web/train-00000.bin", "tokens": [0, 9000]}] if why == "every chunk" else
-                   [{"shard": "web/train-00000.bin", "tokens": [100 * i, 100 * i + 33]} for i in range(20, MAX_SKIP_ENTRIES + 20)])
+                   [{"shard": "web/train-00000.bin", "tokens": [100 * i, 100 * i + 33]}
+                    for i in range(20, MAX_SKIP_ENTRIES + 20)])
 
     class Loader:
         def skipped_chunks(self, skip_list):

@@ -1,4 +1,6 @@
+import hashlib
 import os
+import sys
 
 # DeepSpeed probes for CUDA at import unless told the accelerator.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -7,6 +9,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # doing the work: on 2 shared cores, test_wrap, test_loss and test_precision took 77-95 s with
 # spinning and 15-16 s without. Scheduling only: no result changes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# DeepSpeed JIT-builds its CPU extension (deepspeed_shm_comm) at each ZeRO engine's start into
+# torch's extension cache, one folder per name, with the venv's paths in the build command: a
+# second checkout's venv on the same machine (a worktree, CI beside a developer) rebuilt it over
+# the first's, and the first rebuilt it back, 60-170 s a time. One cache per venv builds it once.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.environ.get("DSSLM_CACHE", os.path.expanduser("~/.cache/dsslm")), "torch_extensions",
+    hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]))
 
 
 import pytest  # noqa: E402

@@ -56,12 +56,13 @@ def muon_worker(rank: int, world_size: int, kind: str, state=None, pieces=None) 
     cfg = make_cfg(*ENGINES[kind][:2], *MUON, *ENGINES[kind][2:])
     engine = build(cfg)
     out = {"wire": [0, 0]}  # elements Muon's all-to-alls sent to and received from other ranks
+    all_to_all = dist.all_to_all_single
     if world_size > 1:
         def counted(output, input, output_split_sizes, input_split_sizes, *args, **kwargs):
             out["wire"][0] += input.numel() - input_split_sizes[rank]
             out["wire"][1] += output.numel() - output_split_sizes[rank]
             return all_to_all(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
-        all_to_all, dist.all_to_all_single = dist.all_to_all_single, counted
+        dist.all_to_all_single = counted
     if state is None and pieces is None:
         out["curve"] = run_steps(engine, cfg, range(SPLIT), grad_accum=2)
         out["split"] = plain(engine.full_state())
@@ -80,12 +81,45 @@ def muon_worker(rank: int, world_size: int, kind: str, state=None, pieces=None) 
         math.prod(e.shape) for plan in muon._plans.values() for b in plan for e in b if e.owner == rank)
     out["final"] = plain(engine.full_state())
     engine.close()
+    dist.all_to_all_single = all_to_all  # the next run in this process counts its own
     return out
 
 
+def several(rank: int, world_size: int, jobs: tuple) -> list:
+    """Each (worker, *args) of `jobs` in turn in these processes, in one process group that no
+    engine owns (as the resume drill runs a second job): a spawn and its imports (DeepSpeed's
+    start among them) cost more than a tiny run, and this file makes 23 runs."""
+    import torch.distributed as dist
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    try:
+        return [worker(rank, world_size, *args) for worker, *args in jobs]
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def run_all(world_size: int, jobs: list[tuple]) -> list[list]:
+    """Each job's results by rank, all jobs run in one spawn of `world_size` ranks."""
+    by_rank = run_distributed(several, world_size, (tuple(jobs),), timeout_s=600)
+    return [[by_rank[r][i] for r in range(world_size)] for i in range(len(jobs))]
+
+
+# Every straight run a test compares ("adamw": the same model under AdamW), made together per
+# world size on first use.
+STRAIGHT = {1: ("ddp", "fsdp", "zero3", "ddp_bf16", "adamw"),
+            2: ("ddp", "fsdp", "zero1", "zero2", "zero3", "zero1_bf16", "ddp_alone", "fsdp_alone", "zero1_alone",
+                "zero3_alone")}
+
+
 @functools.lru_cache(maxsize=None)
-def straight(kind: str, world_size: int) -> list[dict]:
-    return run_distributed(muon_worker, world_size, (kind,))
+def straight_runs(world_size: int) -> dict[str, list]:
+    kinds = STRAIGHT[world_size]
+    return dict(zip(kinds, run_all(world_size, [(adamw_worker,) if k == "adamw" else (muon_worker, k) for k in kinds])))
+
+
+def straight(kind: str, world_size: int) -> list:
+    return straight_runs(world_size)[kind]
 
 
 def hidden_matrices() -> dict[str, int]:
@@ -137,8 +171,8 @@ def test_each_block_is_orthogonalised_once_per_step_by_one_rank(kind, world):
     for step, ((loss, _), (ref, _)) in enumerate(zip(runs[0]["curve"], reference)):
         assert math.isclose(loss, ref, rel_tol=1e-4), (kind, world, step, loss, ref)
     # And it is Muon, not AdamW: the AdamW run's curve differs well beyond that.
-    adamw = run_distributed(adamw_worker, 1, ())[0] if (kind, world) == ("ddp", 1) else None
-    if adamw is not None:
+    if (kind, world) == ("ddp", 1):
+        adamw = straight("adamw", 1)[0]
         assert abs(adamw[-1][0] - reference[-1][0]) > 1e-3
 
 
@@ -164,13 +198,29 @@ def test_sharing_the_orthogonalisations_changes_no_bit(kind):
     assert all((optim_a["momentum"][n] == optim_b["momentum"][n]).all() for n in optim_a["momentum"])
 
 
-@pytest.mark.parametrize("kind,through", [("ddp", "full"), ("fsdp", "pieces"), ("zero1", "full"), ("zero1", "pieces"),
-                                          ("zero3", "pieces")])
+RESUMES = [("ddp", "full"), ("fsdp", "pieces"), ("zero1", "full"), ("zero1", "pieces"), ("zero3", "pieces")]
+ACROSS = [("fsdp", "ddp"), ("zero3", "fsdp"), ("ddp", "zero2")]
+
+
+@functools.lru_cache(maxsize=None)
+def resumed_runs() -> dict[tuple, list[dict]]:
+    """Every resume the tests below check, from the straight runs' states at SPLIT, in one spawn
+    (a process that ran none of the runs it resumes: nothing of a first run is in memory)."""
+    jobs = {}
+    for kind, through in RESUMES:
+        first = straight(kind, 2)
+        given = (first[0]["split"], None) if through == "full" else (None, [p for r in first for p in r["pieces"]])
+        jobs[(kind, through)] = (muon_worker, kind, *given)
+    for saved, resumed in ACROSS:
+        jobs[(saved, resumed)] = (muon_worker, resumed, straight(saved, 2)[0]["split"])
+    return dict(zip(jobs, run_all(2, list(jobs.values()))))
+
+
+@pytest.mark.parametrize("kind,through", RESUMES)
 def test_resume_continues_to_the_bit_on_the_same_engine(kind, through):
     """Through the full (gathered) state, and through each rank's own pieces (a sharded checkpoint)."""
     first = straight(kind, 2)
-    given = (first[0]["split"], None) if through == "full" else (None, [p for r in first for p in r["pieces"]])
-    resumed = run_distributed(muon_worker, 2, (kind, *given))
+    resumed = resumed_runs()[(kind, through)]
     assert resumed[0]["curve"] == first[0]["curve"][SPLIT:]
     (model_a, optim_a), (model_b, optim_b) = first[0]["final"], resumed[0]["final"]
     for name in model_a:
@@ -181,9 +231,9 @@ def test_resume_continues_to_the_bit_on_the_same_engine(kind, through):
     assert optim_a["step"] == optim_b["step"]
 
 
-@pytest.mark.parametrize("saved,resumed", [("fsdp", "ddp"), ("zero3", "fsdp"), ("ddp", "zero2")])
+@pytest.mark.parametrize("saved,resumed", ACROSS)
 def test_muon_state_resumes_across_engines_within_the_engines_tolerance(saved, resumed):
-    after = run_distributed(muon_worker, 2, (resumed, straight(saved, 2)[0]["split"]))
+    after = resumed_runs()[(saved, resumed)]
     for (loss, _), (ref, _) in zip(after[0]["curve"], straight(saved, 2)[0]["curve"][SPLIT:]):
         assert math.isclose(loss, ref, rel_tol=1e-4)
 

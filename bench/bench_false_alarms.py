@@ -237,10 +237,12 @@ def measure(run_dir: Path, steps: int) -> dict:
 
 
 def gnorm_ratio(records: list[dict], final: dict[int, dict], step: int) -> float | None:
-    """The first alarmed step's grad norm (its first record) against the median of the 50 kept before."""
+    """The first alarmed step's grad norm (its first record not ok, else its first) against the median of
+    the kept ok steps among the 50 before it (the monitor's own ratio, against its baseline, is in `reason`)."""
     before = [r["gnorm"] for s, r in final.items() if step - 50 <= s < step and r["verdict"] == "ok"
               and isinstance(r["gnorm"], (int, float))]
-    at = next((r["gnorm"] for r in records if r["step"] == step), None)
+    at_step = [r for r in records if r["step"] == step]
+    at = next((r["gnorm"] for r in at_step if r["verdict"] != "ok"), at_step[0]["gnorm"] if at_step else None)
     if not before or not isinstance(at, (int, float)):
         return None
     return round(at / statistics.median(before), 2)
@@ -377,9 +379,17 @@ def main() -> None:
     parser.add_argument("--plays", type=Path, default=HERE / "out" / "shakespeare.txt")
     parser.add_argument("--bpe-vocab", type=int, default=2048)
     parser.add_argument("--summarize", type=Path, default=None, help="print the tables of a --json file; run nothing")
+    parser.add_argument("--remeasure", action="store_true", help="with --summarize: read each run.dir again")
     args = parser.parse_args()
     if args.summarize:
-        print(report(json.loads(args.summarize.read_text())))
+        saved = json.loads(args.summarize.read_text())
+        if args.remeasure:
+            steps = saved["meta"]["steps"]
+            for r in saved["runs"]:
+                r.update(measure(Path(r["run_dir"]), steps))
+                if r.get("drill"):
+                    r["drill_result"] = judge_drill(Path(r["run_dir"]), r["drill"], steps, r["cell"]["batch"])
+        print(report(saved))
         return
     tree = args.tree.resolve()
     check_tree(tree)

@@ -40,7 +40,7 @@ from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
                          EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
-from dsslm.loss import StepResult, accumulate, validation_sums
+from dsslm.loss import IGNORE_INDEX, StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
@@ -54,6 +54,10 @@ from dsslm.rng import set_step_streams, step_streams
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
 FP16_OVERFLOW = "fp16_overflow"
+# A surge is its batch's alone when a held-out batch's grad norm is under 1/PROBE_SHARE of the
+# step's: a repeated 4-gram batch's norm was 11x its reference with the held-out one near 1x; a
+# model-wide rise out of the unigram plateau shows on the held-out batch too (docs/spikes.md).
+PROBE_SHARE = 3.0
 
 
 @dataclass
@@ -172,9 +176,13 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
             first_step = None   # once: a rewind to the start does not report again
-        if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
+        # A replayed step (a rewind's, a triage's) was validated and evaluated when first reached:
+        # once per step, so replays neither pay for it again nor write a second record of a step.
+        fresh, state.reached = state.step > state.reached, max(state.reached, state.step)
+        if fresh and cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
-        job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
+        if fresh:
+            job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/evals/loop.py)
         if stop_requested and state.step < cfg.train.total_steps:  # in the last step, finishing wins
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, sync=True)
@@ -248,19 +256,84 @@ def decide(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, r
     """The one place a step's verdict is decided, the same on every rank: the monitor's (or the fp16
     scaler's) verdict, an outlier's in-place re-run, and during a triage replay whether the spike
     came back. Returns the verdict, why, and the result the update uses (the re-run's, if any)."""
-    verdict, reason = judge(job, step, result.loss, result.gnorm)
+    verdict, reason = judge(job, step, result)
+    done = False  # a surge found to be its batch's alone was captured and re-run already
+    if verdict is Verdict.SURGE:
+        verdict, reason, result, done = surge(job, step, fed, batches, streams, result, reason, stop)
     spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
-    if spike and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
+    if spike and not done and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
         job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
-    if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
+    if spike and not done and verdict is Verdict.SKIP and job.triage.may_rerun(step):
         verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
     verdict, reason = job.triage.review(job.state, step, verdict, reason, result.loss, result.gnorm, spike)
     return verdict, reason, result
 
 
-def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -> tuple[Verdict, str]:
+def surge(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, first: StepResult, reason: str,
+          stop: StopFlag) -> tuple[Verdict, str, StepResult, bool]:
+    """A grad norm over its threshold with a loss that is no outlier (docs/spikes.md, "Grad-norm
+    surges"). Two questions, each answered by computing again at the same weights:
+
+    - Is it the batch's alone? A held-out batch's grad norm (`probe`): where it is under
+      1/PROBE_SHARE of the step's, the surge is this batch's (a repeated n-gram, a corrupted
+      gradient): an outlier after all, decided as any. Where the held-out batch shares it, it
+      is the model's (leaving the unigram plateau): never skipped.
+    - Is it a one-off fault? The step once more in place (it also brings the batch's gradients
+      back after the probe): a normal re-run was transient, and its update is applied.
+
+    A surge that is the model's is applied, clipped (a `gnorm_surge` event); it names no data,
+    opens no streak and is no spike to a replay. In a replay (no re-run in place) the probe and the
+    recompute still run, so it reaches the original pass's answer. The last value: the re-run's
+    capture and verdict are done (`decide` does not repeat them)."""
+    held_out = probe(job)
+    job.engine.drop_gradients()
+    set_step_streams(streams)
+    again = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
+    rerun = job.triage.may_rerun(step)
+    verdict, _ = judge(job, step, again, rerun=True)
+    if verdict is Verdict.SURGE and held_out is not None and held_out * PROBE_SHARE < again.gnorm:
+        why = f"{reason}; a held-out batch's grad norm {held_out:.3g}: this batch's alone"
+        verdict = job.engine.decide(lambda: job.monitor.outlier(step, why))
+        if not job.triage.replaying(step):
+            job.forensics.capture(step, fed, batches, again, verdict.value, why, job.monitor.window())
+        if rerun and verdict is Verdict.SKIP:  # reproduced in place: data, or unknown (Triage.note_rerun)
+            job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, why), (again.loss, again.gnorm), verdict)
+        return verdict, why, again, True
+    if verdict is Verdict.OK and rerun:  # a transient fault, as an outlier's normal re-run is
+        job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (again.loss, again.gnorm),
+                              verdict, first_verdict=Verdict.SURGE.value)
+    elif verdict is Verdict.SURGE:
+        job.engine.decide(lambda: job.monitor.accept(again.loss, again.gnorm, again.sequence_losses))
+        job.sinks.emit("gnorm_surge", step=step, loss=first.loss, gnorm=first.gnorm, reason=reason,
+                       held_out_gnorm=held_out, rerun_gnorm=again.gnorm)
+    elif verdict is not Verdict.OK:  # the re-run's loss is an outlier (never on a deterministic machine)
+        return verdict, job.monitor.last_reason, again, False
+    return Verdict.OK, "", again, False
+
+
+def probe(job: Job) -> float | None:
+    """The grad norm of a held-out batch (the first domain's first validation chunks, the same on
+    every rank) at the current weights, its gradients dropped after; None without a validation
+    split or with monitor.gnorm_probe off. Not clipped; of the drills only faults.grad_surge (a
+    model-wide surge) touches it."""
+    if not job.cfg.monitor.gnorm_probe:
+        return None
+    batches = job.loader.val_batches(job.loader.domains[0], 1, job.cfg.train.micro_batch_size)
+    real = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches)
+    if not real:
+        return None
+    job.engine.drop_gradients()
+    t = job.cfg.train
+    result = accumulate(job.engine, batches, t.precision, t.z_loss, math.inf, real * job.engine.world_size,
+                        grad_multiplier=job.drills.surge_multiplier(job.state.step + 1))
+    job.engine.drop_gradients()
+    return result.gnorm if math.isfinite(result.gnorm) else None
+
+
+def judge(job: Job, step: int, result: StepResult, rerun: bool = False) -> tuple[Verdict, str]:
     """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
     rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
+    loss, gnorm = result.loss, result.gnorm
     scaler = job.engine.scaler
     overflow = not rerun and scaler is not None and scaler.update(gnorm)
     skip = (Verdict.SKIP, FP16_OVERFLOW) if overflow else None  # the scale it backs off to: train_step
@@ -271,8 +344,9 @@ def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -
     if not job.cfg.monitor.enabled:
         return Verdict.OK, ""
     judge_step = job.monitor.rejudge if rerun else job.monitor.judge
-    verdict, reason = job.engine.decide(lambda: (judge_step(step, loss, gnorm), job.monitor.last_reason))
-    if overflow and verdict is Verdict.OK:
+    verdict, reason = job.engine.decide(lambda: (judge_step(step, loss, gnorm, result.sequence_losses),
+                                                  job.monitor.last_reason))
+    if overflow and verdict in (Verdict.OK, Verdict.SURGE):
         return skip
     return verdict, reason if verdict is not Verdict.OK else ""
 
@@ -297,7 +371,10 @@ def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: St
     job.engine.drop_gradients()
     set_step_streams(streams)
     result = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
-    verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
+    verdict, rerun_reason = judge(job, step, result, rerun=True)
+    if verdict is Verdict.SURGE:  # its loss came back normal: applied as any surge (a transient outlier)
+        job.engine.decide(lambda: job.monitor.accept(result.loss, result.gnorm, result.sequence_losses))
+        verdict, rerun_reason = Verdict.OK, ""
     job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
     return verdict, rerun_reason, result
 

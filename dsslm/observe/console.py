@@ -177,6 +177,10 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "resume_audit": (logging.INFO, _audit),
     "skip": (logging.WARNING, lambda f: f"step {f.get('step')}: update skipped ({f.get('reason')}); loss "
                                         f"{_g(f.get('loss'))}, grad norm {_g(f.get('gnorm'))}"),
+    "gnorm_surge": (logging.INFO, lambda f: f"step {f.get('step')}: grad norm {_g(f.get('gnorm'))} with a normal loss "
+                                            f"({f.get('reason')}): applied, clipped"
+                                            f"{'; its re-run in place was the same' if f.get('outcome') == 'reproduced' else ''}"
+                                            f" (a surge, not a spike)"),
     "rewind": (logging.WARNING, _rewind),
     "triage": (logging.WARNING, _triage),
     "lr_scale": (logging.WARNING, _lr_scale),
@@ -257,6 +261,7 @@ class Console:
         self.val: dict[str, float] = {}
         self.best_val: dict[str, float] = {}
         self.spikes: list[str] = []
+        self.surges = 0  # grad-norm surges applied (not spikes: the summary counts them apart)
         self.saved: str | None = None
         self.evaluation: dict | None = None  # the last eval.tasks record, for the summary
         if enabled:
@@ -306,6 +311,8 @@ class Console:
             self.spikes.append(f"step {fields.get('spike_start', fields.get('step'))}: {fields.get('verdict')}")
         elif event == "rewind" and not fields.get("triage_phase"):
             self.spikes.append(f"step {fields.get('step')}: rewound")
+        elif event == "gnorm_surge":
+            self.surges += 1
         if event == "preempt_save":
             self._preempt_save(fields)
         elif event == "end":
@@ -331,7 +338,7 @@ class Console:
         resumed = self.first_step is not None and self.first_step > 1
         job = " in this job" if resumed else ""
         spikes = (f"{len(self.spikes)} spike event(s){job}: " + "; ".join(self.spikes[-10:]) if self.spikes
-                  else f"no spikes{job}")
+                  else f"no spikes{job}") + (f", {self.surges} grad-norm surge(s) applied" if self.surges else "")
         loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
         evals = (f"last evaluation (step {self.evaluation['step']}): {_evaluation(self.evaluation)}; "
                  if self.evaluation else "")

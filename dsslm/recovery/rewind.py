@@ -385,7 +385,7 @@ class Rewinder:
         left behind would take it above 1. The run-level file is the caller's to write (a
         tentative window must not reach it)."""
         history = state.rewinds + ([record] if record else [])
-        skipped = state.skipped_steps
+        skipped, reached = state.skipped_steps, state.reached
         if isinstance(ckpt, RewindPoint):
             ckpt = self.ring.checkpoint(ckpt)  # a collective: the ranks' shares gathered back
         self.checkpointer.restore(ckpt)
@@ -393,7 +393,7 @@ class Rewinder:
         self.checkpointer.leave_after(state.step)  # ...and so do the durable checkpoints after it
         state.skip_list = merge_skip_list(state.skip_list + skip_list)
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
-        state.skipped_steps = skipped
+        state.skipped_steps, state.reached = skipped, max(state.reached, reached)
         self.monitor.reset_streak()
 
     def ensure_start_checkpoint(self, state: TrainState, save: Callable[[], None]) -> None:

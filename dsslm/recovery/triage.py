@@ -82,7 +82,7 @@ from dsslm.fields import (MAX_COUNT, MAX_SKIP_ENTRIES, MAX_STEP, Bool, Fields, F
                           SkipList, Spec, StateError, Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
-from dsslm.data.skips import concentrated, merge_skip_list
+from dsslm.data.skips import merge_skip_list
 from dsslm.data.sources import NothingLeft
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
@@ -285,7 +285,7 @@ class Triage:
             self.rewinder.rewind(state, record.step)
 
     def note_rerun(self, state: TrainState, step: int, first: tuple[float, float, str], rerun: tuple[float, float],
-                   verdict: Verdict) -> None:
+                   verdict: Verdict, first_verdict: str = Verdict.SKIP.value) -> None:
         """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient. A
         reproduced one is no transient fault, and its update is still dropped (its batch was
         fed); it is data only where its excess loss is concentrated in a few sequences
@@ -315,13 +315,13 @@ class Triage:
                 if self._streak is None or self._streak[0] != start:
                     self._streak = (start, list(state.skip_list))
                 if is_data:  # the documents read: only here, where they are committed (reading shards)
-                    skip = self.engine.decide(lambda: self.forensics.data_entries([step], self.rewinder.fed_of,
-                                                                                   state.skip_list))
+                    skip = self.engine.decide(lambda: self.forensics.data_entries(
+                        [step], self.rewinder.fed_of, self.monitor.blame, state.skip_list))
                     state.skip_list = merge_skip_list(state.skip_list + skip)
                     self.engine.decide(lambda: self.rewinder.write_run_file(state))
                 else:
                     name = "unknown"
-        evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
+        evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), first_verdict]],
                      "reason": first[2]},
                     {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
         decision = {"verdict": name, "scope": "step", "spike_start": step, "target": step, "replay_steps": 1,
@@ -332,7 +332,7 @@ class Triage:
     def _concentrated(self, step: int) -> bool:
         """Rank 0: is the outlier at `step` (captured by the forensics) carried by a few sequences?"""
         captured = self.forensics.sequences.get(step)
-        return captured is not None and concentrated(captured[1], self.monitor.loss_outlier)
+        return captured is not None and bool(self.monitor.blame(captured[1]).any())
 
     def note_spread(self, step: int, first: tuple[float, float], again: tuple[float, float]) -> None:
         """The same step computed twice on the same weights, batch and random state (every rank,
@@ -408,7 +408,8 @@ class Triage:
         spike_start, reason = self.engine.decide(lambda: (self.monitor.spike_start or target, self.monitor.last_reason))
         plan = self.rewinder.plan(state, spike_start, target)
         entries = self.engine.decide(lambda: self.forensics.data_entries(range(spike_start, target + 1),
-                                                                         self.rewinder.fed_of, state.skip_list))
+                                                                         self.rewinder.fed_of, self.monitor.blame,
+                                                                         state.skip_list))
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
         base = self._planned_base(state, plan.to_step)

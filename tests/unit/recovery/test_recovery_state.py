@@ -280,7 +280,7 @@ class _Forensics:
         self.sequences = collections.OrderedDict({51: (np.arange(800, 816), np.asarray(losses, dtype=np.float64))})
         self.recorded = []
 
-    def data_entries(self, steps, fed_of, skip_list):
+    def data_entries(self, steps, fed_of, blame, skip_list):
         assert list(steps) == [51]
         return [{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}]
 
@@ -346,7 +346,7 @@ def test_an_outlier_reproduced_in_place_during_a_replay_commits_nothing(tmp_path
             super().__init__(losses)
             self.sequences = collections.OrderedDict({48: (np.arange(768, 784), np.asarray(losses))})
 
-        def data_entries(self, steps, fed_of, skip_list):
+        def data_entries(self, steps, fed_of, blame, skip_list):
             return [{"shard": "web/train-00000.bin", "tokens": [900, 933]}]
 
     emitted, forensics, progress = [], Forensics(losses), ReplayProgress()
@@ -397,7 +397,7 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
             restored.append(list(state.skip_list))
 
     class Forensics(_Forensics):
-        def data_entries(self, steps, fed_of, skip_list):
+        def data_entries(self, steps, fed_of, blame, skip_list):
             return [entry]
 
     emitted = []

@@ -36,6 +36,7 @@ from dsslm.ckpt.store import CheckpointError
 from dsslm.ckpt.train_state import NothingToResume, TrainState
 from dsslm.config import Config, ConfigError
 from dsslm.data import DataError
+from dsslm.data.skips import active_at
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
                          EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now)
@@ -225,7 +226,9 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
     lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
     job.progress.report(step, DATA)
-    fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
+    # Each entry from the step it applies from (data.skips.active_at): a catch-up after a restart
+    # feeds what the run fed before a verdict. Read ahead during the last step.
+    fed, batches = job.feed.step(state.next_sequence, active_at(state.skip_list, step))
     job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.corrupt(batches, fed.indices)
     streams = step_streams()  # a re-run in place draws the same dropout masks

@@ -178,10 +178,15 @@ class SpikeMonitor:
         such few exist (the whole batch rose: state, or a batch bad throughout, for a replay to
         tell). A sequence is a candidate when it is non-finite or REFERENCE_Z robust sigmas from
         the history's median (either side: a repeated n-gram can sit far below); at most half the
-        step is ever named. Measured against history, not the batch's median, so a step of 1-7
+        step is ever named, and nothing of a step whose loss is no outlier (one flagged by its grad
+        norm alone). Measured against history, not the batch's median, so a step of 1-7
         sequences names its bad sequence and not its neighbours. Until the history holds
         MIN_REFERENCE sequences, the batch test (`data.skips.offending`) decides."""
         x = np.asarray(losses, dtype=np.float64)
+        if len(x) == 0 or not self.loss_outlier(float(np.mean(x))):
+            # A step whose loss passes (an outlier by its grad norm alone) has nothing to explain:
+            # naming a sequence of it would put healthy text on the skip list.
+            return np.zeros(len(x), dtype=bool)
         if len(self._sequences) < MIN_REFERENCE:
             return offending(x) if concentrated(x, self.loss_outlier) else np.zeros(len(x), dtype=bool)
         history = np.asarray(self._sequences)

@@ -82,7 +82,7 @@ from dsslm.fields import (MAX_COUNT, MAX_SKIP_ENTRIES, MAX_STEP, Bool, Fields, F
                           SkipList, Spec, StateError, Str, Window)
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
-from dsslm.data.skips import merge_skip_list
+from dsslm.data.skips import merge_skip_list, stamp
 from dsslm.data.sources import NothingLeft
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
@@ -317,6 +317,8 @@ class Triage:
                 if is_data:  # the documents read: only here, where they are committed (reading shards)
                     skip = self.engine.decide(lambda: self.forensics.data_entries(
                         [step], self.rewinder.fed_of, self.monitor.blame, state.skip_list))
+                    # From the next step: this one and every step before it fed that data.
+                    skip = stamp(skip, step + 1)
                     state.skip_list = merge_skip_list(state.skip_list + skip)
                     self.engine.decide(lambda: self.rewinder.write_run_file(state))
                 else:
@@ -387,7 +389,8 @@ class Triage:
             if merged_already is not None and merged_already[0] is state.skip_list and \
                     merged_already[1] == (len(state.skip_list), r.phase, r.wide):
                 return  # merged at an earlier step of this phase: not again every step (0.2 s at 57,660 entries)
-            merged = merge_skip_list(state.skip_list + (r.entries or [r.window]))
+            # Applying from the step after the base: a catch-up to the base feeds what the run fed.
+            merged = merge_skip_list(state.skip_list + stamp(r.entries or [r.window], r.base_step + 1))
             if merged != state.skip_list:  # the same list object else: the loader's merged view stays cached
                 state.skip_list = merged
             self._merged = (state.skip_list, (len(state.skip_list), r.phase, r.wide))
@@ -511,7 +514,7 @@ class Triage:
         caller saves it, so the restart a person makes starts there, nothing of the triage in
         flight."""
         ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
-        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), r.lr_scale, None)
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), r.lr_scale, None, new_pass=r.base_step + 1)
         return not self.engine.decide(lambda: state.step in self.rewinder.checkpointer.store.valid_steps())
 
     def _widened(self, r: Replay, step: int) -> tuple[list, int | None] | None:
@@ -573,7 +576,7 @@ class Triage:
         # The skip_window phase leaves out the spike's data where it was named, else its window:
         # from the base on (before_step), so that steps replayed up to it from an older
         # checkpoint feed what they fed.
-        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), lr_scale, None)
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), lr_scale, None, new_pass=r.base_step + 1)
         self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
         self.before_step(state)
         self.emit("rewind", step=r.target, to_step=state.step, window=window if window and not r.entries else [],

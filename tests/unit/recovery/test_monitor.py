@@ -370,6 +370,9 @@ def test_blame_is_the_minimal_explanation_and_none_when_the_whole_step_rose():
     two = [2.0] * 6 + [7.0, 2.4]  # one far off, one a little high but within REFERENCE_Z
     assert monitor.blame(two).tolist() == [False] * 6 + [True, False]
     assert monitor.blame([2.0] * 7 + [float("nan")]).tolist() == [False] * 7 + [True]
+    # A step whose loss is no outlier (flagged by its grad norm alone) names nothing, though one
+    # of its sequences stands out against the history. (Before: that sequence's document.)
+    assert not monitor.blame([1.9] * 7 + [2.6]).any()
     state = monitor.state_dict()
     assert len(state["sequences"]) == 800
     again = SpikeMonitor(monitor.cfg)

@@ -49,16 +49,12 @@ from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FOR
 from dsslm.optim import lr_at
 from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
+from dsslm.recovery.policy import FP16_OVERFLOW
 from dsslm.recovery.rewind import Escalation
 from dsslm.rng import set_step_streams, step_streams
 
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
-FP16_OVERFLOW = "fp16_overflow"
-# A surge is its batch's alone when a held-out batch's grad norm is under 1/PROBE_SHARE of the
-# step's: a repeated 4-gram batch's norm was 11x its reference with the held-out one near 1x; a
-# model-wide rise out of the unigram plateau shows on the held-out batch too (docs/spikes.md).
-PROBE_SHARE = 3.0
 
 
 @dataclass
@@ -172,7 +168,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             account(job, verdict, record, fed)
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if verdict is Verdict.REWIND:
-            job.triage.rewind(state, record)  # the next replay, or a plain rewind
+            job.spikes.after_step(state, verdict, record)  # the next replay, or a plain rewind
             continue
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
@@ -193,7 +189,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             return stop.exit_code
         if state.step % cfg.ckpt.every == 0 or (state.step == cfg.train.total_steps and cfg.ckpt.at_end):
             save(job)
-        job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
+        job.spikes.after_step(state, verdict, record)  # a rewind point in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
     stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
     job.progress.report(state.step, CHECKPOINT)
@@ -222,24 +218,28 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     """Forward, backward, the verdict, and the update (or not) for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
-    job.triage.before_step(state)  # a triage replay's data left out from its base on
+    factor = job.spikes.before_step(state, step)  # a triage replay's data left out from its base on
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
-    lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
+    lr = scheduled * state.lr_scale * factor * job.drills.lr_multiplier(step)
     job.progress.report(step, DATA)
     # Each entry from the step it applies from (data.skips.active_at): a catch-up after a restart
     # feeds what the run fed before a verdict. Read ahead during the last step.
     fed, batches = job.feed.step(state.next_sequence, active_at(state.skip_list, step))
-    job.rewinder.note(step, fed.first, fed.end)
     batches = job.drills.corrupt(batches, fed.indices)
     streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
     job.progress.report(step, FORWARD_BACKWARD)
     result = compute(job, step, batches, tokens, lambda: stop.requested)  # read after the backward
-    if job.triage.spread_pending:  # once per job, where kernels are not bitwise deterministic
-        result = measure_spread(job, step, batches, streams, result, stop)
+    first = result
+
+    def again() -> StepResult:  # the step once more: same weights, batch and random state
+        engine.drop_gradients()
+        set_step_streams(streams)
+        return compute(job, step, batches, tokens, lambda: stop.requested or first.stop_requested)
+
     job.progress.report(step, COLLECTIVE)
-    verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
+    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, lambda: probe(job, step))
     job.progress.report(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -254,67 +254,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     return verdict, record, fed, result.stop_requested
 
 
-def decide(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, result: StepResult,
-           stop: StopFlag) -> tuple[Verdict, str, StepResult]:
-    """The one place a step's verdict is decided, the same on every rank: the monitor's (or the fp16
-    scaler's) verdict, an outlier's in-place re-run, and during a triage replay whether the spike
-    came back. Returns the verdict, why, and the result the update uses (the re-run's, if any)."""
-    verdict, reason = judge(job, step, result)
-    done = False  # a surge found to be its batch's alone was captured and re-run already
-    if verdict is Verdict.SURGE:
-        verdict, reason, result, done = surge(job, step, fed, batches, streams, result, reason, stop)
-    spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
-    if spike and not done and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
-        job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
-    if spike and not done and verdict is Verdict.SKIP and job.triage.may_rerun(step):
-        verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
-    verdict, reason = job.triage.review(job.state, step, verdict, reason, result.loss, result.gnorm, spike)
-    return verdict, reason, result
-
-
-def surge(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, first: StepResult, reason: str,
-          stop: StopFlag) -> tuple[Verdict, str, StepResult, bool]:
-    """A grad norm over its threshold with a loss that is no outlier (docs/spikes.md, "Grad-norm
-    surges"). Two questions, each answered by computing again at the same weights:
-
-    - Is it the batch's alone? A held-out batch's grad norm (`probe`): where it is under
-      1/PROBE_SHARE of the step's, the surge is this batch's (a repeated n-gram, a corrupted
-      gradient): an outlier after all, decided as any. Where the held-out batch shares it, it
-      is the model's (leaving the unigram plateau): never skipped.
-    - Is it a one-off fault? The step once more in place (it also brings the batch's gradients
-      back after the probe): a normal re-run was transient, and its update is applied.
-
-    A surge that is the model's is applied, clipped (a `gnorm_surge` event); it names no data,
-    opens no streak and is no spike to a replay. In a replay (no re-run in place) the probe and the
-    recompute still run, so it reaches the original pass's answer. The last value: the re-run's
-    capture and verdict are done (`decide` does not repeat them)."""
-    held_out = probe(job)
-    job.engine.drop_gradients()
-    set_step_streams(streams)
-    again = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
-    rerun = job.triage.may_rerun(step)
-    verdict, _ = judge(job, step, again, rerun=True)
-    if verdict is Verdict.SURGE and held_out is not None and held_out * PROBE_SHARE < again.gnorm:
-        why = f"{reason}; a held-out batch's grad norm {held_out:.3g}: this batch's alone"
-        verdict = job.engine.decide(lambda: job.monitor.outlier(step, why))
-        if not job.triage.replaying(step):
-            job.forensics.capture(step, fed, batches, again, verdict.value, why, job.monitor.window())
-        if rerun and verdict is Verdict.SKIP:  # reproduced in place: data, or unknown (Triage.note_rerun)
-            job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, why), (again.loss, again.gnorm), verdict)
-        return verdict, why, again, True
-    if verdict is Verdict.OK and rerun:  # a transient fault, as an outlier's normal re-run is
-        job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (again.loss, again.gnorm),
-                              verdict, first_verdict=Verdict.SURGE.value)
-    elif verdict is Verdict.SURGE:
-        job.engine.decide(lambda: job.monitor.accept(again.loss, again.gnorm, again.sequence_losses))
-        job.sinks.emit("gnorm_surge", step=step, loss=first.loss, gnorm=first.gnorm, reason=reason,
-                       held_out_gnorm=held_out, rerun_gnorm=again.gnorm)
-    elif verdict is not Verdict.OK:  # the re-run's loss is an outlier (never on a deterministic machine)
-        return verdict, job.monitor.last_reason, again, False
-    return Verdict.OK, "", again, False
-
-
-def probe(job: Job) -> float | None:
+def probe(job: Job, step: int) -> float | None:
     """The grad norm of a held-out batch (the first domain's first validation chunks, the same on
     every rank) at the current weights, its gradients dropped after; None without a validation
     split or with monitor.gnorm_probe off. Not clipped; of the drills only faults.grad_surge (a
@@ -328,30 +268,9 @@ def probe(job: Job) -> float | None:
     job.engine.drop_gradients()
     t = job.cfg.train
     result = accumulate(job.engine, batches, t.precision, t.z_loss, math.inf, real * job.engine.world_size,
-                        grad_multiplier=job.drills.surge_multiplier(job.state.step + 1))
+                        grad_multiplier=job.drills.surge_multiplier(step))
     job.engine.drop_gradients()
     return result.gnorm if math.isfinite(result.gnorm) else None
-
-
-def judge(job: Job, step: int, result: StepResult, rerun: bool = False) -> tuple[Verdict, str]:
-    """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
-    rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
-    loss, gnorm = result.loss, result.gnorm
-    scaler = job.engine.scaler
-    overflow = not rerun and scaler is not None and scaler.update(gnorm)
-    skip = (Verdict.SKIP, FP16_OVERFLOW) if overflow else None  # the scale it backs off to: train_step
-    # A non-finite loss too goes to the monitor, which may call it a spike and rewind; but an
-    # overflowed step is never applied, whatever the monitor says or whether there is one.
-    if overflow and (math.isfinite(loss) or not job.cfg.monitor.enabled):
-        return skip
-    if not job.cfg.monitor.enabled:
-        return Verdict.OK, ""
-    judge_step = job.monitor.rejudge if rerun else job.monitor.judge
-    verdict, reason = job.engine.decide(lambda: (judge_step(step, loss, gnorm, result.sequence_losses),
-                                                  job.monitor.last_reason))
-    if overflow and verdict in (Verdict.OK, Verdict.SURGE):
-        return skip
-    return verdict, reason if verdict is not Verdict.OK else ""
 
 
 def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Callable[[], bool]) -> StepResult:
@@ -364,33 +283,6 @@ def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Cal
     if result.failed:  # rank 0's check at the last step boundary: raised on every rank, before the update
         job.engine.decide(lambda: raise_failure(job))
     return result
-
-
-def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: StepResult, reason: str,
-                   stop: StopFlag) -> tuple[Verdict, str, StepResult]:
-    """Megatron-LM's rerun: the outlier's step once more with the same weights, batch and random
-    state, its gradients dropped first. A normal result means the first was a transient fault,
-    and the re-run's update is applied; a reproduced outlier is skipped as before."""
-    job.engine.drop_gradients()
-    set_step_streams(streams)
-    result = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
-    verdict, rerun_reason = judge(job, step, result, rerun=True)
-    if verdict is Verdict.SURGE:  # its loss came back normal: applied as any surge (a transient outlier)
-        job.engine.decide(lambda: job.monitor.accept(result.loss, result.gnorm, result.sequence_losses))
-        verdict, rerun_reason = Verdict.OK, ""
-    job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
-    return verdict, rerun_reason, result
-
-
-def measure_spread(job: Job, step: int, batches: list, streams: tuple, first: StepResult,
-                   stop: StopFlag) -> StepResult:
-    """The job's first step once more, as rerun_in_place does it: how far apart two computations
-    of one step land is what a triage replay must exceed to show a spike again."""
-    job.engine.drop_gradients()
-    set_step_streams(streams)
-    again = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
-    job.triage.note_spread(step, (first.loss, first.gnorm), (again.loss, again.gnorm))
-    return again
 
 
 def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
@@ -491,7 +383,7 @@ def raise_failure(job: Job) -> None:
 
 def report_memory(job: Job) -> None:
     """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
-    per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.rewinder.ring.memory()})
+    per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.spikes.memory()})
     job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
     if job.engine.is_main:
         print(f"dsslm: rank 0 holds {memory_line(per_rank[0])}; every rank's in events.jsonl", flush=True)

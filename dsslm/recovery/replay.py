@@ -117,6 +117,11 @@ class ReplayProgress:
         self.streak = (int(streak["start"]), list(streak["skip_list"])) if streak else None
 
 
+def relative(a: float, b: float) -> float:
+    """|a - b| relative to the larger of the two (a re-run's spread)."""
+    return abs(float(a) - float(b)) / max(abs(float(a)), abs(float(b)), 1e-12)
+
+
 def num(x: float) -> float | str:
     """JSON has no NaN: non-finite numbers as the strings the sinks write."""
     x = float(x)

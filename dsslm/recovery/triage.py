@@ -22,7 +22,7 @@ from dsslm.data.sources import NothingLeft
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
-from dsslm.recovery.replay import VERDICT_OF, Phase, Replay, ReplayProgress, num as _num
+from dsslm.recovery.replay import VERDICT_OF, Phase, Replay, ReplayProgress, num as _num, relative as _relative
 from dsslm.recovery.rewind import Rewinder, recovery_pins
 
 # One re-run samples the spread once; a replay's difference is taken as noise up to this many times it.
@@ -436,7 +436,8 @@ class Triage:
         window = r.window if verdict == "data" else [r.window[0], r.window[0]]
         # An escalation concluded nothing: the backoff its last replay tried is not the run's.
         factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" and not escalated else 1.0
-        skip = r.entries if verdict == "data" else []  # what the data verdict committed (data.skips)
+        # What the data verdict committed: from the step after the base, as `before_step` left it out.
+        skip = stamp(r.entries, r.base_step + 1) if verdict == "data" else []
         record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
                   "lr_scale_factor": min(1.0, factor), "verdict": verdict, "skip": skip}
         if verdict == "state" and self.cfg.monitor.lr_recover_steps and not escalated:
@@ -494,7 +495,3 @@ class Triage:
         if self.replay is not None:
             self.replay = None
             self.rewinder.checkpointer.leave_after(state.step - 1)
-
-
-def _relative(a: float, b: float) -> float:
-    return abs(float(a) - float(b)) / max(abs(float(a)), abs(float(b)), 1e-12)

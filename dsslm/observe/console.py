@@ -167,6 +167,13 @@ def _alert(f: dict) -> str:
     return f"alert at step {f.get('step')}: {f.get('reason')}: {text}"
 
 
+def _surge(f: dict) -> str:
+    held = f.get("held_out_gnorm")
+    shared = f"a held-out batch's {_g(held)} too" if held is not None else "no held-out batch to compare"
+    return (f"step {f.get('step')}: grad norm {_g(f.get('gnorm'))} with a normal loss ({f.get('reason')}; "
+            f"{shared}): applied, clipped; a surge, not a spike")
+
+
 # event -> (level, line); a None line is not printed. Events not named here go to DEBUG.
 LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "save": (logging.INFO, lambda f: f"saved {f.get('checkpoint')} (step {f.get('step')}, "
@@ -177,10 +184,7 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "resume_audit": (logging.INFO, _audit),
     "skip": (logging.WARNING, lambda f: f"step {f.get('step')}: update skipped ({f.get('reason')}); loss "
                                         f"{_g(f.get('loss'))}, grad norm {_g(f.get('gnorm'))}"),
-    "gnorm_surge": (logging.INFO, lambda f: f"step {f.get('step')}: grad norm {_g(f.get('gnorm'))} with a normal loss "
-                                            f"({f.get('reason')}): applied, clipped"
-                                            f"{'; its re-run in place was the same' if f.get('outcome') == 'reproduced' else ''}"
-                                            f" (a surge, not a spike)"),
+    "gnorm_surge": (logging.INFO, _surge),
     "rewind": (logging.WARNING, _rewind),
     "triage": (logging.WARNING, _triage),
     "lr_scale": (logging.WARNING, _lr_scale),

@@ -366,8 +366,9 @@ class Rewinder:
         self.engine.decide(self.checkpointer.store.wait)  # rank 0's writer error reaches every rank
         for limit in (to_step, spike_start - 1):
             point = self.ring.newest(limit)
-            durable = self.engine.decide(lambda: max((s for s in self.checkpointer.store.valid_steps() if s <= limit),
-                                                     default=-1))
+            # Called within this iteration: the closure's `limit` is this one's.
+            durable = self.engine.decide(
+                lambda: max((s for s in self.checkpointer.store.valid_steps() if s <= limit), default=-1))  # noqa: B023
             if point is not None and point.step >= durable:
                 return point
             ckpt = self.checkpointer.latest(limit)

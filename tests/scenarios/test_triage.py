@@ -29,8 +29,8 @@ from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
 pytestmark = pytest.mark.slow
 
 RUN = ["model.d_model=64", "optim.peak_lr=3e-3", "optim.min_lr=3e-3", "train.micro_batch_size=16",
-       "train.total_steps=64", "ckpt.every=5", "ckpt.keep_last=3", "ckpt.keep_every=15", "monitor.min_history=10", "monitor.window=20",
-       "monitor.rewind_margin_steps=2", "observe.every=0"]
+       "train.total_steps=64", "ckpt.every=5", "ckpt.keep_last=3", "ckpt.keep_every=15", "monitor.min_history=10",
+       "monitor.window=20", "monitor.rewind_margin_steps=2", "observe.every=0"]
 B = 16
 DATA = "faults.repeat_batches=[[50,53]]"          # steps 51..53 are fed data batches 50..52
 STATE = ["faults.lr_burst=[[50,54,30.0]]", "monitor.lr_backoff=0.01"]

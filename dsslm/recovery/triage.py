@@ -403,7 +403,7 @@ class Triage:
         self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
         self.before_step(state)
         self.emit("rewind", step=r.target, to_step=state.step, window=window if window and not r.entries else [],
-                  skip=r.entries if window else [], checkpoint=str(ckpt.path), reason=r.reason,
+                  skip=stamp(r.entries, r.base_step + 1) if window else [], checkpoint=str(ckpt.path), reason=r.reason,
                   triage_phase=r.phase, lr_scale=state.lr_scale * trial)
 
     def _cannot_run(self, r: Replay) -> str:

@@ -195,9 +195,10 @@ class ShardPath(Spec):
 
 class SkipEntry(Spec):
     """One skip list entry (dsslm.data.skips): a window [start, end) of global sequence indices
-    (what earlier versions wrote), or data {"shard": PATH, "tokens": [a, b)}."""
+    (what earlier versions wrote), or data {"shard": PATH, "tokens": [a, b)}, optionally with the
+    step it applies from ("from_step")."""
 
-    data = Fields(shard=ShardPath(), tokens=Window())
+    data = Fields(optional=("from_step",), shard=ShardPath(), tokens=Window(), from_step=Int(1, MAX_STEP))
 
     def validate(self, value: Any, path: str) -> None:
         if isinstance(value, list):

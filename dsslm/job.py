@@ -52,10 +52,8 @@ from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.observe.watchdog import CHECKPOINT, EVALUATION, LOAD, Links, Progress, Watchdog
 from dsslm.optim import older_muon, older_muon_note
 from dsslm.recovery.faults import Drills
-from dsslm.recovery.forensics import Forensics
-from dsslm.recovery.monitor import SpikeMonitor
-from dsslm.recovery.rewind import Escalation, Rewinder
-from dsslm.recovery.triage import ReplayProgress, Triage
+from dsslm.recovery.policy import SpikePolicy
+from dsslm.recovery.rewind import Escalation
 from dsslm.rng import seed_everything
 
 
@@ -70,10 +68,7 @@ class Job:
     store: CheckpointStore
     checkpointer: Checkpointer   # save / restore over the table of stateful parts
     state: TrainState            # the table's "train" part: the loop mutates it in place
-    monitor: SpikeMonitor
-    rewinder: Rewinder
-    triage: Triage               # the spike policy: replays that tell data / state / transient apart
-    forensics: Forensics         # run.dir/spikes/step-XXXXXXXX/
+    spikes: SpikePolicy          # the one door to spike recovery (monitor, triage, rewinds, forensics)
     clipper: Clipper             # optim.clip_mode: the clip bound, and what it learns from applied steps
     drills: Drills
     sinks: Sinks
@@ -141,24 +136,21 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
                     global_batch, loader)
     drills.arm(store)
-    monitor, clipper = SpikeMonitor(cfg.monitor), build_clipper(cfg.optim)
-    forensics = Forensics(cfg, engine, run_dir, {**manifest["tokenizer"], "data_dir": str(data_dir)}, sinks.emit, loader)
-    progress = ReplayProgress()
-    parts: dict[str, Stateful] = {"train": state, "monitor": monitor, "triage": progress,
-                                  "rng": RngStreams(engine, cfg.run.seed, state)}
+    clipper = build_clipper(cfg.optim)
+    spikes = SpikePolicy(cfg, engine, run_dir, sinks.emit, loader, {**manifest["tokenizer"], "data_dir": str(data_dir)})
+    parts: dict[str, Stateful] = {"train": state, **spikes.parts(), "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler
     if cfg.optim.clip_mode == "zclip":
         parts["clip"] = clipper
     prints = fingerprint(cfg, manifest_hash(manifest), manifest["tokenizer"]["sha256"], global_batch)
     checkpointer = Checkpointer(engine, store, parts, prints, cfg, sinks.emit, allow_drift)
-    rewinder = Rewinder(cfg, engine, checkpointer, monitor, global_batch, run_dir, sinks.emit, loader)
-    triage = Triage(cfg, engine, rewinder, monitor, forensics, progress, sinks.emit)
-    job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, monitor, rewinder, triage, forensics,
+    job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, spikes,
               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)),
               progress=reports, watchdog=watchdog)
-    triage.save_base = lambda: save(job, sync=True)  # an escalating triage's base, held only in memory
+    # An escalating triage's base, held only in memory, is saved before exit 3.
+    spikes.bind(checkpointer, global_batch, save_base=lambda: save(job, sync=True))
     job.evals.before = lambda step: reports.report(step, EVALUATION)
     return job
 
@@ -176,7 +168,7 @@ def start(job: Job) -> str:
             job.sinks.emit("data_verified", **job.verified)
         job.sinks.emit("finished", step=job.state.step, total_steps=cfg.train.total_steps)
         return "finished"
-    job.rewinder.merge_run_file(job.state, job.triage.replay.withdrawn if job.triage.replay else [])
+    job.spikes.resume(job.state)  # run.dir/skip_list.json: what any earlier job learnt
     # The mutable keys that schedule the same math another way: a resume may change them, and the
     # recomputed steps are then equal within rounding, not to the bit (the audit's tolerance).
     schedule = {"optim.impl": engine.optim_impl, "train.compile": cfg.train.compile,
@@ -193,8 +185,7 @@ def start(job: Job) -> str:
                                              cfg.train.total_steps, job.sinks.emit, to_dict(cfg), RESUME_MUTABLE_KEYS,
                                              start=recorded)
         job.sinks.listeners.append(job.audit.observe)  # the triage decisions must come again too
-    if cfg.monitor.enabled:
-        job.rewinder.ensure_start_checkpoint(job.state, lambda: save(job))  # a spike at step 7 can rewind
+    job.spikes.protect_start(job.state, lambda: save(job))  # a spike at step 7 can rewind
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
@@ -215,9 +206,9 @@ def save(job: Job, sync: bool = False) -> None:
     """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes).
     Escalation instead of a checkpoint whose skip list a resume would refuse (too many entries)."""
     job.progress.report(job.state.step, CHECKPOINT)
-    job.rewinder.check_skip_list(job.state.skip_list, job.state.step)
+    pins = job.spikes.before_save(job.state, job.store.valid_steps)
     if job.engine.is_main:
-        job.store.pin(job.triage.pins(job.state.step, job.store.valid_steps()))
+        job.store.pin(pins)
     job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
 
 

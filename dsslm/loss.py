@@ -67,6 +67,9 @@ class StepResult:
     # This rank's cross-entropy sum of each sequence, one detached tensor per micro-batch, left
     # on the device: read only when the step is a spike (forensics), so no host sync otherwise.
     sequence_ce: list[torch.Tensor] = field(default_factory=list)
+    # This rank's mean loss per real token of each sequence, read in the step's one host sync:
+    # rank 0's go into the monitor's history of sequence losses (`SpikeMonitor.blame`).
+    sequence_losses: list[float] = field(default_factory=list)
 
 
 def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: str,
@@ -93,6 +96,7 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     ce_total = torch.zeros((), dtype=torch.float64, device=engine.device)
     real_total = torch.zeros((), dtype=torch.float64, device=engine.device)
     sequence_ce: list[torch.Tensor] = []
+    sequence_real: list[torch.Tensor] = []
     last = len(micro_batches) - 1
     for i, (inputs, targets) in enumerate(micro_batches):
         # non_blocking: the prefetcher pins host batches on CUDA, so the copy overlaps the host
@@ -109,6 +113,7 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
                 loss = loss * grad_multiplier
             engine.backward(loss)
         sequence_ce.append(ce_of_sequences)
+        sequence_real.append((targets != IGNORE_INDEX).sum(-1))
         ce_total += ce_sum.detach().double()
         real_total += (targets != IGNORE_INDEX).sum()
     gnorm = engine.clip_grad_norm(clip)
@@ -117,14 +122,18 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     stop_now = stop_requested() if callable(stop_requested) else stop_requested
     flags = torch.tensor([float(stop_now), float(failed)], dtype=torch.float64, device=engine.device)
     reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.reshape(1))))
-    # The one host sync of the step: everything the loop needs, read together.
-    ce, stops, failures, real, norm = torch.cat((reduced, gnorm.detach().double().reshape(1).to(reduced.device))).tolist()
+    # The one host sync of the step: everything the loop needs, read together (this rank's
+    # sequence losses too: a few floats a step).
+    per_sequence = (torch.cat(sequence_ce).detach().double() / torch.cat(sequence_real).clamp(min=1).double()
+                    if sequence_ce else torch.zeros(0, dtype=torch.float64))
+    ce, stops, failures, real, norm, *sequence_losses = torch.cat(
+        (reduced, gnorm.detach().double().reshape(1).to(reduced.device), per_sequence.to(reduced.device))).tolist()
     if real != tokens_global:
         raise RuntimeError(f"the step was scaled for tokens_global={tokens_global} real targets but its batches "
                            f"hold {int(real)}: the caller's count is wrong, so its gradient would be too")
     return StepResult(loss=ce / tokens_global, gnorm=norm, batch_tokens=tokens_global, stop_requested=stops > 0,
                       failed=failures > 0,
-                      sequence_ce=sequence_ce)
+                      sequence_ce=sequence_ce, sequence_losses=sequence_losses)
 
 
 @dataclass

@@ -36,11 +36,12 @@ from dsslm.ckpt.store import CheckpointError
 from dsslm.ckpt.train_state import NothingToResume, TrainState
 from dsslm.config import Config, ConfigError
 from dsslm.data import DataError
+from dsslm.data.skips import active_at
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
                          EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now)
 from dsslm.job import Job, save, setup, start
-from dsslm.loss import StepResult, accumulate, validation_sums
+from dsslm.loss import IGNORE_INDEX, StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
@@ -48,12 +49,12 @@ from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FOR
 from dsslm.optim import lr_at
 from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
+from dsslm.recovery.policy import FP16_OVERFLOW
 from dsslm.recovery.rewind import Escalation
 from dsslm.rng import set_step_streams, step_streams
 
 # Rank 0's failures to write into run.dir, raised on every rank at a step boundary (EXIT_WRITE_FAILED).
 WRITE_FAILURES = (CheckpointError, LogWriteError, LockLost)
-FP16_OVERFLOW = "fp16_overflow"
 
 
 @dataclass
@@ -167,14 +168,18 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             account(job, verdict, record, fed)
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
         if verdict is Verdict.REWIND:
-            job.triage.rewind(state, record)  # the next replay, or a plain rewind
+            job.spikes.after_step(state, verdict, record)  # the next replay, or a plain rewind
             continue
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
             first_step = None   # once: a rewind to the start does not report again
-        if cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
+        # A replayed step (a rewind's, a triage's) was validated and evaluated when first reached:
+        # once per step, so replays neither pay for it again nor write a second record of a step.
+        fresh, state.reached = state.step > state.reached, max(state.reached, state.step)
+        if fresh and cfg.run.val_every and (state.step % cfg.run.val_every == 0 or state.step == cfg.train.total_steps):
             validate(job, diagnostics)
-        job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/downstream.py)
+        if fresh:
+            job.evals.after_step(state.step)  # downstream tasks every eval.every steps (dsslm/evals/loop.py)
         if stop_requested and state.step < cfg.train.total_steps:  # in the last step, finishing wins
             # Preemption: save where we are, exit 0; the requeued job resumes from here.
             save(job, sync=True)
@@ -184,7 +189,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             return stop.exit_code
         if state.step % cfg.ckpt.every == 0 or (state.step == cfg.train.total_steps and cfg.ckpt.at_end):
             save(job)
-        job.triage.keep_rewind_point(state.step)  # in memory, every monitor.rewind_every steps
+        job.spikes.after_step(state, verdict, record)  # a rewind point in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
     stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
     job.progress.report(state.step, CHECKPOINT)
@@ -213,22 +218,28 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     """Forward, backward, the verdict, and the update (or not) for the step that makes `state.step + 1`."""
     cfg, engine, state = job.cfg, job.engine, job.state
     step = state.step + 1
-    job.triage.before_step(state)  # a triage replay's data left out from its base on
+    factor = job.spikes.before_step(state, step)  # a triage replay's data left out from its base on
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
-    lr = scheduled * state.lr_scale * job.triage.lr_factor(state, step) * job.drills.lr_multiplier(step)
+    lr = scheduled * state.lr_scale * factor * job.drills.lr_multiplier(step)
     job.progress.report(step, DATA)
-    fed, batches = job.feed.step(state.next_sequence, state.skip_list)  # read ahead during the last step
-    job.rewinder.note(step, fed.first, fed.end)
+    # Each entry from the step it applies from (data.skips.active_at): a catch-up after a restart
+    # feeds what the run fed before a verdict. Read ahead during the last step.
+    fed, batches = job.feed.step(state.next_sequence, active_at(state.skip_list, step))
     batches = job.drills.corrupt(batches, fed.indices)
     streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
     job.progress.report(step, FORWARD_BACKWARD)
     result = compute(job, step, batches, tokens, lambda: stop.requested)  # read after the backward
-    if job.triage.spread_pending:  # once per job, where kernels are not bitwise deterministic
-        result = measure_spread(job, step, batches, streams, result, stop)
+    first = result
+
+    def again() -> StepResult:  # the step once more: same weights, batch and random state
+        engine.drop_gradients()
+        set_step_streams(streams)
+        return compute(job, step, batches, tokens, lambda: stop.requested or first.stop_requested)
+
     job.progress.report(step, COLLECTIVE)
-    verdict, reason, result = decide(job, step, fed, batches, streams, result, stop)
+    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, lambda: probe(job, step))
     job.progress.report(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -243,38 +254,23 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     return verdict, record, fed, result.stop_requested
 
 
-def decide(job: Job, step: int, fed: StepSlice, batches: list, streams: tuple, result: StepResult,
-           stop: StopFlag) -> tuple[Verdict, str, StepResult]:
-    """The one place a step's verdict is decided, the same on every rank: the monitor's (or the fp16
-    scaler's) verdict, an outlier's in-place re-run, and during a triage replay whether the spike
-    came back. Returns the verdict, why, and the result the update uses (the re-run's, if any)."""
-    verdict, reason = judge(job, step, result.loss, result.gnorm)
-    spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
-    if spike and not job.triage.replaying(step):  # a replay's evidence goes to its triage decision
-        job.forensics.capture(step, fed, batches, result, verdict.value, reason, job.monitor.window())
-    if spike and verdict is Verdict.SKIP and job.triage.may_rerun(step):
-        verdict, reason, result = rerun_in_place(job, step, batches, streams, result, reason, stop)
-    verdict, reason = job.triage.review(job.state, step, verdict, reason, result.loss, result.gnorm, spike)
-    return verdict, reason, result
-
-
-def judge(job: Job, step: int, loss: float, gnorm: float, rerun: bool = False) -> tuple[Verdict, str]:
-    """One verdict (and why) for every rank: an fp16 overflow is the scaler's skip; spikes are
-    rank 0's call, followed by all. `rerun`: the in-place re-run of the step just judged."""
-    scaler = job.engine.scaler
-    overflow = not rerun and scaler is not None and scaler.update(gnorm)
-    skip = (Verdict.SKIP, FP16_OVERFLOW) if overflow else None  # the scale it backs off to: train_step
-    # A non-finite loss too goes to the monitor, which may call it a spike and rewind; but an
-    # overflowed step is never applied, whatever the monitor says or whether there is one.
-    if overflow and (math.isfinite(loss) or not job.cfg.monitor.enabled):
-        return skip
-    if not job.cfg.monitor.enabled:
-        return Verdict.OK, ""
-    judge_step = job.monitor.rejudge if rerun else job.monitor.judge
-    verdict, reason = job.engine.decide(lambda: (judge_step(step, loss, gnorm), job.monitor.last_reason))
-    if overflow and verdict is Verdict.OK:
-        return skip
-    return verdict, reason if verdict is not Verdict.OK else ""
+def probe(job: Job, step: int) -> float | None:
+    """The grad norm of a held-out batch (the first domain's first validation chunks, the same on
+    every rank) at the current weights, its gradients dropped after; None without a validation
+    split or with monitor.gnorm_probe off. Not clipped; of the drills only faults.grad_surge (a
+    model-wide surge) touches it."""
+    if not job.cfg.monitor.gnorm_probe:
+        return None
+    batches = job.loader.val_batches(job.loader.domains[0], 1, job.cfg.train.micro_batch_size)
+    real = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches)
+    if not real:
+        return None
+    job.engine.drop_gradients()
+    t = job.cfg.train
+    result = accumulate(job.engine, batches, t.precision, t.z_loss, math.inf, real * job.engine.world_size,
+                        grad_multiplier=job.drills.surge_multiplier(step))
+    job.engine.drop_gradients()
+    return result.gnorm if math.isfinite(result.gnorm) else None
 
 
 def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Callable[[], bool]) -> StepResult:
@@ -287,30 +283,6 @@ def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Cal
     if result.failed:  # rank 0's check at the last step boundary: raised on every rank, before the update
         job.engine.decide(lambda: raise_failure(job))
     return result
-
-
-def rerun_in_place(job: Job, step: int, batches: list, streams: tuple, first: StepResult, reason: str,
-                   stop: StopFlag) -> tuple[Verdict, str, StepResult]:
-    """Megatron-LM's rerun: the outlier's step once more with the same weights, batch and random
-    state, its gradients dropped first. A normal result means the first was a transient fault,
-    and the re-run's update is applied; a reproduced outlier is skipped as before."""
-    job.engine.drop_gradients()
-    set_step_streams(streams)
-    result = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
-    verdict, rerun_reason = judge(job, step, result.loss, result.gnorm, rerun=True)
-    job.triage.note_rerun(job.state, step, (first.loss, first.gnorm, reason), (result.loss, result.gnorm), verdict)
-    return verdict, rerun_reason, result
-
-
-def measure_spread(job: Job, step: int, batches: list, streams: tuple, first: StepResult,
-                   stop: StopFlag) -> StepResult:
-    """The job's first step once more, as rerun_in_place does it: how far apart two computations
-    of one step land is what a triage replay must exceed to show a spike again."""
-    job.engine.drop_gradients()
-    set_step_streams(streams)
-    again = compute(job, step, batches, first.batch_tokens, lambda: stop.requested or first.stop_requested)
-    job.triage.note_spread(step, (first.loss, first.gnorm), (again.loss, again.gnorm))
-    return again
 
 
 def account(job: Job, verdict: Verdict, record: StepRecord, fed: StepSlice) -> None:
@@ -367,7 +339,7 @@ def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
     for domain in job.loader.domains:
         batches = job.loader.val_batches(domain, job.cfg.run.val_batches, job.cfg.train.micro_batch_size)
         sums = validation_sums(job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
-                               lambda targets: job.byte_counter.count(domain, targets))
+                               lambda targets: job.byte_counter.count(domain, targets))  # noqa: B023 (used here)
         if sums.tokens:
             losses[domain] = sums.loss
             if sums.bits_per_byte is not None:
@@ -411,7 +383,7 @@ def raise_failure(job: Job) -> None:
 
 def report_memory(job: Job) -> None:
     """Bytes of parameters, gradients and optimizer state on every rank, as measured."""
-    per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.rewinder.ring.memory()})
+    per_rank = job.engine.all_gather({**job.engine.memory_report(), **job.spikes.memory()})
     job.sinks.emit("memory", step=job.state.step, per_rank=per_rank)
     if job.engine.is_main:
         print(f"dsslm: rank 0 holds {memory_line(per_rank[0])}; every rank's in events.jsonl", flush=True)

@@ -41,22 +41,28 @@ class TrainState:
     # Target tokens trained per domain, like tokens_seen (metrics.jsonl's domain_tokens). None: restored
     # from a checkpoint that predates it; the loop then derives it from the position.
     domain_tokens: dict | None = field(default_factory=dict)
+    # The furthest step the run has trained to, in any pass: a step at or below it is a replay
+    # (a rewind's, a triage's), which neither validates nor evaluates again (it was, once).
+    reached: int = 0
 
     state_spec = Fields(
-        optional=("domain_tokens",),
+        optional=("domain_tokens", "reached"),
         step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
         skip_list=SkipList(),
         lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
         skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
         lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000),
-        domain_tokens=Optional(MapOf(Int(0, MAX_COUNT), max_len=10_000)))
+        domain_tokens=Optional(MapOf(Int(0, MAX_COUNT), max_len=10_000)), reached=Int(0, MAX_STEP))
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state.get(f.name) if f.name == "domain_tokens" else state[f.name])
+            # Optional: a checkpoint from before `domain_tokens` (None: derived) or `reached` (its step).
+            default = state.get("step", 0) if f.name == "reached" else None
+            setattr(self, f.name, state.get(f.name, default) if f.name in ("domain_tokens", "reached")
+                    else state[f.name])
 
 
 class ResumeRefused(ConfigError):

@@ -150,7 +150,14 @@ class MonitorCfg:
     min_history: int = 20       # clean steps before the monitor judges
     loss_z: float = 6.0         # robust z-score (MAD units) that makes a loss an outlier
     hard_loss_z: float = 20.0   # robust z-score that rewinds at once
-    gnorm_mult: float = 5.0     # grad norm over this multiple of the median clean norm is an outlier
+    # A grad norm over this multiple of its reference with a loss that is no outlier is a surge:
+    # re-run once in place, then applied (clipped) and noted, never skipped (docs/spikes.md)
+    gnorm_mult: float = 5.0
+    gnorm_trend: int = 5        # the reference is also the median of the last this many norms (0 = window only)
+    # A surge is held against a held-out batch's grad norm: one of the batch alone (the held-out
+    # norm normal) is an outlier as before; one the held-out batch shares is the model's, applied
+    gnorm_probe: bool = True
+    sequence_window: int = 1024  # recent sequence losses a data verdict measures a sequence against
     max_skips: int = 2          # consecutive skipped outliers tolerated before a rewind
     rewind_margin_steps: int = 5  # rewind to a checkpoint at least this far before the spike
     max_rewinds: int = 4        # rewinds before escalating to a human (exit 3)
@@ -190,6 +197,7 @@ class FaultsCfg:
     grad_fault_rank: int = 0    # the rank whose gradients the fault corrupts (-1 = every rank)
     grad_fault_mode: str = "scale"  # scale (by grad_fault_scale) | nan (non-finite)
     grad_fault_scale: float = 1000.0
+    grad_surge: list = field(default_factory=list)  # [[start, end, multiplier], ...]: every gradient of steps [start, end)
     replay_noise: float = 0.0   # non-deterministic kernels: each computation's loss x (1 +- this), alternating
     hang_step: int = -1         # the hang drill: stop (SIGSTOP) a rank as it enters hang_phase of this step, every start
     hang_rank: int = 0

@@ -213,6 +213,8 @@ def validate_spike_policy(cfg: Config) -> None:
     _check_choice("faults.grad_fault_mode", f.grad_fault_mode, ("scale", "nan"))
     _check(0 < m.lr_backoff <= 1, f"monitor.lr_backoff={m.lr_backoff} must be in (0, 1]")
     _check(m.window >= 3, f"monitor.window={m.window} must be >= 3")
+    _check(m.gnorm_trend >= 0, f"monitor.gnorm_trend={m.gnorm_trend} must be >= 0 (0 = the window median only)")
+    _check(m.sequence_window >= 1, f"monitor.sequence_window={m.sequence_window} must be >= 1")
     _check(m.skip_batches >= 1, f"monitor.skip_batches={m.skip_batches} must be >= 1")
     _check(m.max_multiple > 1 and m.max_multiple_steps >= 1,
            f"monitor.max_multiple={m.max_multiple} must be > 1 and monitor.max_multiple_steps="
@@ -233,11 +235,12 @@ def validate_spike_policy(cfg: Config) -> None:
             _check(isinstance(window, list) and len(window) == 2 and all(isinstance(x, int) for x in window)
                    and 0 <= window[0] < window[1],
                    f"faults.{key} entry {window!r} must be [start, end] with 0 <= start < end")
-    for burst in f.lr_burst:
-        _check(isinstance(burst, list) and len(burst) == 3 and all(isinstance(x, int) for x in burst[:2])
-               and 1 <= burst[0] < burst[1] and isinstance(burst[2], (int, float)) and burst[2] > 0,
-               f"faults.lr_burst entry {burst!r} must be [start, end, multiplier] with 1 <= start < end "
-               f"and multiplier > 0")
+    for key in ("lr_burst", "grad_surge"):
+        for burst in getattr(f, key):
+            _check(isinstance(burst, list) and len(burst) == 3 and all(isinstance(x, int) for x in burst[:2])
+                   and 1 <= burst[0] < burst[1] and isinstance(burst[2], (int, float)) and burst[2] > 0,
+                   f"faults.{key} entry {burst!r} must be [start, end, multiplier] with 1 <= start < end "
+                   f"and multiplier > 0")
     for step in f.grad_fault_steps:
         _check(isinstance(step, int) and step >= 1, f"faults.grad_fault_steps entry {step!r} must be a step >= 1")
 

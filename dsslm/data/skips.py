@@ -12,6 +12,12 @@ A skip list (state.json `skip_list`, run.dir/skip_list.json) holds two kinds of 
                                           both in [a, b)) is never fed again, in any epoch, at
                                           any world size and global batch: its slot in the stream
                                           goes to the next sequence the stream would feed.
+    ... "from_step": S                    (optional) the entry applies to steps S and later: the
+                                          run trained on that data before its verdict, so a
+                                          catch-up from an older checkpoint (after a restart)
+                                          feeds it where the run did (`active_at`). A rewind to
+                                          step C moves it to C + 1 (`restamp`): a new pass never
+                                          feeds data already known bad. Without it: every step.
 
 A window names positions, so the chunks it covered come back in the next epoch's shuffle; a data
 entry names the text itself. The loader maps entries to chunk ids (`Loader.skipped_chunks`), so
@@ -57,10 +63,10 @@ def windows_of(skip_list: Iterable) -> list[list[int]]:
 
 
 def entries_of(skip_list: Iterable) -> list[dict]:
-    """The data entries of a skip list, merged: sorted by (shard, start); ranges of one shard that
-    overlap by at least one token are joined (touching ones are not: that would name the chunk
-    whose one prediction crosses from one range into the other)."""
-    ranges: dict[str, list[list[int]]] = {}
+    """The data entries of a skip list, merged: sorted by (shard, from_step, start); ranges of one
+    shard and one from_step that overlap by at least one token are joined (touching ones are not:
+    that would name the chunk whose one prediction crosses from one range into the other)."""
+    ranges: dict[tuple[str, int], list[list[int]]] = {}
     for e in skip_list:
         if is_window(e):
             continue
@@ -68,17 +74,58 @@ def entries_of(skip_list: Iterable) -> list[dict]:
         if not 0 <= a <= b:
             raise ValueError(f"skip entry {e!r}: tokens must be [a, b) with 0 <= a <= b; fix skip_list.json")
         if b - a >= 2:  # fewer than two tokens hold no prediction: the entry names nothing
-            ranges.setdefault(str(e["shard"]), []).append([a, b])
+            ranges.setdefault((str(e["shard"]), int(e.get("from_step", 0))), []).append([a, b])
     out: list[dict] = []
-    for shard in sorted(ranges):
+    for shard, since in sorted(ranges):
         merged: list[list[int]] = []
-        for a, b in sorted(ranges[shard]):
+        for a, b in sorted(ranges[(shard, since)]):
             if merged and a < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
-        out += [{"shard": shard, "tokens": r} for r in merged]
+        out += [{"shard": shard, "tokens": r, **({"from_step": since} if since else {})} for r in merged]
     return out
+
+
+def stamp(entries: Iterable, step: int) -> list:
+    """`entries` applying from step `step` on (`from_step`); windows (positions) and entries that
+    carry a step already are left as they are."""
+    return [e if is_window(e) or "from_step" in e else {**e, "from_step": int(step)} for e in entries]
+
+
+def restamp(skip_list: Iterable, step: int) -> list:
+    """A new pass from step `step - 1` (a rewind's restore): entries that would apply only later
+    apply from `step`, so known bad data is never fed again, and the run, a resumed run and the
+    catch-up of either do the same."""
+    return [{**e, "from_step": int(step)} if not is_window(e) and e.get("from_step", 0) > step else e
+            for e in skip_list]
+
+
+_active: tuple = ()  # ((list, its length, step threshold, active list), ...), newest first
+_latest: tuple = ()  # (list, its length, its sorted from_steps)
+
+
+def active_at(skip_list: list, step: int) -> list:
+    """The entries of `skip_list` that apply to step `step`: windows, entries without a
+    `from_step`, and those from `step` or before. The list itself when all apply (the common
+    case, so the loader's merged view stays cached), else one list per threshold crossed."""
+    global _active, _latest
+    if not (_latest and _latest[0] is skip_list and _latest[1] == len(skip_list)):
+        stamps = sorted({e["from_step"] for e in skip_list if not is_window(e) and "from_step" in e})
+        _latest = (skip_list, len(skip_list), stamps)  # once per change of the list, not every step
+    stamps = _latest[2]
+    if not stamps or stamps[-1] <= step:
+        return skip_list
+    later = [s for s in stamps if s > step]
+    if not later:
+        return skip_list
+    threshold = later[0]  # the active list is the same for every step before the next stamp
+    for source, length, mark, active in _active:
+        if source is skip_list and length == len(skip_list) and mark == threshold:
+            return active
+    active = [e for e in skip_list if is_window(e) or e.get("from_step", 0) <= step]
+    _active = ((skip_list, len(skip_list), threshold, active), *_active)[:4]
+    return active
 
 
 def merge_skip_list(skip_list: Iterable) -> list:

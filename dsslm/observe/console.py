@@ -167,6 +167,13 @@ def _alert(f: dict) -> str:
     return f"alert at step {f.get('step')}: {f.get('reason')}: {text}"
 
 
+def _surge(f: dict) -> str:
+    held = f.get("held_out_gnorm")
+    shared = f"a held-out batch's {_g(held)} too" if held is not None else "no held-out batch to compare"
+    return (f"step {f.get('step')}: grad norm {_g(f.get('gnorm'))} with a normal loss ({f.get('reason')}; "
+            f"{shared}): applied, clipped; a surge, not a spike")
+
+
 # event -> (level, line); a None line is not printed. Events not named here go to DEBUG.
 LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "save": (logging.INFO, lambda f: f"saved {f.get('checkpoint')} (step {f.get('step')}, "
@@ -177,6 +184,7 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "resume_audit": (logging.INFO, _audit),
     "skip": (logging.WARNING, lambda f: f"step {f.get('step')}: update skipped ({f.get('reason')}); loss "
                                         f"{_g(f.get('loss'))}, grad norm {_g(f.get('gnorm'))}"),
+    "gnorm_surge": (logging.INFO, _surge),
     "rewind": (logging.WARNING, _rewind),
     "triage": (logging.WARNING, _triage),
     "lr_scale": (logging.WARNING, _lr_scale),
@@ -257,6 +265,7 @@ class Console:
         self.val: dict[str, float] = {}
         self.best_val: dict[str, float] = {}
         self.spikes: list[str] = []
+        self.surges = 0  # grad-norm surges applied (not spikes: the summary counts them apart)
         self.saved: str | None = None
         self.evaluation: dict | None = None  # the last eval.tasks record, for the summary
         if enabled:
@@ -306,6 +315,8 @@ class Console:
             self.spikes.append(f"step {fields.get('spike_start', fields.get('step'))}: {fields.get('verdict')}")
         elif event == "rewind" and not fields.get("triage_phase"):
             self.spikes.append(f"step {fields.get('step')}: rewound")
+        elif event == "gnorm_surge":
+            self.surges += 1
         if event == "preempt_save":
             self._preempt_save(fields)
         elif event == "end":
@@ -331,7 +342,7 @@ class Console:
         resumed = self.first_step is not None and self.first_step > 1
         job = " in this job" if resumed else ""
         spikes = (f"{len(self.spikes)} spike event(s){job}: " + "; ".join(self.spikes[-10:]) if self.spikes
-                  else f"no spikes{job}")
+                  else f"no spikes{job}") + (f", {self.surges} grad-norm surge(s) applied" if self.surges else "")
         loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
         evals = (f"last evaluation (step {self.evaluation['step']}): {_evaluation(self.evaluation)}; "
                  if self.evaluation else "")

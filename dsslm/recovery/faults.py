@@ -30,6 +30,8 @@ Steps are step counts, as in metrics.jsonl. A drill that models a one-off fault 
 """
 from __future__ import annotations
 
+import math
+
 import os
 import signal
 from pathlib import Path
@@ -211,15 +213,23 @@ class Drills:
                 factor *= float(multiplier)
         return factor
 
+    def surge_multiplier(self, step: int) -> float:
+        """faults.grad_surge: what every gradient of step `step` is multiplied by, in every
+        computation of it (its re-run, a held-out batch's probe, every replay), its loss
+        untouched: a model-wide grad-norm surge with a normal loss, as when a run leaves its
+        unigram plateau; else 1."""
+        return math.prod(float(m) for start, end, m in self.cfg.grad_surge if start <= step < end)
+
     def grad_multiplier(self, step: int) -> float:
         """faults.grad_fault_steps: what this rank's gradients of step `step` are multiplied by,
         once per run.dir (a transient fault: a flipped bit, a bad reduction); else 1."""
         cfg = self.cfg
+        surge = self.surge_multiplier(step)
         if step not in cfg.grad_fault_steps or cfg.grad_fault_rank not in (-1, self.rank):
-            return 1.0
+            return surge
         if not self._once(f"grad-{step}-rank{self.rank}"):
-            return 1.0
-        return float("nan") if cfg.grad_fault_mode == "nan" else cfg.grad_fault_scale
+            return surge
+        return float("nan") if cfg.grad_fault_mode == "nan" else cfg.grad_fault_scale * surge
 
     def loss_multiplier(self, step: int) -> float:
         """What the last micro-batch's loss of step `step` is multiplied by: NaN for a transient

@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from dsslm.ckpt.format import step_name
 from dsslm.config import Config
 from dsslm.data.loader import Loader
-from dsslm.data.skips import merge_skip_list, offending
+from dsslm.data.skips import merge_skip_list
 from dsslm.data.stream import StepSlice
 from dsslm.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 from dsslm.durable import publish_folder, write_json_atomic
@@ -115,16 +115,18 @@ class Forensics:
             # different places (they are already in the re-run's or the verdict's collectives).
             self.emit("forensics_failed", step=step, reason=repr(exc))
 
-    def data_entries(self, steps: Any, fed_of: Callable[[int], tuple[int, int]], skip_list: list) -> list[dict]:
+    def data_entries(self, steps: Any, fed_of: Callable[[int], tuple[int, int]], blame: Callable[[Any], np.ndarray],
+                     skip_list: list) -> list[dict]:
         """The skip entries naming the data of the spike steps `steps`: in each step whose sequence
-        losses were captured, the offending sequences' chunks and documents (`offending`), or,
+        losses were captured, the blamed sequences' chunks and documents (`blame`: the monitor's
+        `SpikeMonitor.blame`, against the run's history of sequence losses), or,
         where the test singles none out, every sequence's chunk; a step not captured (before a
         resume) names the chunks of every sequence it was fed, `fed_of(step)` = [first, end)."""
         entries: list = []
         for step in steps:
             if step in self.sequences:
                 indices, losses = self.sequences[step]
-                hit = offending(losses)
+                hit = np.asarray(blame(losses), dtype=bool)
                 entries += (self.loader.data_entries(indices[hit], np.ones(int(hit.sum()), dtype=bool)) if hit.any()
                             else self.loader.data_entries(indices))
             else:

@@ -8,13 +8,21 @@ early in training the loss falls faster than a rolling baseline follows, and tha
 Three detectors (`monitor.detector`), each over the same clean history:
 
 - `mad` (default): robust z = (loss - median) / (1.4826 MAD) of the last `window` clean steps,
-  so one spike cannot drag the baseline; grad norm over `gnorm_mult` x its median.
+  so one spike cannot drag the baseline; grad norm over `gnorm_mult` x its reference (the larger
+  of its window median and the median of its last `gnorm_trend` steps: its own trend).
 - `zscore`: OLMo-core's skip-step test, z = (x - mean) / std of the last `window` clean steps for
   the loss and the grad norm alike (OLMo-core: window 128, 6 sigma: `monitor.window=128
   monitor.min_history=64 monitor.loss_z=6`). Unlike OLMo-core, outliers never enter the window.
 - `max_multiple`: Megatron-LM's rerun check, a loss at least `max_multiple` (10) x the largest of
   the first `max_multiple_steps` (100) steps' losses. Blind to anything smaller: a net for
   blow-ups, not for spikes.
+
+The loss decides what is a spike. A grad norm over its threshold with a loss that is not an
+outlier is a `SURGE`: early in training the norm rises 5-70x while the loss falls (the run leaves
+the unigram plateau), and skipping or rewinding that is a false alarm (docs/spikes.md, "Grad-norm
+surges"). The loop re-runs a surge in place once (a one-off gradient fault is transient: the
+re-run's normal update is applied) and otherwise applies it, clipped, and notes it (`accept`);
+a surge never skips a step, opens a streak, names data or rewinds.
 
 Verdicts: a non-finite loss or grad norm rewinds at once (`monitor.nonfinite=skip` makes it an
 outlier, as OLMo-core's skip-step treats it); so does a z above `hard_loss_z` (mad, zscore); an
@@ -37,6 +45,9 @@ from enum import Enum
 
 from typing import Any
 
+import numpy as np
+
+from dsslm.data.skips import concentrated, offending
 from dsslm.fields import MAX_STEP, Fields, Float, Int, ListOf, Optional, Spec, StateError, Str
 from dsslm.config import MonitorCfg
 
@@ -48,7 +59,16 @@ MAD_TO_STD = 1.4826  # MAD x 1.4826 estimates the standard deviation of a normal
 SCALE_FLOOR_REL = 2e-3
 SCALE_FLOOR_NATS = 1e-3
 GNORM_FLOOR = 1e-12  # a zero median grad norm would make any gradient an outlier
-STATE_FORMAT = 2     # 1: the mad detector's windows only (read as mad with no max_multiple baseline)
+# 1: the mad detector's windows only (read as mad with no max_multiple baseline); 2: no sequence
+# losses (a data verdict then blames against its batch alone until the history refills)
+STATE_FORMAT = 3
+# A sequence is blamed for a data verdict when its loss is this many robust standard deviations
+# from the run's recent sequence losses (`blame`). Lower than the batch test's 6 (data.skips.
+# OUTLIER_Z): the history holds ~1,000 sequences, so its median and MAD are steady, and a blamed
+# sequence must also be needed to explain the spike (the minimal explanation).
+REFERENCE_Z = 4.0
+# Sequences in the history before it is trusted over the batch's own median.
+MIN_REFERENCE = 64
 
 
 class Verdict(str, Enum):
@@ -56,6 +76,8 @@ class Verdict(str, Enum):
     OK = "ok"
     SKIP = "skip_step"
     REWIND = "rewind"
+    # Never leaves the loop's `decide`: a surge step is applied (or its re-run's update is).
+    SURGE = "gnorm_surge"
 
 
 class SpikeMonitor:
@@ -66,6 +88,9 @@ class SpikeMonitor:
         self.state_spec = _MonitorState(cfg)
         self._losses: deque[float] = deque(maxlen=cfg.window)
         self._gnorms: deque[float] = deque(maxlen=cfg.window)
+        # Mean loss per token of each of rank 0's sequences in the last clean steps: what a
+        # sequence of a spiking step is measured against when a data verdict names it (`blame`).
+        self._sequences: deque[float] = deque(maxlen=max(cfg.sequence_window, 1))
         self._streak = 0                  # consecutive outliers so far, reset by a clean step
         self._spike_start: int | None = None
         self._baseline_max: float | None = None  # max_multiple: largest of the first steps' losses
@@ -79,7 +104,9 @@ class SpikeMonitor:
         clean step or `reset_streak()`. None when no outlier is pending."""
         return self._spike_start
 
-    def judge(self, step: int, loss: float, gnorm: float) -> Verdict:
+    def judge(self, step: int, loss: float, gnorm: float, sequences: Any = ()) -> Verdict:
+        """The verdict of one step; `sequences`, rank 0's per-sequence mean losses of it, join the
+        history a data verdict blames against when the step is clean."""
         loss, gnorm = float(loss), float(gnorm)
         if not self.cfg.enabled:
             return Verdict.OK
@@ -89,22 +116,38 @@ class SpikeMonitor:
             reason = f"non-finite loss={loss} gnorm={gnorm}"
             return self._outlier(step, reason) if self.cfg.nonfinite == "skip" else self._rewind(step, reason)
         if not self._ready():
-            self._record(loss, gnorm)
+            self._record(loss, gnorm, sequences)
             return Verdict.OK
-        hard, outlier, reason = self._assess(loss, gnorm)
+        hard, outlier, surge, reason = self._assess(loss, gnorm)
         if hard:
             return self._rewind(step, reason)
         if outlier:
             return self._outlier(step, reason)
-        self._record(loss, gnorm)
+        if surge:  # nothing recorded yet: the loop re-runs it, then `accept`s what it applies
+            self.last_reason = reason
+            return Verdict.SURGE
+        self._record(loss, gnorm, sequences)
         self.reset_streak()
         return Verdict.OK
 
-    def rejudge(self, step: int, loss: float, gnorm: float) -> Verdict:
+    def accept(self, loss: float, gnorm: float, sequences: Any = ()) -> None:
+        """A SURGE step the loop applies: a clean step (its loss was not an outlier), so it enters
+        the history, and the grad norm's trend follows the rise instead of calling every step of
+        it a surge."""
+        self._record(float(loss), float(gnorm), sequences)
+        self.reset_streak()
+
+    def outlier(self, step: int, reason: str) -> Verdict:
+        """A SURGE the loop found to be its batch's alone (a held-out batch's grad norm is normal:
+        `train.surge`): an outlier after all, in the streak as any (SKIP, or REWIND past
+        max_skips)."""
+        return self._outlier(step, reason)
+
+    def rejudge(self, step: int, loss: float, gnorm: float, sequences: Any = ()) -> Verdict:
         """Judge an in-place re-run of the step `check` just called an outlier, as if that first
         attempt had not been seen (it never entered the baseline; its place in the streak goes)."""
         self._streak, self._spike_start = self._before
-        return self.judge(step, loss, gnorm)
+        return self.judge(step, loss, gnorm, sequences)
 
     def beyond_noise(self, loss: float, gnorm: float, rel: float) -> bool:
         """Is a step just judged an outlier still one with `rel` (relative) taken off its loss and
@@ -112,7 +155,7 @@ class SpikeMonitor:
         original by up to the measured spread; within it, it does not show the spike again."""
         if not (math.isfinite(loss) and math.isfinite(gnorm)) or rel <= 0 or not self._ready():
             return True
-        hard, outlier, _ = self._assess(loss - rel * abs(loss), gnorm * (1.0 - rel))
+        hard, outlier, _, _ = self._assess(loss - rel * abs(loss), gnorm * (1.0 - rel))
         return hard or outlier
 
     def loss_outlier(self, loss: float) -> bool:
@@ -125,8 +168,40 @@ class SpikeMonitor:
             return True
         if not self._ready():
             return False
-        hard, outlier, _ = self._assess(loss, statistics.median(self._gnorms) if self._gnorms else 0.0)
+        hard, outlier, _, _ = self._assess(loss, statistics.median(self._gnorms) if self._gnorms else 0.0)
         return hard or outlier
+
+    def blame(self, losses: Any) -> np.ndarray:
+        """Which sequences of a spiking step (their mean losses per token, every rank's) a data
+        verdict names, as a bool mask: the fewest, taken by how far each stands from the run's
+        recent sequence losses, whose removal leaves a step the monitor would pass; none when no
+        such few exist (the whole batch rose: state, or a batch bad throughout, for a replay to
+        tell). A sequence is a candidate when it is non-finite or REFERENCE_Z robust sigmas from
+        the history's median (either side: a repeated n-gram can sit far below); at most half the
+        step is ever named, and nothing of a step whose loss is no outlier (one flagged by its grad
+        norm alone). Measured against history, not the batch's median, so a step of 1-7
+        sequences names its bad sequence and not its neighbours. Until the history holds
+        MIN_REFERENCE sequences, the batch test (`data.skips.offending`) decides."""
+        x = np.asarray(losses, dtype=np.float64)
+        if len(x) == 0 or not self.loss_outlier(float(np.mean(x))):
+            # A step whose loss passes (an outlier by its grad norm alone) has nothing to explain:
+            # naming a sequence of it would put healthy text on the skip list.
+            return np.zeros(len(x), dtype=bool)
+        if len(self._sequences) < MIN_REFERENCE:
+            return offending(x) if concentrated(x, self.loss_outlier) else np.zeros(len(x), dtype=bool)
+        history = np.asarray(self._sequences)
+        median = float(np.median(history))
+        scale = max(MAD_TO_STD * float(np.median(np.abs(history - median))), SCALE_FLOOR_REL * abs(median),
+                    SCALE_FLOOR_NATS)
+        z = np.where(np.isfinite(x), np.abs(x - median) / scale, np.inf)
+        hit = np.zeros(len(x), dtype=bool)
+        for i in np.argsort(-z, kind="stable")[:max(1, len(x) // 2)]:
+            if z[i] <= REFERENCE_Z:
+                break
+            hit[i] = True
+            if hit.all() or not self.loss_outlier(float(np.mean(x[~hit]))):
+                return hit if not hit.all() else np.zeros(len(x), dtype=bool)
+        return np.zeros(len(x), dtype=bool)
 
     def forgive(self) -> None:
         """Take back the last verdict's place in the streak (a replayed step within the noise)."""
@@ -143,7 +218,7 @@ class SpikeMonitor:
     def window(self) -> dict:
         """The clean history the next verdict is judged against (forensics)."""
         return {"detector": self.cfg.detector, "losses": list(self._losses), "gnorms": list(self._gnorms),
-                "baseline_max": self._baseline_max}
+                "baseline_max": self._baseline_max, "sequences": len(self._sequences)}
 
     def reset_streak(self) -> None:
         """Forget the pending run of outliers (after the loop has acted on a REWIND)."""
@@ -155,10 +230,11 @@ class SpikeMonitor:
         """JSON-safe state: restoring it makes the monitor judge as if never interrupted."""
         return {"format": STATE_FORMAT, "detector": self.cfg.detector, "losses": list(self._losses),
                 "gnorms": list(self._gnorms), "streak": self._streak, "spike_start": self._spike_start,
-                "baseline_max": self._baseline_max, "baseline_count": self._baseline_count}
+                "baseline_max": self._baseline_max, "baseline_count": self._baseline_count,
+                "sequences": list(self._sequences)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") not in (1, STATE_FORMAT):
+        if state.get("format") not in (1, 2, STATE_FORMAT):
             raise ValueError(f"monitor state format={state.get('format')!r}, expected {STATE_FORMAT}; "
                              "the checkpoint was written by another dsslm version")
         if len(state["losses"]) != len(state["gnorms"]):
@@ -170,6 +246,7 @@ class SpikeMonitor:
         self._spike_start = None if start is None else int(start)
         self._baseline_max = state.get("baseline_max")
         self._baseline_count = int(state.get("baseline_count", 0))
+        self._sequences = deque((float(x) for x in state.get("sequences", [])), maxlen=self._sequences.maxlen)
 
     # --- detectors ----------------------------------------------------------------------------
     def _ready(self) -> bool:
@@ -177,27 +254,41 @@ class SpikeMonitor:
             return self._baseline_count >= self.cfg.max_multiple_steps
         return len(self._losses) >= self.cfg.min_history
 
-    def _assess(self, loss: float, gnorm: float) -> tuple[bool, bool, str]:
-        """(hard, outlier, reason) of a finite step against the clean history."""
+    def _assess(self, loss: float, gnorm: float) -> tuple[bool, bool, bool, str]:
+        """(hard, outlier, surge, reason) of a finite step against the clean history. Only the
+        loss makes an outlier; a grad norm over its threshold with a loss that is not one is a
+        surge."""
         cfg = self.cfg
         if cfg.detector == "max_multiple":
             ratio = loss / max(self._baseline_max, SCALE_FLOOR_NATS)
-            return False, ratio >= cfg.max_multiple, f"loss {ratio:.1f}x the first steps' max"
+            return False, ratio >= cfg.max_multiple, False, f"loss {ratio:.1f}x the first steps' max"
         if cfg.detector == "zscore":
             z, gnorm_z = _zscore(loss, self._losses, relative_floor=True), _zscore(gnorm, self._gnorms)
             reason = f"loss z={z:.1f}, gnorm z={gnorm_z:.1f} (mean/std)"
             if z > cfg.hard_loss_z:
-                return True, True, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z} (mean/std)"
-            return False, z > cfg.loss_z or gnorm_z > cfg.loss_z, reason
+                return True, True, False, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z} (mean/std)"
+            return False, z > cfg.loss_z, z <= cfg.loss_z and gnorm_z > cfg.loss_z, reason
         z = self.loss_z(loss)
         if z > cfg.hard_loss_z:
-            return True, True, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z}"
-        gnorm_ratio = gnorm / max(statistics.median(self._gnorms), GNORM_FLOOR)
-        return False, z > cfg.loss_z or gnorm_ratio > cfg.gnorm_mult, f"loss z={z:.1f}, gnorm {gnorm_ratio:.1f}x median"
+            return True, True, False, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z}"
+        ratio = gnorm / max(self._gnorm_reference(), GNORM_FLOOR)
+        reason = f"loss z={z:.1f}, gnorm {ratio:.1f}x its reference"
+        return False, z > cfg.loss_z, z <= cfg.loss_z and ratio > cfg.gnorm_mult, reason
 
-    def _record(self, loss: float, gnorm: float) -> None:
+    def _gnorm_reference(self) -> float:
+        """The grad norm a step's is measured against: its window median, or the median of its
+        last `gnorm_trend` steps when that is higher (a norm that has been rising for a few clean
+        steps is judged against where it is now, not against a median that lags by half a window)."""
+        reference = statistics.median(self._gnorms)
+        k = self.cfg.gnorm_trend
+        if k > 0 and len(self._gnorms) >= k:
+            reference = max(reference, statistics.median(list(self._gnorms)[-k:]))
+        return reference
+
+    def _record(self, loss: float, gnorm: float, sequences: Any = ()) -> None:
         self._losses.append(loss)
         self._gnorms.append(gnorm)
+        self._sequences.extend(float(x) for x in sequences if math.isfinite(x))
         if self._baseline_count < self.cfg.max_multiple_steps:
             self._baseline_max = loss if self._baseline_max is None else max(self._baseline_max, loss)
             self._baseline_count += 1
@@ -235,11 +326,11 @@ class _MonitorState(Spec):
     def __init__(self, cfg: MonitorCfg):
         self.detector = cfg.detector
         self.fields = Fields(
-            optional=("detector", "baseline_max", "baseline_count"),
+            optional=("detector", "baseline_max", "baseline_count", "sequences"),
             format=Int(1, STATE_FORMAT), detector=Str(32), losses=ListOf(Float(), max_len=cfg.window),
             gnorms=ListOf(Float(0.0), max_len=cfg.window), streak=Int(0, MAX_STEP),
             spike_start=Optional(Int(1, MAX_STEP)), baseline_max=Optional(Float()),
-            baseline_count=Int(0, MAX_STEP))
+            baseline_count=Int(0, MAX_STEP), sequences=ListOf(Float(), max_len=max(cfg.sequence_window, 1)))
 
     def validate(self, value: Any, path: str) -> None:
         self.fields.validate(value, path)

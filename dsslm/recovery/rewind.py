@@ -33,7 +33,7 @@ from dsslm.ckpt.train_state import REWIND_RECORD, TrainState
 from dsslm.config import Config, MonitorCfg
 from dsslm.data.loader import Loader
 from dsslm.data.sources import NothingLeft
-from dsslm.data.skips import is_window, merge_skip_list
+from dsslm.data.skips import is_window, merge_skip_list, restamp, stamp
 from dsslm.durable import write_json_atomic
 from dsslm.engine.base import Engine
 from dsslm.optim import decay_start_step
@@ -321,7 +321,9 @@ class Rewinder:
             record["verdict"] = fallback["verdict"]
         skipped = self.engine.decide(lambda: self.data_of(rewind_plan.window, base_skips, rewind_plan.fed_end))
         if fallback is not None and fallback.get("entries"):
-            skipped = merge_skip_list(skipped + fallback["entries"])
+            skipped = skipped + fallback["entries"]
+        # From the first step after the checkpoint it goes back to: the steps before it fed that data.
+        skipped = merge_skip_list(stamp(skipped, ckpt.state["step"] + 1))
         skip_list = merge_skip_list(base_skips + skipped)
         self.check_skip_list(skip_list, spike_step)  # before restore() leaves the newer checkpoints
         # restore() loads the checkpoint's own skip list first: a replay's tentative window is gone.
@@ -364,8 +366,9 @@ class Rewinder:
         self.engine.decide(self.checkpointer.store.wait)  # rank 0's writer error reaches every rank
         for limit in (to_step, spike_start - 1):
             point = self.ring.newest(limit)
-            durable = self.engine.decide(lambda: max((s for s in self.checkpointer.store.valid_steps() if s <= limit),
-                                                     default=-1))
+            # Called within this iteration: the closure's `limit` is this one's.
+            durable = self.engine.decide(
+                lambda: max((s for s in self.checkpointer.store.valid_steps() if s <= limit), default=-1))  # noqa: B023
             if point is not None and point.step >= durable:
                 return point
             ckpt = self.checkpointer.latest(limit)
@@ -377,23 +380,29 @@ class Rewinder:
         raise Escalation(f"spike at step {spike_step} and no checkpoint at or before step {to_step}")
 
     def restore(self, state: TrainState, ckpt: Checkpoint | RewindPoint, skip_list: list, lr_scale: float,
-                record: dict | None) -> None:
+                record: dict | None, new_pass: int | None = None) -> None:
         """Load `ckpt` on every rank, keeping what the run learnt since: `skip_list` (the windows
         to skip from now on), its rewind history (plus `record`), the lower lr_scale and the
         count of skipped steps. The count of clipped steps is the checkpoint's: clip_frac is
         clipped over state.step, both of the trajectory the weights came from, and the steps
         left behind would take it above 1. The run-level file is the caller's to write (a
-        tentative window must not reach it)."""
+        tentative window must not reach it).
+
+        The skip list's entries that would apply only after `new_pass` (default: the step after
+        the checkpoint's) apply from it (`data.skips.restamp`): a new pass feeds no data already
+        known bad. A triage passes its planned base's next step, which a replay from an older
+        checkpoint (after a restart) reaches by a catch-up that feeds what the run fed."""
         history = state.rewinds + ([record] if record else [])
-        skipped = state.skipped_steps
+        skipped, reached = state.skipped_steps, state.reached
         if isinstance(ckpt, RewindPoint):
             ckpt = self.ring.checkpoint(ckpt)  # a collective: the ranks' shares gathered back
         self.checkpointer.restore(ckpt)
         self.ring.drop_after(state.step)  # the points after it belong to the trajectory left
         self.checkpointer.leave_after(state.step)  # ...and so do the durable checkpoints after it
-        state.skip_list = merge_skip_list(state.skip_list + skip_list)
+        first = state.step + 1 if new_pass is None else new_pass
+        state.skip_list = merge_skip_list(restamp(state.skip_list + skip_list, first))
         state.rewinds, state.lr_scale = history, min(state.lr_scale, lr_scale)
-        state.skipped_steps = skipped
+        state.skipped_steps, state.reached = skipped, max(state.reached, reached)
         self.monitor.reset_streak()
 
     def ensure_start_checkpoint(self, state: TrainState, save: Callable[[], None]) -> None:

@@ -1,194 +1,32 @@
 """Spike triage by replay: was a spike the data, the optimizer state, or a one-off fault?
 
-PaLM's authors told these apart by hand, replaying the same batches from an earlier checkpoint;
-Megatron-LM's rerun state machine replays only the current step. `Triage` does both, decided on
-rank 0 and followed by every rank; a replay is ordinary training from a restored checkpoint, so
-it works on every engine, and the monitor (restored with the checkpoint) judges it.
-
-A spike that rewinds (non-finite, hard, or `max_skips`+1 outliers in a row over steps
-[spike_start, target]) goes back to the newest checkpoint at least `rewind_margin_steps` before
-it (the *base*) and replays to `target`:
-
-    same_data    the same data, the same lr_scale. Every step through `target` within the
-                 monitor's thresholds: **transient**; the run simply continues from the replay,
-                 nothing is skipped and the learning rate is untouched. Skipped where the
-                 streak's first outlier was re-run in place and reproduced (`note_rerun`): the
-                 replay would reach that step with the same weights and batch and come back,
-                 so the triage starts at skip_window (one replay fewer).
-    skip_window  it came back: from the base again without the spike's data: the offending
-                 sequences of its steps, named by their chunks and documents (`entries`, from
-                 the per-sequence losses: `Forensics.data_entries`), the rest of each batch
-                 trained; the slots go to the next chunks of the stream. Gone: **data**; the
-                 entries are committed to the skip list and skip_list.json, and the loader never
-                 feeds that data again, in any epoch. Still there, and the planned window (the
-                 spike steps widened to `skip_batches` batches, as the plain policy plans it)
-                 holds more than those entries name: once more without all of it (`wide`)
-                 before calling it state, because the slots a skip frees go to the next sequences
-                 of the stream, and where bad data fills several batches in a row they are bad
-                 too (measured: a hard spike on the first of three bad batches was called state,
-                 backed off twice and exited 3). Left out as data: what the spike steps read and
-                 what the narrow replay read up to where it came back (the sequences that took
-                 the skipped ones' slots brought it back); the rest of the window by position
-                 (`fed_end`, `Rewinder.data_of`): the stream is shuffled, so those are random
-                 chunks of the corpus, and a data verdict must not take them out of every later
-                 epoch. (A replay from before this version resumes with its position `window`
-                 instead, at least `skip_batches` batches.)
-    backoff      still there: from the base again with the original data and the learning rate
-                 x `lr_backoff` after the base. Gone: **state**. It comes back: back off once more, up to
-                 `max_backoffs` times, then escalate (exit 3). The backoff stays for the rest of
-                 the run, or, with `lr_recover_steps` = R > 0, holds through the spike and ramps
-                 linearly back to the full learning rate over the R steps after it (`lr_factor`:
-                 a pure function of the rewind history, so every resume and replay agrees).
-
-"Comes back" means a step of [spike_start, target] is outside the monitor's thresholds again
-(an outlier or a rewind). A rewind earlier in a replay, before the spike, is a new spike that says
-nothing of the one replayed: that phase runs again once, then falls back (`_spiked_ahead`). On
-CPU in fp32 a replay is bitwise, so a data or state spike comes back exactly; on GPU kernels are
-not bitwise, and a replayed step counts only beyond 3x the spread of one step computed twice
-(`note_spread`). The base is the newest rewind point (in memory, every `monitor.rewind_every`
-steps) or durable checkpoint at or before the planned step (after a restart, reached from an older
-checkpoint by replaying the steps up to it as they were, once). Each spike may spend at most
-`triage_max_replay_steps` replayed steps, checked for the whole plan (same_data unless skipped,
-both skip_window replays and every backoff) before the first replay; a triage that does not fit
-falls back to the plain rewind policy (`Rewinder.rewind`: skip the window planned from the original pass, back
-off when the region repeats) with the verdict `unknown` (or `state`, when the wide skip-window
-replay or a backoff had come back before the fallback).
-
-An isolated outlier is asked the cheap version first, in the loop (`train.rerun_in_place`):
-the same step again with the same weights, batch and random state, gradients dropped first. A
-normal result was a transient fault and its update is applied; a reproduced one is skipped as
-before, and where its excess loss is concentrated in a few sequences it is data and their data
-joins the skip list; where nearly every sequence rose it is `unknown` (data or state: a replay
-tells, if the streak goes on to rewind) and nothing is committed (`note_rerun`).
-
-Every decision is a `triage` event (verdict data | state | transient, the replayed losses and
-grad norms, the replayed steps) and a record in the train state's rewind history (counted per
-region by `max_rewinds`). The replay in progress is the checkpoint part "triage": a checkpoint
-saved during a replay resumes it, and retention keeps its base (`pins`).
+`Triage` answers it for a spike that rewinds, decided on rank 0 and followed by every rank, by
+replaying from the newest checkpoint or rewind point before it (the base): the same data (clean:
+transient), without the spike's data (clean: data), with the learning rate backed off (clean:
+state), within a replay budget; and records an isolated outlier's re-run in place (`note_rerun`).
+How and why, with the figures, is docs/spikes.md; the replay in progress and the checkpoint part
+it travels in are `recovery/replay.py`.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable
 
-import numpy as np
-
 from dsslm.ckpt.format import Checkpoint
-from dsslm.fields import (MAX_COUNT, MAX_SKIP_ENTRIES, MAX_STEP, Bool, Fields, Float, Int, Json, ListOf, Optional,
-                          SkipList, Spec, StateError, Str, Window)
+from dsslm.fields import MAX_SKIP_ENTRIES
 from dsslm.ckpt.train_state import TrainState
 from dsslm.config import Config
-from dsslm.data.skips import concentrated, merge_skip_list
+from dsslm.data.skips import merge_skip_list, stamp
 from dsslm.data.sources import NothingLeft
 from dsslm.engine.base import Engine
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
+from dsslm.recovery.replay import VERDICT_OF, Phase, Replay, ReplayProgress, num as _num, relative as _relative
 from dsslm.recovery.rewind import Rewinder, recovery_pins
 
-STATE_FORMAT = 1
 # One re-run samples the spread once; a replay's difference is taken as noise up to this many times it.
 NOISE_MARGIN = 3.0
-
-
-class Phase(str, Enum):
-    SAME_DATA = "same_data"
-    SKIP_WINDOW = "skip_window"
-    BACKOFF = "backoff"
-
-
-# The verdict a phase stands for when its replay reaches the target clean.
-VERDICT_OF = {Phase.SAME_DATA: "transient", Phase.SKIP_WINDOW: "data", Phase.BACKOFF: "state"}
-
-
-@dataclass
-class Replay:
-    """One spike's triage in progress."""
-    phase: str
-    spike_start: int           # first step of the spike (step count)
-    target: int                # the step that rewound: the last step a replay must pass
-    base_step: int             # the checkpoint every replay of this spike restarts from
-    window: list               # [start, end) sequences the skip_window replay leaves out
-    skip_list: list            # the run's skip list before the triage (what every replay keeps)
-    lr_scale: float            # the run's lr_scale before the triage
-    reason: str = ""           # why the monitor called the spike
-    backoffs: int = 0
-    replay_steps: int = 0      # steps replayed for this spike so far (against the budget)
-    # One entry per pass: {"phase", "from_step", "steps": [[step, loss, gnorm, verdict], ...]}.
-    evidence: list = field(default_factory=list)
-    # The spike's data (data.skips entries) the skip_window replay leaves out and a data verdict
-    # commits; empty in a replay saved before this version, which skips `window` instead.
-    entries: list = field(default_factory=list)
-    # The skip_window replay leaves out all the data of `window` (entries widened to it).
-    wide: bool = False
-    # Data the streak's re-runs in place committed (`note_rerun`) that this triage tries again:
-    # skip_list.json keeps it, and a resume of this replay does not merge it from there.
-    withdrawn: list = field(default_factory=list)
-    # The end of what the wide replay leaves out as data, the rest of `window` by position
-    # (`Rewinder.data_of`): the spike steps' sequences, and once the narrow replay came back, what
-    # it read up to there (`_widened`). None in a replay saved before this version, which left
-    # out all of the window's data.
-    fed_end: int | None = None
-
-
-class ReplayProgress:
-    """The checkpoint part "triage": everything recovery decides from that is not the monitor's
-    or the train state's. The replay in progress (or None); `fed`, which sequences the last steps
-    were fed (`Rewinder.note`: a streak open at a checkpoint plans its window from the steps
-    before it); `recent`, the original pass's last rows (a triage's "original" evidence).
-
-    `fed` and `recent` are shared with the Rewinder and the Triage (`bind`) and refilled in place,
-    so a restore (a resume, or a rewind loading its base) hands both what the checkpoint knew:
-    the uninterrupted run and every resume decide from the same records. Checkpoints written
-    before these fields existed load with both empty (the old behaviour).
-
-    Also bound: `sequences`, Forensics' per-sequence losses of the spike steps (what a data
-    verdict names; gathered on every rank, so rank 0's state.json holds them all), saved for the
-    steps still in `fed` only (the steps a streak open at the checkpoint can span: a few steps x
-    the global batch); and `streak`, Triage's open streak (first step, the skip list before its
-    re-runs committed data), which a same-data replay of that streak feeds. Without them a resume
-    in the middle of a streak names every chunk its steps were fed and replays with the data its
-    re-runs committed: another verdict than the uninterrupted run's."""
-
-    def __init__(self) -> None:
-        self.replay: Replay | None = None
-        self.state_spec = _TriageState()
-        self.fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
-        self.recent: collections.deque = collections.deque()
-        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
-        self.streak: tuple[int, list] | None = None
-
-    def bind(self, fed: collections.OrderedDict, recent: collections.deque,
-             sequences: collections.OrderedDict | None = None) -> None:
-        self.fed, self.recent = fed, recent
-        if sequences is not None:
-            self.sequences = sequences
-
-    def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None,
-                "fed": [[step, first, end] for step, (first, end) in self.fed.items()],
-                "recent": [list(row) for row in self.recent],
-                "sequences": [[step, [int(i) for i in indices], [_num(x) for x in losses]]
-                              for step, (indices, losses) in self.sequences.items() if step in self.fed],
-                "streak": {"start": self.streak[0], "skip_list": list(self.streak[1])} if self.streak else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.replay = Replay(**state["replay"]) if state["replay"] else None
-        self.fed.clear()
-        self.fed.update((int(step), (int(first), int(end))) for step, first, end in state.get("fed", []))
-        self.recent.clear()
-        self.recent.extend(list(row) for row in state.get("recent", []))
-        # Replaced, not merged: the uninterrupted run (restoring a rewind's base) and a resume
-        # then hold the same losses. float("nan") reads the strings non-finite losses are saved as.
-        self.sequences.clear()
-        for step, indices, losses in state.get("sequences", []):
-            self.sequences[int(step)] = (np.asarray(indices, dtype=np.int64),
-                                         np.asarray([float(x) for x in losses], dtype=np.float64))
-        streak = state.get("streak")
-        self.streak = (int(streak["start"]), list(streak["skip_list"])) if streak else None
 
 
 class Triage:
@@ -285,23 +123,16 @@ class Triage:
             self.rewinder.rewind(state, record.step)
 
     def note_rerun(self, state: TrainState, step: int, first: tuple[float, float, str], rerun: tuple[float, float],
-                   verdict: Verdict) -> None:
+                   verdict: Verdict, first_verdict: str = Verdict.SKIP.value) -> None:
         """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient. A
         reproduced one is no transient fault, and its update is still dropped (its batch was
-        fed); it is data only where its excess loss is concentrated in a few sequences
-        (`data.skips.concentrated`), and then their data joins the skip list. Otherwise (nearly
-        every sequence rose: a learning-rate burst or damaged weights look so, and so does a
-        batch that is bad everywhere) nothing in the step tells data from state: the verdict
-        is `unknown`, nothing is committed, and a streak it opens is attributed by the triage
-        if it goes on to rewind. Either way the streak is marked reproduced in place, so that
-        triage needs no same-data replay (`_start`).
-
-        During a triage's replay (an outlier on a step before the spike it replays: a backoff
-        replay's lower learning rate, or a skip that shifted the stream, makes a new one) nothing
-        is committed and no streak is marked: the pass is tentative, and a next phase restores the
-        base's skip list while skip_list.json would keep the entry, so a resume would skip data
-        the uninterrupted run feeds. The event says `deferred`; the data stays in the stream, and
-        an outlier it causes after the triage is re-run and committed then."""
+        fed); it is data only where the monitor blames a few sequences for it (`SpikeMonitor.
+        blame`: against the run's history, the minimal explanation), and then their data joins the
+        skip list from the next step on. Otherwise nothing in the step tells data from state: the
+        verdict is `unknown`, nothing is committed, and a streak it opens is attributed by the
+        triage if it rewinds. Either way the streak is marked reproduced in place (`_start`
+        needs no same-data replay). In a triage's replay nothing is committed (`deferred`): the
+        pass is tentative, and only the triage's verdict commits data (docs/spikes.md)."""
         name = "transient" if verdict is Verdict.OK else "data"
         skip, deferred = [], {}
         if name == "data":
@@ -315,13 +146,15 @@ class Triage:
                 if self._streak is None or self._streak[0] != start:
                     self._streak = (start, list(state.skip_list))
                 if is_data:  # the documents read: only here, where they are committed (reading shards)
-                    skip = self.engine.decide(lambda: self.forensics.data_entries([step], self.rewinder.fed_of,
-                                                                                   state.skip_list))
+                    skip = self.engine.decide(lambda: self.forensics.data_entries(
+                        [step], self.rewinder.fed_of, self.monitor.blame, state.skip_list))
+                    # From the next step: this one and every step before it fed that data.
+                    skip = stamp(skip, step + 1)
                     state.skip_list = merge_skip_list(state.skip_list + skip)
                     self.engine.decide(lambda: self.rewinder.write_run_file(state))
                 else:
                     name = "unknown"
-        evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), "skip_step"]],
+        evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), first_verdict]],
                      "reason": first[2]},
                     {"phase": "rerun_in_place", "steps": [[step, _num(rerun[0]), _num(rerun[1]), verdict.value]]}]
         decision = {"verdict": name, "scope": "step", "spike_start": step, "target": step, "replay_steps": 1,
@@ -332,7 +165,7 @@ class Triage:
     def _concentrated(self, step: int) -> bool:
         """Rank 0: is the outlier at `step` (captured by the forensics) carried by a few sequences?"""
         captured = self.forensics.sequences.get(step)
-        return captured is not None and concentrated(captured[1], self.monitor.loss_outlier)
+        return captured is not None and bool(self.monitor.blame(captured[1]).any())
 
     def note_spread(self, step: int, first: tuple[float, float], again: tuple[float, float]) -> None:
         """The same step computed twice on the same weights, batch and random state (every rank,
@@ -387,7 +220,8 @@ class Triage:
             if merged_already is not None and merged_already[0] is state.skip_list and \
                     merged_already[1] == (len(state.skip_list), r.phase, r.wide):
                 return  # merged at an earlier step of this phase: not again every step (0.2 s at 57,660 entries)
-            merged = merge_skip_list(state.skip_list + (r.entries or [r.window]))
+            # Applying from the step after the base: a catch-up to the base feeds what the run fed.
+            merged = merge_skip_list(state.skip_list + stamp(r.entries or [r.window], r.base_step + 1))
             if merged != state.skip_list:  # the same list object else: the loader's merged view stays cached
                 state.skip_list = merged
             self._merged = (state.skip_list, (len(state.skip_list), r.phase, r.wide))
@@ -408,7 +242,8 @@ class Triage:
         spike_start, reason = self.engine.decide(lambda: (self.monitor.spike_start or target, self.monitor.last_reason))
         plan = self.rewinder.plan(state, spike_start, target)
         entries = self.engine.decide(lambda: self.forensics.data_entries(range(spike_start, target + 1),
-                                                                         self.rewinder.fed_of, state.skip_list))
+                                                                         self.rewinder.fed_of, self.monitor.blame,
+                                                                         state.skip_list))
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
         base = self._planned_base(state, plan.to_step)
@@ -510,7 +345,7 @@ class Triage:
         caller saves it, so the restart a person makes starts there, nothing of the triage in
         flight."""
         ckpt = self.rewinder.checkpoint_before(r.target, r.base_step, r.spike_start)
-        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), r.lr_scale, None)
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), r.lr_scale, None, new_pass=r.base_step + 1)
         return not self.engine.decide(lambda: state.step in self.rewinder.checkpointer.store.valid_steps())
 
     def _widened(self, r: Replay, step: int) -> tuple[list, int | None] | None:
@@ -528,12 +363,9 @@ class Triage:
         return (wider, fed_end) if wider != merge_skip_list(r.entries) else None
 
     def _planned_base(self, state: TrainState, limit: int) -> int:
-        """The step a triage replays from: the newest step at or before `limit` where the run
-        keeps a rewind point (multiples of monitor.rewind_every) or a regular checkpoint
-        (multiples of ckpt.every, and the run's first step), whatever this job happens to hold.
-        A function of the config, not of the job's history: a job resumed from a preemption's
-        save, its rewind points gone, plans the base the uninterrupted run planned, and reaches
-        it from an older checkpoint by replaying the steps up to it as they were (`before_step`)."""
+        """The step a triage replays from: the newest rewind point or checkpoint step of the
+        config's grid at or before `limit` (or the run's first step). A function of the config,
+        not of what this job holds: a resumed job plans the base the uninterrupted run planned."""
         start = state.lineage[-1]["step"] if state.lineage else 0
         m = self.cfg.monitor
         every = [self.cfg.ckpt.every] + ([m.rewind_every] if m.rewind_points > 0 else [])
@@ -543,12 +375,7 @@ class Triage:
     def _affordable(self, r: Replay, phases: int = 1) -> bool:
         """Within monitor.triage_max_replay_steps, counted from the planned base: the same answer
         whichever checkpoint this job must load to reach it, so a resumed job decides as the
-        uninterrupted one. The catch-up from an older checkpoint (after a restart) is not the
-        triage's: it is what the restart cost, at most the steps back to the checkpoint before
-        the base (ckpt.every), paid once per job (`before_step` keeps the base as a rewind
-        point). Counted against the budget, it made a job resumed near a spike fall back (at
-        ckpt.every=1000 up to 950 steps back, over the default 300) where the uninterrupted run
-        triaged: another verdict, and data skipped untested."""
+        uninterrupted one (a restart's catch-up is not the triage's: docs/spikes.md)."""
         return r.replay_steps + phases * (r.target - r.base_step) <= self.cfg.monitor.triage_max_replay_steps
 
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
@@ -572,11 +399,11 @@ class Triage:
         # The skip_window phase leaves out the spike's data where it was named, else its window:
         # from the base on (before_step), so that steps replayed up to it from an older
         # checkpoint feed what they fed.
-        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), lr_scale, None)
+        self.rewinder.restore(state, ckpt, merge_skip_list(r.skip_list), lr_scale, None, new_pass=r.base_step + 1)
         self.replay = r  # after the restore, which loaded the checkpoint's own (idle) triage part
         self.before_step(state)
         self.emit("rewind", step=r.target, to_step=state.step, window=window if window and not r.entries else [],
-                  skip=r.entries if window else [], checkpoint=str(ckpt.path), reason=r.reason,
+                  skip=stamp(r.entries, r.base_step + 1) if window else [], checkpoint=str(ckpt.path), reason=r.reason,
                   triage_phase=r.phase, lr_scale=state.lr_scale * trial)
 
     def _cannot_run(self, r: Replay) -> str:
@@ -609,7 +436,8 @@ class Triage:
         window = r.window if verdict == "data" else [r.window[0], r.window[0]]
         # An escalation concluded nothing: the backoff its last replay tried is not the run's.
         factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" and not escalated else 1.0
-        skip = r.entries if verdict == "data" else []  # what the data verdict committed (data.skips)
+        # What the data verdict committed: from the step after the base, as `before_step` left it out.
+        skip = stamp(r.entries, r.base_step + 1) if verdict == "data" else []
         record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
                   "lr_scale_factor": min(1.0, factor), "verdict": verdict, "skip": skip}
         if verdict == "state" and self.cfg.monitor.lr_recover_steps and not escalated:
@@ -667,57 +495,3 @@ class Triage:
         if self.replay is not None:
             self.replay = None
             self.rewinder.checkpointer.leave_after(state.step - 1)
-
-
-def _relative(a: float, b: float) -> float:
-    return abs(float(a) - float(b)) / max(abs(float(a)), abs(float(b)), 1e-12)
-
-
-def _num(x: float) -> float | str:
-    """JSON has no NaN: non-finite numbers as the strings the sinks write."""
-    x = float(x)
-    return x if math.isfinite(x) else str(x)
-
-
-class _TriageState(Spec):
-    """The triage part of state.json: {"format": 1, "replay": null or a Replay, "fed", "recent",
-    "sequences", "streak"} (the last four optional: older checkpoints lack them)."""
-
-    replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
-                    window=Window(), skip_list=SkipList(), lr_scale=Float(1e-12, 1.0),
-                    reason=Str(), backoffs=Int(0, 1000), replay_steps=Int(0, MAX_STEP),
-                    evidence=ListOf(Json(), max_len=10_000), entries=SkipList(),
-                    wide=Bool(), withdrawn=SkipList(), fed_end=Optional(Int(0, MAX_COUNT)),
-                    optional=("entries", "wide", "withdrawn", "fed_end"))
-
-    fed = ListOf(ListOf(Int(0, MAX_COUNT), length=3), max_len=1000)
-    recent = ListOf(ListOf(Json(), length=4), max_len=1000)
-    # [step, [global sequence index, ...], [loss, ...]] per spike step; "nan"/"inf" for non-finite.
-    sequences = ListOf(ListOf(Json(), length=3), max_len=1000)
-    steps, indices = Int(1, MAX_STEP), ListOf(Int(0, MAX_COUNT), max_len=10_000_000)
-    losses = ListOf(Float(finite=False), max_len=10_000_000)
-    streak = Optional(Fields(start=Int(1, MAX_STEP), skip_list=SkipList()))
-
-    def validate(self, value: Any, path: str) -> None:
-        Fields(optional=("fed", "recent", "sequences", "streak"), format=Int(STATE_FORMAT, STATE_FORMAT),
-               replay=Json(), fed=self.fed, recent=self.recent, sequences=self.sequences,
-               streak=self.streak).validate(value, path)
-        for i, (step, indices, losses) in enumerate(value.get("sequences", [])):
-            where = f"{path}.sequences[{i}]"
-            self.steps.validate(step, f"{where}[0]")
-            self.indices.validate(indices, f"{where}[1]")
-            self.losses.validate(losses, f"{where}[2]")
-            if len(indices) != len(losses):
-                raise StateError(f"{where}: {len(indices)} sequence indices but {len(losses)} losses")
-        r = value["replay"]
-        if r is None:
-            return
-        self.replay.validate(r, f"{path}.replay")
-        if r["phase"] not in {p.value for p in Phase}:
-            raise StateError(f"{path}.replay.phase: {r['phase']!r} is not one of {', '.join(p.value for p in Phase)}")
-        if not r["base_step"] < r["spike_start"] <= r["target"]:
-            raise StateError(f"{path}.replay.base_step: {r['base_step']} must come before spike_start "
-                             f"{r['spike_start']} <= target {r['target']}")
-        fed_end = r.get("fed_end")
-        if fed_end is not None and not r["window"][0] <= fed_end <= r["window"][1]:
-            raise StateError(f"{path}.replay.fed_end: {fed_end} is outside the window {r['window']}")

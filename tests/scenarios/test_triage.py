@@ -29,8 +29,8 @@ from helpers import TINY, events, losses_by_step, read_jsonl, tiny_cfg
 pytestmark = pytest.mark.slow
 
 RUN = ["model.d_model=64", "optim.peak_lr=3e-3", "optim.min_lr=3e-3", "train.micro_batch_size=16",
-       "train.total_steps=64", "ckpt.every=5", "ckpt.keep_last=3", "ckpt.keep_every=15", "monitor.min_history=10", "monitor.window=20",
-       "monitor.rewind_margin_steps=2", "observe.every=0"]
+       "train.total_steps=64", "ckpt.every=5", "ckpt.keep_last=3", "ckpt.keep_every=15", "monitor.min_history=10",
+       "monitor.window=20", "monitor.rewind_margin_steps=2", "observe.every=0"]
 B = 16
 DATA = "faults.repeat_batches=[[50,53]]"          # steps 51..53 are fed data batches 50..52
 STATE = ["faults.lr_burst=[[50,54,30.0]]", "monitor.lr_backoff=0.01"]
@@ -146,7 +146,11 @@ def test_a_streak_reproduced_in_place_skips_the_same_data_replay(data_run):
 
 
 def test_state_spike_lowers_lr_scale_and_skips_no_data(tmp_path):
-    assert train(cfg(tmp_path, *STATE)) == 0
+    assert train(cfg(tmp_path, *STATE, "run.val_every=8", "run.val_batches=1")) == 0
+    # Replays do not validate: each validated step has one record, though the triage trained the
+    # steps from its base to the spike once per phase. (Before: one record per pass.)
+    validated = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "val_loss" in r]
+    assert validated == list(range(8, 65, 8))
     decision = triages(tmp_path, "window")[-1]
     assert decision["verdict"] == "state" and not decision["escalated"]
     # The burst's first outliers came back in place: no same-data replay; without the spike's
@@ -503,22 +507,29 @@ def test_detector_and_zclip_state_resume_bitwise(tmp_path, extra):
 
 
 THREE = ["faults.grad_fault_steps=[30]", "faults.grad_fault_mode=nan", "faults.grad_fault_rank=1",
-         "faults.repeat_batches=[[40,43]]", "faults.lr_burst=[[52,56,30.0]]", "monitor.lr_backoff=0.01"]
+         "faults.repeat_batches=[[40,43]]", "faults.lr_burst=[[52,56,30.0]]", "monitor.lr_backoff=0.01",
+         "faults.grad_surge=[[20,23,20.0]]"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [["engine.kind=ddp"], ["engine.kind=zero", "engine.zero_stage=1"]],
                          ids=["ddp", "zero1"])
 def test_two_ranks_triage_each_drill_right_and_together(tmp_path, engine):
-    """One run, 2 gloo ranks, all three causes: rank 1's gradients go non-finite at step 30
-    (transient), data batches 40..42 repeat one 4-gram (data), the learning rate bursts 30x over
-    steps 52..55 (state). Rank 0 decides every replay; both ranks follow; the forensics gather
-    both ranks' sequences."""
+    """One run, 2 gloo ranks, all three causes and a false alarm's: every gradient x20 over steps
+    20..22 with the loss untouched (a model-wide surge: applied, no spike), rank 1's gradients go
+    non-finite at step 30 (transient), data batches 40..42 repeat one 4-gram (data: its surge is
+    the batch's alone against the held-out probe), the learning rate bursts 30x over steps 52..55
+    (state). Rank 0 decides every replay; both ranks follow; the forensics gather both ranks'
+    sequences."""
     from helpers import run_train
     proc = run_train(tmp_path, *RUN, *THREE, *engine, "train.micro_batch_size=8", nproc=2, timeout_s=400)
     assert proc.returncode == 0
     decisions = [(d["verdict"], d["spike_start"], d["target"]) for d in triages(tmp_path, "window")]
     assert [d[0] for d in decisions] == ["transient", "data", "state"]
+    surges = events(tmp_path, "gnorm_surge")
+    assert surges and surges[0]["step"] == 20 and all(e["step"] < 23 for e in surges)
+    assert all(e["held_out_gnorm"] * 3 > e["rerun_gnorm"] for e in surges)  # the held-out batch shared it
+    assert not [e for e in events(tmp_path, "skip") if e["step"] < 30]
     assert decisions[0][1:] == (30, 30) and decisions[1][1:] == (41, 43) and 52 <= decisions[2][1] <= 57
     window = triages(tmp_path, "window")[1]["window"]
     skip = triages(tmp_path, "window")[1]["skip"]  # the data verdict's entries: the poisoned chunks alone

@@ -7,9 +7,7 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "dsslm"
 LIMIT = 500
-SPLITTING = "being split by another change in this wave"
 EXCEPTIONS = {
-    "recovery/triage.py": f"{SPLITTING} (the spike-recovery rewrite)",
     # One class over private members of DeepSpeed's ZeRO optimizers (pyproject.toml lists them):
     # its step, state and shard verbs all read the same flat partitions and counters, so a cut
     # would be a mixin spreading those private names, and the module that must be the only

@@ -300,3 +300,21 @@ def test_a_document_cut_by_a_shard_boundary_is_named_in_both_shards(tmp_path, sh
     for g in (min(inside, key=shard_of), max(inside, key=shard_of)):  # named from either side
         named = lo.skipped_chunks(lo.data_entries(np.array([g]), np.array([True])))
         assert set(named.tolist()) == want
+
+
+def test_an_entry_applies_from_its_step_and_a_new_pass_applies_it_from_its_first():
+    """`from_step`: the data a verdict names was trained on before it, so a catch-up from an
+    older checkpoint feeds it where the run did; a rewind's new pass never feeds known bad data."""
+    from dsslm.data.skips import active_at, restamp, stamp
+    old = {"shard": "a.bin", "tokens": [0, 100]}
+    new = stamp([{"shard": "a.bin", "tokens": [50, 300]}, [7, 9]], 41)
+    assert new == [{"shard": "a.bin", "tokens": [50, 300], "from_step": 41}, [7, 9]]  # windows are positions
+    skip_list = merge_skip_list([old] + new)
+    # Overlapping ranges of different steps stay apart: merged, the old one would start at 41 too.
+    assert skip_list == [[7, 9], old, new[0]]
+    assert active_at(skip_list, 40) == [[7, 9], old]
+    assert active_at(skip_list, 40) is active_at(skip_list, 12)  # one list per threshold: the loader's view stays cached
+    assert active_at(skip_list, 41) is skip_list
+    again = restamp(skip_list, 30)  # a rewind to step 29: from step 30 on
+    assert again[2]["from_step"] == 30 and restamp(skip_list, 45) == skip_list
+    assert stamp([new[0]], 99) == [new[0]]  # a stamped entry keeps its step

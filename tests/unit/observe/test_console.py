@@ -162,6 +162,17 @@ def test_a_spike_decided_within_its_step_is_named_before_its_verdict(tmp_path, c
         "step 30: update skipped (grad norm 50x the median); loss 9.1, grad norm 1000"]
 
 
+def test_a_grad_norm_surge_is_one_info_line_and_counted_apart_from_spikes(tmp_path, capsys):
+    s = sinks(tmp_path)
+    s.emit("gnorm_surge", step=32, loss=3.53, gnorm=31.4, reason="loss z=-0.8, gnorm 15.6x its reference",
+           held_out_gnorm=30.0, rerun_gnorm=31.4)
+    s.emit("end", step=40, tokens=100, skipped_steps=0, domain_tokens={}, prefetch={})
+    lines = [line.split(" dsslm: ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert lines[0] == ("step 32: grad norm 31.4 with a normal loss (loss z=-0.8, gnorm 15.6x its reference; a "
+                        "held-out batch's 30 too): applied, clipped; a surge, not a spike")
+    assert "no spikes, 1 grad-norm surge(s) applied" in lines[-1]
+
+
 def test_a_lock_takeover_and_the_memory_line_are_words_not_python_dicts(tmp_path, capsys):
     s = sinks(tmp_path)
     s.emit("lock_takeover", previous={"host": "node7", "pid": 4242, "started": "2026-12-03T10:00:00+0000",

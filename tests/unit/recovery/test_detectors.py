@@ -38,7 +38,9 @@ def test_zscore_is_quiet_on_clean_curves_and_skips_a_spike(seed):
     history = monitor.state_dict()["losses"]
     assert monitor.judge(1000, 2.0 * 1.15, 0.5) is Verdict.SKIP  # +15% on 1.5% noise: z ~ 10
     assert monitor.state_dict()["losses"] == history            # the outlier never enters the window
-    assert monitor.judge(1001, 2.0, 0.5 * 8) is Verdict.SKIP    # the grad norm is judged the same way
+    # The grad norm is judged the same way, but with a normal loss it is a surge, not a skip.
+    assert monitor.judge(1001, 2.0, 0.5 * 8) is Verdict.SURGE
+    assert monitor.judge(1001, 2.0 * 1.15, 0.5 * 8) is Verdict.SKIP
     assert monitor.judge(1002, 2.0 * 1.6, 0.5) is Verdict.REWIND  # z ~ 40 > hard_loss_z = 20
 
 
@@ -127,5 +129,6 @@ def test_the_schema_refuses_another_detector_and_reads_format_1():
     monitor = SpikeMonitor(MonitorCfg())
     monitor.state_spec.validate(old, "monitor")
     monitor.load_state_dict(old)
-    assert monitor.state_dict() == {"format": 2, "detector": "mad", "losses": [2.0, 2.1], "gnorms": [0.5, 0.6],
-                                    "streak": 1, "spike_start": 7, "baseline_max": None, "baseline_count": 0}
+    assert monitor.state_dict() == {"format": 3, "detector": "mad", "losses": [2.0, 2.1], "gnorms": [0.5, 0.6],
+                                    "streak": 1, "spike_start": 7, "baseline_max": None, "baseline_count": 0,
+                                    "sequences": []}

@@ -83,10 +83,29 @@ def test_isolated_spike_is_skipped_at_once_and_kept_out_of_the_history():
     assert max(monitor.state_dict()["losses"]) < median * 1.15
 
 
-def test_grad_norm_outlier_is_skipped():
+def test_a_grad_norm_outlier_with_a_normal_loss_is_a_surge_and_the_loss_decides_a_skip():
     monitor = warmed_monitor()
-    assert monitor.judge(200, 2.0, 0.4 * 6) is Verdict.SKIP
+    before = monitor.state_dict()
+    assert monitor.judge(200, 2.0, 0.4 * 6) is Verdict.SURGE
+    assert monitor.state_dict() == before      # nothing recorded until the loop applies it
+    assert monitor.judge(200, 2.6, 0.4 * 6) is Verdict.SKIP  # the loss is an outlier too: a spike
     assert monitor.judge(201, 2.0, 0.4 * 3) is Verdict.OK
+
+
+def test_an_accepted_surge_enters_the_history_so_the_trend_follows_a_rise():
+    """The grad norm's reference follows its last `gnorm_trend` steps: a norm that has risen for a
+    few applied steps is judged against where it is now, and the rise ends its surges."""
+    monitor = warmed_monitor()
+    verdicts = []
+    for i in range(12):  # the norm steps up 8x and stays there, the loss flat
+        verdict = monitor.judge(200 + i, 2.0, 0.4 * 8)
+        verdicts.append(verdict)
+        if verdict is Verdict.SURGE:
+            monitor.accept(2.0, 0.4 * 8)
+    assert verdicts[0] is Verdict.SURGE and verdicts[-1] is Verdict.OK
+    assert verdicts.count(Verdict.SURGE) <= 3  # the trend's median crosses within gnorm_trend // 2 + 1 steps
+    plain = warmed_monitor(cfg=MonitorCfg(gnorm_trend=0))
+    assert plain.judge(200, 2.0, 0.4 * 8) is Verdict.SURGE
 
 
 @pytest.mark.parametrize("max_skips", [0, 2, 4])
@@ -158,6 +177,8 @@ def judge(monitor, stream):
         out.append((verdict, monitor.spike_start))
         if verdict is Verdict.REWIND:
             monitor.reset_streak()
+        if verdict is Verdict.SURGE:  # the loop applies a surge
+            monitor.accept(loss, gnorm)
     return out
 
 
@@ -165,7 +186,7 @@ def judge(monitor, stream):
 def test_state_roundtrip_judges_like_the_uninterrupted_monitor(cut):
     stream = list(spiky_stream())
     reference = judge(SpikeMonitor(MonitorCfg()), stream)
-    assert {v for v, _ in reference} == {Verdict.OK, Verdict.SKIP, Verdict.REWIND}
+    assert {v for v, _ in reference} == {Verdict.OK, Verdict.SKIP, Verdict.REWIND, Verdict.SURGE}
     first = SpikeMonitor(MonitorCfg())
     before = judge(first, stream[:cut])
     restored = SpikeMonitor(MonitorCfg())
@@ -272,7 +293,8 @@ def test_verdicts_are_json_strings():
     assert json.dumps([Verdict.OK, Verdict.SKIP]) == '["ok", "skip_step"]'
     assert Verdict("rewind") is Verdict.REWIND
     # Escalation is an exception with exit code 3, not a verdict a step can get.
-    assert {v.value for v in Verdict} == {"ok", "skip_step", "rewind"}
+    # A surge never leaves the loop's decide: a step's record says ok.
+    assert {v.value for v in Verdict} == {"ok", "skip_step", "rewind", "gnorm_surge"}
 
 
 def test_rewind_window_has_a_minimum_that_doubles_in_the_same_region():
@@ -310,3 +332,60 @@ def test_loss_outlier_is_the_monitors_own_test_of_a_loss_and_changes_nothing(det
     gnorm = sorted(before["gnorms"])[len(before["gnorms"]) // 2]
     assert monitor.judge(1_000_000, median + 1.0, gnorm) is not Verdict.OK  # as judge says
     assert not SpikeMonitor(MonitorCfg()).loss_outlier(100.0)  # no history yet: nothing is judged
+
+
+def _monitor_with_sequence_history(per_step=4, steps=100, seed=0):
+    """A mad monitor that judged `steps` clean steps of `per_step` sequences at 2.0 +- 0.05 nats."""
+    cfg = MonitorCfg(min_history=10, window=50)
+    monitor = SpikeMonitor(cfg)
+    rng = random.Random(seed)
+    for step in range(1, steps + 1):
+        sequences = [2.0 + 0.05 * rng.gauss(0, 1) for _ in range(per_step)]
+        assert monitor.judge(step, sum(sequences) / per_step, 1.0, sequences) is Verdict.OK
+    return monitor
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 7])
+def test_blame_names_the_bad_sequence_and_not_its_neighbours_at_any_batch_size(batch):
+    """Against the run's history of sequence losses a step of 1-7 sequences names its bad one
+    alone (the batch test, `data.skips.offending`, narrows nothing under 8 sequences: a data
+    verdict then named every sequence of the step)."""
+    monitor = _monitor_with_sequence_history()
+    losses = [2.0 + 0.01 * i for i in range(batch)]
+    bad = batch // 2
+    losses[bad] = 6.0  # an 1,800-token garbage document's chunk: far above every clean sequence
+    hit = monitor.blame(losses)
+    if batch == 1:
+        assert not hit.any()  # one sequence: nothing is left to stand for a normal step; a replay tells
+    else:
+        assert hit.tolist() == [i == bad for i in range(batch)]
+    from dsslm.data.skips import offending
+    assert not offending(losses).any()  # what the batch test alone would have said
+
+
+def test_blame_is_the_minimal_explanation_and_none_when_the_whole_step_rose():
+    monitor = _monitor_with_sequence_history(per_step=8)
+    rose = [2.8 + 0.01 * i for i in range(8)]  # a learning-rate burst: every sequence up
+    assert not monitor.blame(rose).any()
+    two = [2.0] * 6 + [7.0, 2.4]  # one far off, one a little high but within REFERENCE_Z
+    assert monitor.blame(two).tolist() == [False] * 6 + [True, False]
+    assert monitor.blame([2.0] * 7 + [float("nan")]).tolist() == [False] * 7 + [True]
+    # A step whose loss is no outlier (flagged by its grad norm alone) names nothing, though one
+    # of its sequences stands out against the history. (Before: that sequence's document.)
+    assert not monitor.blame([1.9] * 7 + [2.6]).any()
+    state = monitor.state_dict()
+    assert len(state["sequences"]) == 800
+    again = SpikeMonitor(monitor.cfg)
+    monitor.state_spec.validate(state, "monitor")
+    again.load_state_dict(state)
+    assert again.blame(two).tolist() == monitor.blame(two).tolist()
+
+
+def test_outliers_and_surges_leave_the_sequence_history_alone():
+    monitor = _monitor_with_sequence_history()
+    before = monitor.state_dict()["sequences"]
+    assert monitor.judge(500, 2.2, 1.0, [2.2] * 4) is Verdict.SKIP
+    assert monitor.judge(501, 2.0, 20.0, [1.9] * 4) is Verdict.SURGE
+    assert monitor.state_dict()["sequences"] == before
+    monitor.accept(2.0, 20.0, [1.9] * 4)
+    assert monitor.state_dict()["sequences"] == before + [1.9] * 4  # 400 + 4 < monitor.sequence_window

@@ -222,7 +222,7 @@ def _rewinder_to_45(tmp_path, emitted: list, cfg: Config | None = None, loader=N
         def checkpoint_before(self, spike_step, to_step, spike_start):
             return Ckpt()
 
-        def restore(self, state, ckpt, skip_list, lr_scale, record):
+        def restore(self, state, ckpt, skip_list, lr_scale, record, new_pass=None):
             state.step, state.skip_list, state.rewinds = 45, merge_skip_list(skip_list), [record]
 
     checkpointer = types.SimpleNamespace(store=types.SimpleNamespace(fence=lambda: None))
@@ -243,9 +243,12 @@ def test_a_fallback_rewind_skips_the_window_and_the_spikes_named_documents(tmp_p
     state = TrainState(step=53, skip_list=[[0, 16], entry])  # what a replay had tried: not kept
     rewinder.rewind(state, 53, 51, fallback={"window": [800, 864], "skip_list": [[0, 16]], "lr_scale": 1.0,
                                              "verdict": "unknown", "entries": [entry]})
-    assert state.skip_list == [[0, 16], [800, 864], entry] == read_recovery(tmp_path, 16)["skip_list"]
+    # The documents apply from the step after the checkpoint it goes back to (45): the steps before
+    # it trained on them, and a catch-up after a restart must feed them there too.
+    stamped = {**entry, "from_step": 46}
+    assert state.skip_list == [[0, 16], [800, 864], stamped] == read_recovery(tmp_path, 16)["skip_list"]
     (name, fields), = [(e, f) for e, f in emitted if e == "rewind"]
-    assert fields["skip"] == [[800, 864], entry] and fields["verdict"] == "unknown"
+    assert fields["skip"] == [[800, 864], stamped] and fields["verdict"] == "unknown"
 
 
 def test_a_plain_rewind_names_the_spike_steps_data_and_skips_its_widening_by_position(tmp_path):
@@ -280,7 +283,7 @@ class _Forensics:
         self.sequences = collections.OrderedDict({51: (np.arange(800, 816), np.asarray(losses, dtype=np.float64))})
         self.recorded = []
 
-    def data_entries(self, steps, fed_of, skip_list):
+    def data_entries(self, steps, fed_of, blame, skip_list):
         assert list(steps) == [51]
         return [{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}]
 
@@ -325,7 +328,8 @@ def test_an_outlier_reproduced_in_place_is_data_only_where_a_few_sequences_carry
     triage.note_rerun(state, 51, (float(losses.mean()), 1.0, "loss z=9"), (float(losses.mean()), 1.0), Verdict.SKIP)
     (name, decision), = emitted
     assert name == "triage" and decision["verdict"] == verdict and decision["scope"] == "step"
-    committed = [{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}] if verdict == "data" else []
+    # From the step after the outlier's: it and the steps before it fed that data.
+    committed = [{"shard": "web/train-00000.bin", "tokens": [1000, 1033], "from_step": 52}] if verdict == "data" else []
     assert decision["skip"] == committed and state.skip_list == [[0, 16]] + committed
     assert (tmp_path / "skip_list.json").exists() == (verdict == "data")
     assert triage.progress.streak == (51, [[0, 16]]) and [d["verdict"] for d in forensics.recorded] == [verdict]
@@ -346,7 +350,7 @@ def test_an_outlier_reproduced_in_place_during_a_replay_commits_nothing(tmp_path
             super().__init__(losses)
             self.sequences = collections.OrderedDict({48: (np.arange(768, 784), np.asarray(losses))})
 
-        def data_entries(self, steps, fed_of, skip_list):
+        def data_entries(self, steps, fed_of, blame, skip_list):
             return [{"shard": "web/train-00000.bin", "tokens": [900, 933]}]
 
     emitted, forensics, progress = [], Forensics(losses), ReplayProgress()
@@ -391,13 +395,13 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
         def checkpoint_before(self, target, to_step, spike_start):
             return Ckpt()
 
-        def restore(self, state, ckpt, skip_list, lr_scale, record):
+        def restore(self, state, ckpt, skip_list, lr_scale, record, new_pass=None):
             # The base (step 45) holds the list from before the streak; the replay's skips join it.
             state.step, state.skip_list = 45, merge_skip_list([[0, 16]] + skip_list)
             restored.append(list(state.skip_list))
 
     class Forensics(_Forensics):
-        def data_entries(self, steps, fed_of, skip_list):
+        def data_entries(self, steps, fed_of, blame, skip_list):
             return [entry]
 
     emitted = []
@@ -406,7 +410,8 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
                     lambda e, **f: emitted.append((e, f)))
     state = TrainState(step=51, skip_list=[[0, 16]])
     triage.note_rerun(state, 51, (float(losses.mean()), 1.0, "loss z=9"), (float(losses.mean()), 1.0), Verdict.SKIP)
-    assert state.skip_list == [[0, 16], entry] == read_recovery(tmp_path, 16)["skip_list"]
+    committed = {**entry, "from_step": 52}
+    assert state.skip_list == [[0, 16], committed] == read_recovery(tmp_path, 16)["skip_list"]
     for step in (52, 53):  # the streak goes on (its next outliers' re-runs are not data)
         monitor.judge(step, float(losses.mean()), 1.0)
     state.step = 53
@@ -414,15 +419,16 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
     # The base's list restored; the skip_window phase leaves the streak's data out from the base
     # on (before_step), here at once.
     assert triage.replay.phase == "skip_window" and restored == [[[0, 16]]]
-    assert state.skip_list == [[0, 16], entry]
-    assert read_recovery(tmp_path, 16)["skip_list"] == [[0, 16], entry]  # the file keeps it
-    assert [f["skip"] for e, f in emitted if e == "skip_withheld"] == [[entry]]
+    replayed = {**entry, "from_step": triage.replay.base_step + 1}  # the replay's: from its planned base on
+    assert state.skip_list == [[0, 16], replayed]
+    assert read_recovery(tmp_path, 16)["skip_list"] == [[0, 16], committed]  # the file keeps it
+    assert [f["skip"] for e, f in emitted if e == "skip_withheld"] == [[committed]]
     # The checkpoint part carries what the replay withholds.
     saved = json.loads(json.dumps(progress.state_dict()))
     progress.state_spec.validate(saved, "state.triage")
     again = ReplayProgress()
     again.load_state_dict(saved)
-    assert again.replay.withdrawn == [entry]
+    assert again.replay.withdrawn == [committed]
     # A checkpoint saved during the backoff replay holds the base's list; its resume merges the
     # run file without the withheld data: the same data as the uninterrupted replay.
     resumed = TrainState(skip_list=[[0, 16]])
@@ -431,7 +437,7 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
     # A restart from before the streak, with no replay in progress, skips it.
     restarted = TrainState(skip_list=[[0, 16]])
     merge_recovery(restarted, read_recovery(tmp_path, 16))
-    assert restarted.skip_list == [[0, 16], entry]
+    assert restarted.skip_list == [[0, 16], committed]
 
 
 def test_a_spike_folder_that_cannot_be_written_is_an_event_not_a_crash(tmp_path, monkeypatch):
@@ -595,7 +601,7 @@ def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
         def checkpoint_before(self, target, base, spike_start):
             return Ckpt()
 
-        def restore(self, state, ckpt, skip_list, lr_scale, record):
+        def restore(self, state, ckpt, skip_list, lr_scale, record, new_pass=None):
             calls.append(("restore", ckpt.state["step"], skip_list))
             state.step = ckpt.state["step"]
 

@@ -34,12 +34,13 @@ def test_prefetch_trains_the_same_run_bitwise_through_a_ramp_and_a_rewind(tmp_pa
         run_dir = tmp_path / prefetch
         assert train(tiny_cfg(run_dir, *common, f"data.prefetch={prefetch}")) == 0
         runs[prefetch] = run_dir
-    # Triage: in-place re-runs that reproduce the outliers (every sequence of the batch is
-    # poisoned alike, so not concentrated: unknown, nothing skipped), then one replay with the
-    # spike's data left out (data); the re-runs stood for the same-data replay.
+    # Triage: in-place re-runs that reproduce the outliers: step 65's batch holds 2 poisoned
+    # sequences of 4, named as data against the run's history of sequence losses; step 66's is
+    # poisoned throughout (nothing to tell it from state: unknown). Then the replays with the
+    # spike's data left out, narrow and wide (data); the re-runs stood for the same-data replay.
     rewinds = events(runs["true"], "rewind")
-    verdicts = {(e["scope"], e["verdict"]) for e in events(runs["true"], "triage")}
-    assert len(rewinds) == 1 and verdicts == {("step", "unknown"), ("window", "data")}, verdicts
+    verdicts = [(e["step"], e["scope"], e["verdict"]) for e in events(runs["true"], "triage")]
+    assert len(rewinds) == 2 and verdicts == [(65, "step", "data"), (66, "step", "unknown"), (67, "window", "data")]
     assert stream(runs["true"]) == stream(runs["false"])
     hits = events(runs["true"], "end")[0]["prefetch"]
     # Misses: the first step, the first step after each rewind, and the step after each re-run

@@ -72,6 +72,9 @@ class Progress:
         self.longest = {phase: float((longest or {}).get(phase, -1.0)) for phase in PHASES}
         self.trap_step, self.trap_phase = trap  # faults.hang_step / hang_phase
         self.pending: Callable[[], None] | None = None  # the watchdog's work for this thread (the collective bound)
+        # Run by this thread at its first report after the first step: the collectives' first bound
+        # is set there, not at the watchdog's next beat, which a hang within that beat would never see.
+        self.after_first: Callable[[], None] | None = None
 
     def report(self, step: int, phase: str) -> None:
         now = time.monotonic()
@@ -79,6 +82,9 @@ class Progress:
         self.now = (step, phase, now)
         if now - since > self.longest[last_phase] and last_step != self.first_step:
             self.longest[last_phase] = now - since
+        if self.after_first is not None and self.first_step is not None and step > self.first_step:
+            after_first, self.after_first = self.after_first, None
+            after_first()
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending()
@@ -221,6 +227,7 @@ class Watchdog:
         self._stop = threading.Event()
         self.reaper: subprocess.Popen | None = None
         links.board.source = lambda: dataclasses.asdict(self._me(time.monotonic()))  # read by the board's exchange
+        progress.after_first = self._first_bound
         self._thread = threading.Thread(target=self._run, name="dsslm-watchdog", daemon=True)
         self._thread.start()
 
@@ -296,11 +303,18 @@ class Watchdog:
             except OSError:
                 pass  # the next growth tries again; a requeue without them starts from the defaults
         first = self.progress.first_step
-        if first is not None and step > first:
+        if first is not None and step > first and self.bound is not None:  # the first is the training thread's
             bound = self.limits.bound()
             if self.bound is None or abs(bound - self.bound) > 0.01 * self.bound:
                 self.bound = bound
                 self.progress.pending = lambda: self.links.set_timeout(bound)  # set by the training thread
+
+    def _first_bound(self) -> None:
+        """The training thread, at its first report after the first step: the collectives' timeout
+        becomes the bound (every phase not yet timed at the ceiling: the widest it will be)."""
+        bound = self.limits.bound()
+        self.links.set_timeout(bound)
+        self.bound = bound
 
     def _reset_failures(self, step: int) -> None:
         f = self.failures

@@ -153,6 +153,29 @@ def test_the_collective_bound_is_set_by_the_training_thread_at_its_next_report()
     assert calls == [threading.current_thread()]
 
 
+def test_the_first_collective_bound_is_set_at_the_first_report_after_the_first_step_not_at_a_beat(tmp_path):
+    """Steps after the first can all fall between two of the watchdog's beats, and a rank that
+    hangs there would leave its peers in a collective at the default timeout (the flaky drill of
+    tests/scenarios/test_hangs.py): the training thread sets the first bound itself."""
+    timeouts: list[tuple[float, threading.Thread]] = []
+    cfg = WatchdogCfg(floor_s=1, ceiling_s=3, factor=2, first_s=10, beat_s=600)  # no beat in this test
+    progress = Progress()
+    dog = Watchdog(cfg, tmp_path, 0, "tok", Links(set_timeout=lambda s: timeouts.append((s, threading.current_thread()))),
+                   progress)
+    try:
+        progress.first_step = 1
+        progress.report(1, DATA)
+        progress.report(1, FORWARD_BACKWARD)
+        assert timeouts == []                    # the first step: compilation may take first_s
+        progress.report(2, DATA)
+        assert timeouts == [(3 + 1, threading.current_thread())] and dog.bound == 4  # nothing timed: the ceiling's
+        progress.report(3, DATA)
+        assert len(timeouts) == 1                # once; the watchdog's beats move it from here
+    finally:
+        dog.closed = True
+        dog._stop.set()
+
+
 # --- the files in run.dir ----------------------------------------------------------------------
 
 def test_one_claim_per_job_the_loser_gets_the_winners_folder_and_code(tmp_path):

@@ -8,7 +8,13 @@ fp32, one process).
 Then the watchdog's share of it: the progress reports a train() step makes (counted in a run),
 each timed alone (a million calls), as a fraction of train()'s step (goal < 0.5%).
 
-    .venv/bin/python bench/bench_overhead.py [--steps 300] [--rounds 3]
+Then the nodes' (docs/nodes.md): the straggler report's cost a step at the default interval (50)
+on 2 gloo ranks of this machine, its every-step part (a step counted, the engine's update timed)
+and a report (the all-gather, rank 0's verdict and metrics line) timed apart, as a fraction of
+train()'s step (goal < 0.5%); and the check before the first step (run.preflight) on one process
+and on 2 ranks (goal < 10 s).
+
+    .venv/bin/python bench/bench_overhead.py [--steps 300] [--rounds 3] [--only-nodes]
 """
 from __future__ import annotations
 
@@ -22,11 +28,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout, not an installed dsslm
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _ranks
+from _ranks import rank_env, run_ranks  # noqa: E402
 from dsslm.config import load  # noqa: E402
 from dsslm.data.corpus import default_data_dir  # noqa: E402
 from dsslm.data.loader import Loader  # noqa: E402
 from dsslm.model import build_model  # noqa: E402
 from dsslm.observe.sinks import Sinks  # noqa: E402
+from dsslm.observe.stragglers import Stragglers  # noqa: E402
 from dsslm.observe.watchdog import COLLECTIVE, DATA, FORWARD_BACKWARD, OPTIMIZER, Progress  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.train import train  # noqa: E402
@@ -117,11 +126,99 @@ def reports_per_step(steps: int) -> float:
     return calls[0] / steps
 
 
+def every_step_ns(calls: int = 200_000) -> float:
+    """Nanoseconds a step of the straggler report between reports: after_step counting the step and
+    the timing wrapper around the engine's update (an update that does nothing)."""
+    class Engine:
+        world_size, is_main = 2, True
+
+        def step(self, lr):
+            pass
+    engine = Engine()
+    report = Stragglers(load(None, []).observe.stragglers, engine, Progress(), None, Path("."), None)
+    report.after_step(1)  # the job's first step: the window starts
+    started = time.perf_counter()
+    for step in range(2, calls + 2):
+        engine.step(0.1)
+        report.after_step(step * 50 + 1)  # never a report step
+    return (time.perf_counter() - started) / calls * 1e9
+
+
+def _ranks(rank: int, world: int, port: int, every: int, reports: int, out) -> None:
+    """One rank: the check before the first step, then `reports` straggler reports (their time)."""
+    rank_env(rank, world, port)
+    import torch.distributed as dist
+    from dsslm.data.corpus import default_data_dir
+    from dsslm.data.manifest import load_manifest
+    from dsslm.engine import build_engine
+    from dsslm.observe.nodecheck import check_nodes
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load(None, SHAPE + [f"run.dir={tmp}"])
+        cfg.model.vocab_size = 257
+        engine = build_engine(cfg, build_model(cfg.model))
+        data_dir = default_data_dir()
+        started = time.perf_counter()
+        check_nodes(cfg, engine, data_dir, load_manifest(data_dir, verify=False))
+        preflight_s = time.perf_counter() - started
+        sinks = Sinks(Path(tmp), engine.is_main, 100, False)
+        progress = Progress()
+        report = Stragglers(cfg.observe.stragglers, engine, progress, sinks, Path(tmp), None)
+        report.after_step(0)
+        took = []
+        for step in range(1, reports * every + 1):
+            progress.report(step, DATA)
+            progress.report(step, OPTIMIZER)
+            if step % every == 0:
+                engine.barrier()
+                began = time.perf_counter()
+                report.after_step(step)
+                took.append(time.perf_counter() - began)
+            else:
+                report.after_step(step)
+        sinks.close()
+        engine.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.put({"rank": rank, "preflight_s": preflight_s, "report_s": statistics.median(took)})
+
+
+def nodes_figures(step_s: float | None) -> None:
+    every = load(None, []).observe.stragglers.every
+    ns = every_step_ns()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load(None, SHAPE + [f"run.dir={tmp}"])
+        cfg.model.vocab_size = 257
+        from dsslm.data.corpus import default_data_dir
+        from dsslm.data.manifest import load_manifest
+        from dsslm.engine import build_engine
+        from dsslm.observe.nodecheck import check_nodes
+        engine = build_engine(cfg, build_model(cfg.model))
+        started = time.perf_counter()
+        check_nodes(cfg, engine, default_data_dir(), load_manifest(default_data_dir(), verify=False))
+        one = time.perf_counter() - started
+        engine.close()
+    ranks = run_ranks(_ranks, 2, (every, 20))
+    report_s = max(r["report_s"] for r in ranks)
+    print(f"preflight : {one:.3f} s on one process, {max(r['preflight_s'] for r in ranks):.3f} s on 2 ranks "
+          f"(goal < 10 s)")
+    per_step = ns * 1e-9 + report_s / every
+    line = (f"stragglers: {ns:.0f} ns every step + a report of {report_s * 1e3:.2f} ms (2 gloo ranks, median of 20) "
+            f"every {every} steps = {per_step * 1e6:.1f} us a step")
+    if step_s:
+        line += f", {100 * per_step / step_s:.4f}% of train()'s step of {step_s * 1e3:.1f} ms (goal < 0.5%)"
+    print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only-nodes", action="store_true", help="only the nodes' figures (no step time)")
     args = parser.parse_args()
+    if args.only_nodes:
+        nodes_figures(None)
+        return
     cfg = load(None, SHAPE)
     cfg.model.vocab_size = 257
     tokens_per_step = cfg.train.micro_batch_size * cfg.model.seq_len
@@ -143,6 +240,7 @@ def main() -> None:
     step_s = statistics.median(r[0] for r in framework)
     print(f"watchdog  : {per_step:.2f} progress reports per step x {ns:.0f} ns = {per_step * ns / 1e3:.2f} us, "
           f"{100 * per_step * ns * 1e-9 / step_s:.4f}% of train()'s step (goal < 0.5%)")
+    nodes_figures(step_s)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ from dsslm.observe import reaper
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
 from dsslm.observe.hangs import fold_failures, read_learned
+from dsslm.observe.nodecheck import check_nodes
 from dsslm.observe.sinks import LogWriteError, Sinks
+from dsslm.observe.stragglers import Stragglers, arm_slow_drill
 from dsslm.observe.watchdog import CHECKPOINT, EVALUATION, LOAD, Links, Progress, Watchdog
 from dsslm.optim import older_muon, older_muon_note
 from dsslm.recovery.faults import Drills
@@ -80,6 +82,7 @@ class Job:
     evals: TaskEvals = dataclasses.field(default_factory=TaskEvals.off)  # eval.tasks, read and checked by setup
     progress: Progress = dataclasses.field(default_factory=Progress)  # (step, phase) reports the watchdog reads
     watchdog: Watchdog | None = None
+    stragglers: Stragglers = dataclasses.field(default_factory=Stragglers.off)  # who holds the others back, every N steps
 
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
@@ -113,6 +116,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     cleanup.callback(lock.release)  # first: a stop signal once LOCK is linked (in decide's broadcast) removes it
     takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
     failures = engine.decide(lambda: fold_failures(run_dir))  # the crash-loop count, under the lock
+    nodes = check_nodes(cfg, engine, data_dir, manifest) if cfg.run.preflight else None  # a bad node: exit 76, now
     verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
     reports, watchdog = start_watchdog(cfg, engine, run_dir, lock, failures)  # after the hashing: it has its own wait
     cleanup.callback(watchdog.close)  # after finish_saves: the last save is watched too
@@ -151,6 +155,9 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
               progress=reports, watchdog=watchdog)
     # An escalating triage's base, held only in memory, is saved before exit 3.
     spikes.bind(checkpointer, global_batch, save_base=lambda: save(job, sync=True))
+    arm_slow_drill(cfg.faults, engine.rank, feed, engine)  # faults.slow_*: the straggler drill
+    job.stragglers = Stragglers(cfg.observe.stragglers, engine, reports, sinks, run_dir, nodes)
+    cleanup.callback(job.stragglers.close)  # its stall sampler's thread
     job.evals.before = lambda step: reports.report(step, EVALUATION)
     return job
 

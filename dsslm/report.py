@@ -2,10 +2,11 @@
 
 Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (formats in docs/design.md) and writes
 loss.png, lr.png, gnorm.png, throughput.png, update_ratio.png (only when records carry
-`update_ratio`), evals.png (only with eval.tasks; the figures are drawn by `observe.plots`) and summary.md into RUN_DIR/report/
-or --out. When RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every
-spike with its triage verdict and the few worst sequences of its batch, decoded
-(`dsslm.recovery.forensics`).
+`update_ratio`), evals.png (only with eval.tasks), phases.png (each rank's time a step in each
+phase, from the straggler report; the figures are drawn by `observe.plots`) and summary.md
+(with the nodes' check and the stragglers named) into RUN_DIR/report/ or --out. When
+RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every spike with its triage
+verdict and the few worst sequences of its batch, decoded (`dsslm.recovery.forensics`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 from dsslm.ckpt.format import inside_checkpoints
 from dsslm.ckpt.trained import OneLineParser
 from dsslm.observe.audit import last_stop
+from dsslm.observe.nodes import read_nodes
 from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
 from dsslm.recovery.forensics import spike_lines
 
@@ -213,6 +215,32 @@ def event_table(run: Run) -> list[str]:
     return lines
 
 
+def node_lines(run_dir: Path, run: Run) -> list[str]:
+    """The nodes: the check before the first step (run.dir/nodes.json) and every rank the straggler
+    report named, with the phase, the steps and the largest factor (figure: phases.png)."""
+    doc = read_nodes(run_dir)
+    named: dict[tuple, list] = {}
+    for record in run.phases:
+        for v in record.get("stragglers") or []:
+            if isinstance(v, dict) and is_number(v.get("factor")):
+                named.setdefault((v.get("rank"), v.get("host"), v.get("phase")), []).append((record["step"], v["factor"]))
+    if doc is None and not named:
+        return []
+    lines = ["", "## Nodes", ""]
+    if doc is not None and doc["nodes"]:
+        verdicts = "; ".join(f"{host} {node['verdict']}" + (f" ({'; '.join(node['why'])})" if node["why"] else "")
+                             for host, node in doc["nodes"].items())
+        lines.append(f"- checked before the first step of the newest job in {fmt_value(doc.get('seconds'))} s: "
+                     f"{verdicts}")
+    for (rank, host, phase), seen in named.items():
+        steps = [step for step, _ in seen]
+        lines.append(f"- rank {rank} ({host}) named a straggler in {phase} in {len(seen)} report(s), steps "
+                     f"{min(steps)}-{max(steps)}, up to {max(f for _, f in seen):g}x the other ranks' median")
+    if run.phases and not named:
+        lines.append(f"- the straggler report named no rank in {len(run.phases)} report(s)")
+    return lines
+
+
 def write_report(run: Run, out: Path, spikes: list[str] | None = None) -> list[Path]:
     # The summary is built, and replaces the old one, before any figure is drawn: a run it cannot
     # describe then leaves the folder as it was, and no folder holds new figures beside the summary
@@ -283,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
               f"and written to", file=sys.stderr)
         return 2
     spikes = spike_lines(args.run_dir)
-    for path in write_report(run, out, spikes):
+    for path in write_report(run, out, node_lines(args.run_dir, run) + spikes):
         print(path)
     if spikes:
         print("\n".join(spikes))

@@ -44,6 +44,7 @@ from dsslm.job import Job, save, setup, start
 from dsslm.loss import IGNORE_INDEX, StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
+from dsslm.observe.nodecheck import BadNode
 from dsslm.observe.sinks import LogWriteError
 from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER
 from dsslm.optim import lr_at
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except WRITE_FAILURES as err:
         say(err, f"dsslm: {err}")
         return EXIT_WRITE_FAILED
+    except BadNode as err:  # a node failed its check before the first step: 76, requeue elsewhere
+        say(err, f"dsslm: {err}")
+        return err.code
     except Preempted as stopped:
         refused = stopped.__cause__ or stopped.__context__
         if isinstance(refused, (ConfigError, DataError)):
@@ -191,6 +195,7 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job)
         job.spikes.after_step(state, verdict, record)  # a rewind point in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
+        job.stragglers.after_step(state.step)  # every observe.stragglers.every steps: who holds the others back
     stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
     job.progress.report(state.step, CHECKPOINT)
     check_health(job, wait=True)

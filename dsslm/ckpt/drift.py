@@ -123,6 +123,7 @@ def lr_change(saved_config: Any, cfg: Config, step: int) -> tuple[float, float] 
 RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
     "run.tensorboard", "run.alert_command", "run.lock_stale_s", "run.restart_from_scratch",
+    "run.preflight",
     "data.dir", "data.verify", "data.prefetch",
     "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults",

@@ -30,6 +30,7 @@ class RunCfg:
     lock_stale_s: float = 600.0  # a run.dir lock held from another node is taken over after this long without a heartbeat
     # Train from step 0 although run.dir's logs show a run whose checkpoints were all set aside.
     restart_from_scratch: bool = False
+    preflight: bool = True      # check every node before the first step (observe.nodes; a bad node exits 76): docs/nodes.md
 
 
 @dataclass
@@ -202,6 +203,9 @@ class FaultsCfg:
     hang_step: int = -1         # the hang drill: stop (SIGSTOP) a rank as it enters hang_phase of this step, every start
     hang_rank: int = 0
     hang_phase: str = "forward_backward"  # data | forward_backward | optimizer | collective | checkpoint | evaluation
+    slow_rank: int = -1         # the straggler drill: this rank sleeps slow_s in slow_phase of every step (-1 = off)
+    slow_phase: str = "data"    # data (its loader) | optimizer (its optimizer step)
+    slow_s: float = 0.0
 
 
 @dataclass
@@ -213,6 +217,24 @@ class WatchdogCfg:  # observe.watchdog: hangs, dead nodes and crash loops (dsslm
     first_s: float = 1800.0     # the job's start (checkpoint load) and its first step (compilation, warm-up)
     beat_s: float = 2.0         # seconds between a rank's beats (in the job's store) and its judgements
     crash_loop: int = 3         # hangs in a row at one step and phase that end the requeues (exit 6); 0 = never
+
+
+@dataclass
+class NodesCfg:  # observe.nodes: the check before the first step and the bad nodes a requeue leaves out (docs/nodes.md)
+    min_bandwidth: float = 0.25  # a node whose link carries less than this fraction of the median node's is bad
+    min_matmul: float = 0.5     # a GPU whose matmul runs below this fraction of the median GPU's speed is bad
+    max_clock_skew_s: float = 2.0  # a node whose clock is this far from the median node's is bad
+    exclude_hours: float = 24.0  # slurm/train.sbatch keeps a bad node out of the job's requeues this long (0 = never)
+    hang_blames: int = 2        # hang records naming a node (within exclude_hours) that make it a bad node (0 = never)
+
+
+@dataclass
+class StragglersCfg:  # observe.stragglers: the straggler report (dsslm/observe/stragglers.py, docs/nodes.md)
+    every: int = 50             # steps between reports: one small all-gather of every rank's phase times (0 = off)
+    factor: float = 1.5         # a rank whose own time in a phase is this many times the other ranks' median...
+    min_share: float = 0.05     # ...and at least this fraction of a step longer is a straggler
+    persist: int = 3            # reports in a row naming it before the event, the alert command and nodes.json
+    exclude: bool = True        # a node named persistent straggler is left out of the job's next requeue
 
 
 @dataclass
@@ -231,6 +253,8 @@ class ObserveCfg:
     # relative loss / grad-norm difference tolerated between a recomputed step and its record.
     audit_tol: float = 0.05
     watchdog: WatchdogCfg = field(default_factory=WatchdogCfg)
+    nodes: NodesCfg = field(default_factory=NodesCfg)
+    stragglers: StragglersCfg = field(default_factory=StragglersCfg)
 
 
 @dataclass

@@ -100,6 +100,7 @@ def _check_all(cfg: Config) -> None:
     validate_data(cfg)
     validate_spike_policy(cfg)
     validate_watchdog(cfg)
+    validate_nodes(cfg)
 
 
 # The phases a rank reports (dsslm/observe/watchdog.py's PHASES, less the start's load): where the
@@ -122,6 +123,22 @@ def validate_watchdog(cfg: Config) -> None:
            f"engine.collective_timeout_s={cfg.engine.collective_timeout_s} must be >= 1")
     _check_choice("faults.hang_phase", f.hang_phase, DRILL_PHASES)
     _check(f.hang_rank >= 0, f"faults.hang_rank={f.hang_rank} must be a rank >= 0")
+
+
+def validate_nodes(cfg: Config) -> None:
+    """observe.nodes, observe.stragglers and the straggler drill."""
+    n, s, f = cfg.observe.nodes, cfg.observe.stragglers, cfg.faults
+    _check(0 <= n.min_bandwidth < 1, f"observe.nodes.min_bandwidth={n.min_bandwidth} must be in [0, 1) (0 = never)")
+    _check(0 <= n.min_matmul < 1, f"observe.nodes.min_matmul={n.min_matmul} must be in [0, 1) (0 = never)")
+    _check(n.max_clock_skew_s > 0, f"observe.nodes.max_clock_skew_s={n.max_clock_skew_s} must be > 0")
+    _check(n.exclude_hours >= 0, f"observe.nodes.exclude_hours={n.exclude_hours} must be >= 0 (0 = never exclude)")
+    _check(n.hang_blames >= 0, f"observe.nodes.hang_blames={n.hang_blames} must be >= 0 (0 = never)")
+    _check(s.every >= 0, f"observe.stragglers.every={s.every} must be >= 0 (0 = off)")
+    _check(s.factor > 1, f"observe.stragglers.factor={s.factor} must be > 1")
+    _check(0 <= s.min_share < 1, f"observe.stragglers.min_share={s.min_share} must be in [0, 1)")
+    _check(s.persist >= 1, f"observe.stragglers.persist={s.persist} must be >= 1")
+    _check_choice("faults.slow_phase", f.slow_phase, ("data", "optimizer"))
+    _check(f.slow_s >= 0, f"faults.slow_s={f.slow_s} must be >= 0")
 
 
 def _check_finite(node: Any, prefix: str = "") -> None:

@@ -213,6 +213,7 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "interrupted": (logging.WARNING, lambda f: f"interrupted at step {f.get('step')}"),
     "failed": (logging.ERROR, lambda f: None if f.get("exit_line") else f"failed at step {f.get('step')}: "
                                                                          f"{f.get('error')}"),
+    "straggler": (logging.WARNING, lambda f: f"step {f.get('step')}: {f.get('line')} (run.dir/nodes.json)"),
 }
 
 

@@ -1,5 +1,5 @@
 """The report's figures: loss (with validation), learning rate, grad norm, throughput, update ratio,
-downstream tasks (eval.tasks).
+downstream tasks (eval.tasks), each rank's time a step in each phase (the straggler report).
 
 A rewind or a resume after a crash repeats step numbers: the run went back to an older
 checkpoint and ran those steps again. Every plot is against the optimizer step; records whose
@@ -42,6 +42,7 @@ class Run:
     bad_lines: dict[str, int]        # file name -> unreadable lines
     evals: list[dict] = field(default_factory=list)  # records carrying eval_acc (downstream tasks)
     evals_kept: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    phases: list[dict] = field(default_factory=list)  # the straggler report's records (phase_s: per-rank times)
 
 
 def kept_flags(metrics: list[dict], is_train: list[bool]) -> list[bool]:
@@ -82,6 +83,7 @@ def load_run(run_dir: Path) -> Run:
         bad_lines={k: v for k, v in (("metrics.jsonl", bad_metrics), ("events.jsonl", bad_events)) if v},
         evals=[r for r, e in zip(metrics, is_eval) if e],
         evals_kept=np.array([k for k, e in zip(kept, is_eval) if e], dtype=bool),
+        phases=[r for r in metrics if isinstance(r.get("phase_s"), dict)],
     )
 
 
@@ -361,8 +363,41 @@ def plot_evals(run: Run, out: Path) -> Path | None:
     return finish(fig, out / "evals.png", acc_ax, bpb_ax)
 
 
+def plot_phases(run: Run, out: Path) -> Path | None:
+    """The straggler report's per-rank times a step (observe/stragglers.py), one panel per phase any
+    rank spent time in, one line per rank; each rank named a straggler marked where it was."""
+    rows = run.phases
+    if not rows:
+        return None
+    names = list(dict.fromkeys(name for r in rows for name, v in r["phase_s"].items() if isinstance(v, list)))
+    names = [n for n in names if any(as_float(x) > 0 for r in rows for x in (r["phase_s"].get(n) or [])
+                                     if isinstance(r["phase_s"].get(n), list))]
+    if not names:
+        return None
+    fig, axes = new_figure(f"Time a step per rank and phase: {run.name}", "ms a step", nrows=len(names))
+    steps = column(rows, "step")
+    ranks = max(len(r["phase_s"].get(n) or []) for r in rows for n in names if isinstance(r["phase_s"].get(n), list))
+    hosts = next((r["hosts"] for r in reversed(rows) if isinstance(r.get("hosts"), list)), [])
+    for ax, name in zip(axes, names):
+        ax.set_title(name, fontsize="medium")
+        for rank in range(ranks):
+            y = np.array([1e3 * as_float(v[rank]) if isinstance(v := r["phase_s"].get(name), list) and rank < len(v)
+                          else math.nan for r in rows])
+            host = f" ({hosts[rank]})" if rank < len(hosts) else ""
+            ax.plot(steps, y, lw=1.0, marker=".", ms=3, color=f"C{rank % 10}", label=f"rank {rank}{host}",
+                    ls="-" if rank < 10 else "--")
+            named = [i for i, r in enumerate(rows) for v in (r.get("stragglers") or [])
+                     if isinstance(v, dict) and v.get("rank") == rank and v.get("phase") == name]
+            if named:
+                ax.plot(steps[named], y[named], "x", color="tab:red", ms=8, label="named a straggler")
+        ax.set_ylim(bottom=0)
+    for ax in axes[:-1]:
+        ax.set_xlabel("")
+    return finish(fig, out / "phases.png", *axes)
+
+
 def write_figures(run: Run, out: Path) -> list[Path]:
     """Every figure that has data, into `out`."""
     written = [plot_loss(run, out), plot_lr(run, out), plot_gnorm(run, out), plot_throughput(run, out),
-               plot_update_ratio(run, out), plot_evals(run, out)]
+               plot_update_ratio(run, out), plot_evals(run, out), plot_phases(run, out)]
     return [p for p in written if p is not None]

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import signal
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator
 from dsslm.config import ConfigError, ObserveCfg
 from dsslm.observe.console import Console
 
-ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert", "hang")
+ALERT_EVENTS = ("skip", "rewind", "triage", "lr_scale", "escalation", "alert", "hang", "bad_node", "straggler")
 ALERT_TIMEOUT_S = 30
 MAX_ALERT_FAILURES_SHOWN = 3
 
@@ -307,6 +308,16 @@ class Sinks:
         self.tensorboard.write(record)
         self.wandb.write(record)
         self.console.val_loss(record)
+
+    def log_phases(self, record: dict) -> None:
+        """The straggler report's record (observe/stragglers.py): per-rank lists, for metrics.jsonl
+        and the report; TensorBoard and W&B plot numbers, not lists."""
+        self.metrics.write(record)
+
+    def say(self, text: str, level: int = logging.WARNING) -> None:
+        """One console line that is no event's (rank 0; a no-op elsewhere)."""
+        if self.console.enabled:
+            self.console._line(level, text)
 
     def emit(self, event: str, **fields: Any) -> dict:
         record = self.events.emit(event, **fields)

@@ -60,9 +60,10 @@ GAP_BEATS = 4  # the watchdog's own loop late by this many beats: this process w
 
 class Progress:
     """The training thread's reports: `now = (step, phase, since)`, replaced whole, so the watchdog
-    thread reads a consistent triple without a lock, and the longest time each phase took (the
-    job's first step aside: compilation, warm-up). A report is a clock read (vDSO, no syscall), a
-    tuple and a few compares: about 0.3 us (bench/bench_overhead.py)."""
+    thread reads a consistent triple without a lock, the longest time each phase took (the job's
+    first step aside: compilation, warm-up) and the time spent in each so far (`spent`, the
+    straggler report's). A report is a clock read (vDSO, no syscall), a tuple, an add and a few
+    compares: about 0.3 us (bench/bench_overhead.py)."""
 
     def __init__(self, trap: tuple[int, str] = (-1, ""), longest: dict[str, float] | None = None):
         self.now: tuple[int, str, float] = (-1, LOAD, time.monotonic())
@@ -70,6 +71,7 @@ class Progress:
         # Every phase has its key from the start (-1: not timed yet): the watchdog thread reads the
         # dict while this thread writes it, which is safe while no key is added.
         self.longest = {phase: float((longest or {}).get(phase, -1.0)) for phase in PHASES}
+        self.spent = dict.fromkeys(PHASES, 0.0)  # seconds in each phase so far: the straggler report's (observe/stragglers.py)
         self.trap_step, self.trap_phase = trap  # faults.hang_step / hang_phase
         self.pending: Callable[[], None] | None = None  # the watchdog's work for this thread (the collective bound)
         # Run by this thread at its first report after the first step: the collectives' first bound
@@ -80,6 +82,7 @@ class Progress:
         now = time.monotonic()
         last_step, last_phase, since = self.now
         self.now = (step, phase, now)
+        self.spent[last_phase] += now - since
         if now - since > self.longest[last_phase] and last_step != self.first_step:
             self.longest[last_phase] = now - since
         if self.after_first is not None and self.first_step is not None and step > self.first_step:

@@ -11,9 +11,10 @@ the ranks' own code) on each node given: c10d rendezvous on node A's hostname, g
 single-node drills. `slurm_cluster.TwoNodeSlurm` runs a slurmd in each node.
 
 `Node.kill()` SIGKILLs every process of a node (`ip netns pids`); `Node.link(False)` takes its
-link down. The `two_nodes` fixture (module scope: the namespaces are shared by a file's tests)
-skips with the reason where namespaces cannot be made (not root, no `ip`, no CAP_SYS_ADMIN) and
-removes them, and every process in them, even when a test fails.
+link down; `Node.throttle("8mbit")` caps what it sends (`tc ... tbf`). The `two_nodes` fixture
+(module scope: the namespaces are shared by a file's tests) skips with the reason where namespaces
+cannot be made (not root, no `ip`, no CAP_SYS_ADMIN) and removes them, and every process in them,
+even when a test fails.
 
 A `Job` keeps when it started and when each node's launcher ended (`started`, `ended`), and
 `wait_for` polls a run's files, so a test or a benchmark can time the phases of a drill (start to
@@ -93,6 +94,18 @@ class Node:
 
     def link(self, up: bool) -> None:
         _sh("ip", "-n", self.netns, "link", "set", self.ifname, "up" if up else "down")
+
+    def throttle(self, rate: str | None) -> None:
+        """What this node sends, capped at `rate` (a token bucket, `tc ... tbf`: a link at a fraction of
+        its peers' speed); None lifts it. NodesUnavailable where this machine has no `tc`."""
+        if not (shutil.which("tc") or shutil.which("tc", path="/usr/sbin:/sbin")):
+            if rate is None:
+                return
+            raise NodesUnavailable("no `tc` on this machine")
+        _sh("tc", "-n", self.netns, "qdisc", "del", "dev", self.ifname, "root", check=False)
+        if rate is not None:
+            _sh("tc", "-n", self.netns, "qdisc", "add", "dev", self.ifname, "root", "tbf", "rate", rate,
+                "burst", "32kbit", "latency", "200ms")
 
 
 HOST = Node(name=os.uname().nodename)
@@ -199,11 +212,12 @@ class TwoNodes:
             _sh("ip", "netns", "del", node.netns, check=False)
 
     def reset(self) -> None:
-        """Between tests: no process left (but the daemons in `keep`: a Slurm cluster's), the links up,
-        no node-local mounts."""
+        """Between tests: no process left (but the daemons in `keep`: a Slurm cluster's), the links up
+        and unthrottled, no node-local mounts."""
         for node in (self.a, self.b):
             node.kill(frozenset(self.keep))
             node.link(True)
+            node.throttle(None)
             node.binds = {}
 
 

@@ -186,17 +186,22 @@ def test_a_notice_before_the_ranks_start_requeues_and_a_finished_run_is_not_requ
 # cluster cannot time.
 
 
-def run_alone(tmp_path: Path, srun: str, env: dict[str, str] | None = None, slow_log_after_srun: bool = False):
-    """Run train.sbatch with `srun` standing in for srun (a bash body) and an scontrol that notes its
-    arguments in tmp_path/scontrol; `slow_log_after_srun`: from the stand-in srun's start on, each
-    log line of the script takes 0.5 s (its `date`). Returns (exit status, stdout, scontrol calls)."""
+def run_alone(tmp_path: Path, srun: str, env: dict[str, str] | None = None, slow_log_after_srun: bool = False,
+              stand_ins: dict[str, str] | None = None, args: tuple[str, ...] = ()):
+    """Run train.sbatch (with `args`) with `srun` standing in for srun (a bash body) and an scontrol
+    that notes its arguments in tmp_path/scontrol (`stand_ins`: other bodies, scontrol's after the
+    note); `slow_log_after_srun`: from the stand-in srun's start on, each log line of the script
+    takes 0.5 s (its `date`). Returns (exit status, stdout, scontrol calls)."""
     import os
     import shutil
     import subprocess
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    stand_ins = stand_ins or {}
     stand_ins = {"srun": f"touch {tmp_path}/srun_started\n{srun}",
-                 "scontrol": 'echo "$@" >>' + f" {tmp_path}/scontrol; [[ $1 == show ]] && echo node1; exit 0"}
+                 "scontrol": 'echo "$@" >>' + f" {tmp_path}/scontrol; " + stand_ins.get(
+                     "scontrol", "[[ $1 == show ]] && echo node1; exit 0"),
+                 **{name: body for name, body in stand_ins.items() if name != "scontrol"}}
     if slow_log_after_srun:
         stand_ins["date"] = f"[[ -e {tmp_path}/srun_started ]] && sleep 0.5; exec {shutil.which('date')} \"$@\""
     for name, body in stand_ins.items():
@@ -204,7 +209,7 @@ def run_alone(tmp_path: Path, srun: str, env: dict[str, str] | None = None, slow
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
            "SLURM_JOB_NODELIST": "node1", "DSSLM_ROOT": str(tmp_path), "DSSLM_NPROC_PER_NODE": "1", **(env or {})}
-    done = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", str(SBATCH), *args], env=env, capture_output=True, text=True, timeout=60)
     calls = (tmp_path / "scontrol").read_text() if (tmp_path / "scontrol").exists() else ""
     return done.returncode, done.stdout + done.stderr, calls
 
@@ -263,10 +268,31 @@ def test_a_diagnosed_hang_is_requeued_and_a_crash_loop_never(tmp_path, srun, req
     assert rc == (0 if requeued else int(said.split()[1]) if "needs a person" in said else 1), out
 
 
+def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
+    """Exit 76 (or srun's other code with `bad_node 76` in the status file): requeued, and after the
+    requeue (Slurm takes ExcNodeList only from a job no longer running) dsslm.observe.exclude adds the
+    node nodes.json names to the job's ExcNodeList, sinfo listing it and another node left for it."""
+    from dsslm.observe.nodes import write_nodes
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_nodes(run_dir, {"schema": 1, "time": time.time(), "stragglers": [], "nodes": {
+        "node2": {"host": "node2", "slurm_node": None, "ranks": [1], "verdict": "bad", "checks": {},
+                  "why": ["run.dir /r: 0.1 MB free, the next checkpoint needs 0.6 MB"]}}})
+    show = 'if [[ $1 == -o ]]; then echo "JobId=42 Partition=debug NumNodes=1 ExcNodeList=(null)"; fi; exit 0'
+    rc, out, calls = run_alone(tmp_path, 'echo "bad_node 76" >"$DSSLM_STATUS_FILE"; exit 137',
+                               {"DSSLM_PYTHON": PYTHON, "PYTHONPATH": str(ROOT)}, args=[f"run.dir={run_dir}"],
+                               stand_ins={"scontrol": show, "sinfo": "echo 'node1 idle'; echo 'node2 comp'"})
+    assert rc == 0 and "requeueing elsewhere" in out, out
+    assert "excluding node2 from this job's requeues until" in out and "0.1 MB free" in out, out
+    lines = calls.splitlines()
+    assert lines.index("requeue 42") < lines.index("update job=42 ExcNodeList=node2"), calls
+    assert (run_dir / "excluded_nodes.json").exists()
+
+
 def test_the_scripts_exit_codes_are_dsslms():
-    from dsslm.exits import EXIT_REQUEUE, NEEDS_A_PERSON
+    from dsslm.exits import EXIT_BAD_NODE, EXIT_REQUEUE, NEEDS_A_PERSON
     script = SBATCH.read_text()
-    assert f"\nEXIT_REQUEUE={EXIT_REQUEUE}\n" in script
+    assert f"\nEXIT_REQUEUE={EXIT_REQUEUE}\n" in script and f"\nEXIT_BAD_NODE={EXIT_BAD_NODE}\n" in script
     assert f'\nNEEDS_A_PERSON=" {" ".join(map(str, sorted(NEEDS_A_PERSON)))} "\n' in script
 
 

@@ -2,17 +2,21 @@
 addresses, the filesystem shared), one gloo rank each unless said: the job trains, a node that
 dies (every process of it killed) is diagnosed by the survivor (exit 75, the record naming the
 node), and the run resumes to the bit on one node and on two; each node verifies its own copy of
-the data; and a node whose link goes down ends the job with exit 75 on both sides, one record."""
+the data; a node whose link goes down ends the job with exit 75 on both sides, one record; a node
+whose run.dir is full, or whose link is throttled, is refused before the first step (exit 76 on
+both, named in nodes.json); and under Slurm the requeue of a job a node refused leaves it out."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from dsslm.data.corpus import default_data_dir
-from dsslm.exits import EXIT_BAD_INPUT, EXIT_REQUEUE
+from dsslm.exits import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_REQUEUE
 from helpers import losses_by_step, read_jsonl, run_train
 from nodes import launch, two_nodes, wait_for  # noqa: F401 (fixture)
 
@@ -81,6 +85,9 @@ def test_each_node_verifies_its_own_copy_of_the_data(two_nodes, tmp_path):
     args = [f"data.dir={shared}", "data.verify=full", "train.total_steps=2", "ckpt.every=2", "optim.warmup_steps=1", *QUICK]
     job = launch([a, b], run_dir, *args)
     assert job.wait() == {"nodea": 0, "nodeb": 0}, job.output()
+    nodes = json.loads((run_dir / "nodes.json").read_text())  # and both passed their check, in seconds
+    assert nodes["verdict"] == "ok" and sorted(nodes["nodes"]) == ["nodea", "nodeb"] and nodes["seconds"] < 10, nodes
+    assert all(n["checks"]["network"]["ok"] and n["checks"]["clock"]["ok"] for n in nodes["nodes"].values()), nodes
     (verified,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "data_verified"]
     assert verified["nodes"] == 2 and verified["hashed_shards"] == len(list(shared.rglob("*.bin"))), verified
     assert verified["hashed_per_rank"] == [verified["hashed_shards"]] * 2, verified  # each node all of its copy
@@ -109,6 +116,58 @@ def test_a_node_whose_link_goes_down_ends_the_job_with_one_record(two_nodes, tmp
     everyone = record["first"] + record["waiting"]
     assert sorted(s["host"] for s in everyone) == ["nodea", "nodeb"], record
     assert not a.pids() and not b.pids()
+
+
+def full_disk(mount: Path, free_bytes: int) -> Path:
+    """A 1 MiB tmpfs at `mount` filled to `free_bytes` free: room for a few small files, not for a
+    checkpoint. Unmounted by `unmount`."""
+    mount.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {made.stderr.strip()}")
+    st = os.statvfs(mount)
+    (mount / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - free_bytes))
+    return mount
+
+
+def unmount(mount: Path) -> None:
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def refused(run_dir: Path, job) -> dict:
+    """Both nodes exit 76 before any rank trained; nodes.json (written by rank 0, on node A) names node B."""
+    codes = job.wait()
+    assert codes == {"nodea": EXIT_BAD_NODE, "nodeb": EXIT_BAD_NODE}, job.output()
+    nodes = json.loads((run_dir / "nodes.json").read_text())
+    assert {h: n["verdict"] for h, n in nodes["nodes"].items()} == {"nodea": "ok", "nodeb": "bad"}, nodes
+    assert nodes["exit_code"] == EXIT_BAD_NODE and not (run_dir / "metrics.jsonl").exists(), nodes
+    assert "dsslm: node nodeb (rank 1) failed its check before the first step: " in job.output("nodea"), job.output()
+    (event,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "bad_node"]
+    assert event["nodes"] == ["nodeb"], event
+    return nodes["nodes"]["nodeb"]
+
+
+def test_a_node_whose_run_dir_is_full_is_refused_before_the_first_step(two_nodes, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    disk = full_disk(tmp_path / "full", 100 << 10)
+    two_nodes.b.binds = {str(run_dir): str(disk)}  # node B's view of run.dir: its full disk
+    try:
+        bad = refused(run_dir, launch([two_nodes.a, two_nodes.b], run_dir, *RUN, *QUICK))
+    finally:
+        unmount(disk)
+    assert not bad["checks"]["run_dir"]["ok"] and bad["checks"]["network"]["ok"], bad
+    assert "No space left on device" in bad["why"][0] or "MB free" in bad["why"][0], bad
+
+
+def test_a_node_whose_link_is_throttled_is_refused_before_the_first_step(two_nodes, tmp_path):
+    run_dir = tmp_path / "run"
+    two_nodes.b.throttle("8mbit")  # node B sends at 1 MB/s; the veth carries hundreds
+    bad = refused(run_dir, launch([two_nodes.a, two_nodes.b], run_dir, *RUN, *QUICK))
+    network = bad["checks"]["network"]
+    assert not network["ok"] and network["send_mb_s"] < 2 and network["median_send_mb_s"] > 10, network
+    assert bad["why"] == [network["why"]] and "its link sends" in network["why"], bad
+    assert json.loads((run_dir / "nodes.json").read_text())["seconds"] < 10
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +213,47 @@ def test_slurm_across_two_nodes_requeues_a_hang_and_stops_a_crash_loop(slurm_on_
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start"]
     assert {e["world_size"] for e in starts} == {2} and "nodeb" in log and "nodea" in log, log
     assert records(run_dir)[-1]["first"][0]["rank"] == 1, records(run_dir)[-1]
+
+
+@pytest.mark.slurm
+def test_slurm_requeues_a_job_a_node_refused_without_that_node(slurm_on_two_nodes, two_nodes, tmp_path):
+    """A 1-node job lands on node B (node A is busy) whose run.dir is a full disk: it exits 76, the
+    script requeues it with ExcNodeList=nodeb (dsslm.observe.exclude: sinfo lists node B, and node A
+    is enough for the job), and once node A is free the job runs there to its end."""
+    from slurm_cluster import FINISHED_STATES
+    from test_slurm import JOB_TIMEOUT_S, RUN_ARGS, SBATCH, job_log
+    from helpers import PYTHON, ROOT
+    cluster, run_dir = slurm_on_two_nodes, tmp_path / "run"
+    run_dir.mkdir()
+    # In the mount namespace of node B's slurmd (the jobs it starts share it; one made before this
+    # test sees none of the host's later mounts): a 1 MiB tmpfs over run.dir, 160 KiB left free.
+    in_b = ["nsenter", "-t", str(cluster.procs["slurmd-nodeb"].pid), "-m"]
+    subprocess.run([*in_b, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(run_dir)], check=True)
+    subprocess.run([*in_b, "sh", "-c", f"dd if=/dev/zero of={run_dir}/.filler bs=4k 2>/dev/null; "
+                                       f"truncate -s -{160 << 10} {run_dir}/.filler"], check=True)
+    blocker = tmp_path / "blocker.sbatch"
+    blocker.write_text(f"#!/bin/bash\n#SBATCH --nodelist=nodea\n#SBATCH --exclusive\n#SBATCH --output={tmp_path}/b.out\n"
+                       "sleep 600\n")
+    env = {"DSSLM_PYTHON": PYTHON, "DSSLM_NPROC_PER_NODE": "1", "DS_ACCELERATOR": "cpu"}
+    try:
+        busy = cluster.sbatch(blocker)
+        cluster.wait_state(busy, "RUNNING", 60)
+        job_id = cluster.sbatch(SBATCH, [f"run.dir={run_dir}", *RUN_ARGS, "train.total_steps=10", "ckpt.every=5", *QUICK],
+                                ["--nodes=1", f"--output={tmp_path}/%x-%j.out"], env=env, cwd=ROOT)
+        try:
+            cluster.wait_job(job_id, lambda j: j["Restarts"] == "1" and j["ExcNodeList"] == "nodeb", JOB_TIMEOUT_S)
+        except TimeoutError as err:
+            raise AssertionError(f"{err}\n{job_log(tmp_path, job_id)}") from None
+        cluster.client(["scancel", str(busy)])
+        info = cluster.wait_state(job_id, FINISHED_STATES, JOB_TIMEOUT_S)
+    finally:
+        subprocess.run([*in_b, "umount", "-l", str(run_dir)], check=False)
+    log = job_log(tmp_path, job_id)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"], info["ExcNodeList"]) == \
+        ("COMPLETED", "0:0", "1", "nodeb"), log
+    assert "a node failed its check before the first step (run.dir/nodes.json): requeueing elsewhere" in log, log
+    assert "excluding nodeb from this job's requeues until" in log and "failed its check before the first step" in log
+    # The second start ran on node A, whose view of run.dir is the shared one: it passed, and trained.
+    nodes = json.loads((run_dir / "nodes.json").read_text())
+    assert {h: n["verdict"] for h, n in nodes["nodes"].items()} == {"nodea": "ok"}, nodes
+    assert [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "end"] == [10], log

@@ -386,3 +386,29 @@ def test_the_throughput_legend_reads_like_a_number(tmp_path, monkeypatch):
     metrics = [step_record(step, tokens_per_s=1266.81 + (step % 3)) for step in range(1, 31)]
     plots.plot_throughput(plots.load_run(write_run(tmp_path / "run", metrics, [event("start", 0)])), tmp_path)
     assert "median 1,268 tokens/s" in labels, labels
+
+
+@pytest.mark.slow
+def test_the_straggler_reports_get_their_figure_and_the_nodes_their_lines(tmp_path):
+    """The straggler report's records: phases.png (each rank's time a step in each phase, the named
+    one marked) and summary.md's Nodes section, with the check before the first step (nodes.json)."""
+    from dsslm.observe.nodes import write_nodes
+    run_dir = clean_run(tmp_path / "nodes")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for step in (50, 100):
+        metrics.append({"step": step, "hosts": ["a", "b"], "phase_s": {
+            "data": [0.0001, 0.03], "forward_backward": [0.02, 0.02], "collective_wait": [0.031, 0.001],
+            "optimizer": [0.002, 0.002], "loop": [0.0, 0.0], "checkpoint": [0.0, 0.0], "evaluation": [0.0, 0.0]},
+            "stragglers": [{"rank": 1, "host": "b", "phase": "data", "factor": 300.0, "reports": step // 50}]})
+    write_run(run_dir, metrics, [event("start", 0), event("end", 100)])
+    write_nodes(run_dir, {"schema": 1, "time": T0, "seconds": 0.08, "stragglers": [], "nodes": {
+        "a": {"host": "a", "slurm_node": None, "ranks": [0], "verdict": "ok", "why": [], "checks": {}},
+        "b": {"host": "b", "slurm_node": None, "ranks": [1], "verdict": "ok", "why": [], "checks": {}}}})
+    assert report.main([str(run_dir)]) == 0
+    data = (run_dir / "report" / "phases.png").read_bytes()
+    assert data[:8] == PNG_MAGIC and struct.unpack(">II", data[16:24])[0] == 9 * 120  # a panel per phase: taller
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "- checked before the first step of the newest job in 0.08 s: a ok; b ok" in summary, summary
+    assert "- rank 1 (b) named a straggler in data in 2 report(s), steps 50-100, up to 300x the other ranks' " \
+           "median" in summary, summary
+    assert plots.plot_phases(plots.load_run(clean_run(tmp_path / "none")), tmp_path) is None

@@ -44,6 +44,8 @@ NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_C
 # `preempted` (both exit 0; slurm/train.sbatch requeues only the second), the hang caller's `hang 75`
 # or `hang 6` (observe/watchdog.py).
 STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
+# The file `python -m dsslm.engine.agent` names for its ranks: the code a rank leaves with.
+AGENT_EXIT_FILE_ENV = "DSSLM_AGENT_EXIT_FILE"
 # Which rank's code a job's launcher reports when ranks differ (a hang's survivors exit 75 while the
 # stopped rank dies of SIGKILL): a person's codes first, the crash loop the first of them (it is
 # what ends the requeues), then the requeue codes, then a failed write.
@@ -167,3 +169,21 @@ def note_exit(emit: Callable[..., object], step_of: Callable[[], int],
                  **({"exit_line": True} if issubclass(exc_type, said) else {}))
         return False
     return on_exit
+
+
+def tell_agent(code: int) -> None:
+    """The code this rank leaves with, for `python -m dsslm.engine.agent` ($DSSLM_AGENT_EXIT_FILE): it
+    exits with it where torchrun's shutdown would wait on an unreachable rendezvous, or fail on one
+    whose host left first. Light (no torch): a refusal before the imports tells it too."""
+    write_line(AGENT_EXIT_FILE_ENV, str(code))
+
+
+def write_line(env: str, line: str) -> None:
+    """`line` into the file $`env` names, if any; a failed write is not this run's failure."""
+    path = os.environ.get(env)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass

@@ -19,7 +19,12 @@ if __name__ == "__main__":  # before the 2-3 s of imports below: a SIGTERM in th
     from dsslm import exits
     exits.catch_early()
     from dsslm import preflight
-    preflight.check_or_exit()  # and --help, or a typo in the config, is answered at once
+    try:
+        preflight.check_or_exit()  # and --help, or a typo in the config, is answered at once
+    except SystemExit as refused:
+        if refused.code:  # this node's refusal (its data.dir, say), for the agent as any exit code
+            exits.tell_agent(int(refused.code))
+        raise
 
 import contextlib
 import dataclasses
@@ -39,7 +44,7 @@ from dsslm.data import DataError
 from dsslm.data.skips import active_at
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
-                         EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now)
+                         EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now, tell_agent)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import IGNORE_INDEX, StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
@@ -397,4 +402,6 @@ def report_memory(job: Job) -> None:
 if __name__ == "__main__":
     code = main()
     ignore_from_now()  # the exit code is decided: a SIGTERM while the interpreter shuts down must not change it
+    if code:
+        tell_agent(code)  # for dsslm.engine.agent, should torchrun's own shutdown fail after this rank leaves
     sys.exit(code)

@@ -9,11 +9,14 @@ already gets the signal once from slurmstepd; an agent that died on SIGUSR1 (its
 take the step down mid-save, and one that forwarded SIGTERM (torchrun's default) would signal each
 rank twice. Launch it with `--signals-to-handle SIGINT,SIGHUP,SIGQUIT`, as train.sbatch does.
 
-And it does not outlive its ranks for long after a hang. A rank that leaves on the watchdog's
-verdict writes its code into $DSSLM_AGENT_EXIT_FILE; torchrun's own shutdown then talks to the
+And it does not outlive its ranks for long, nor lose their code. A rank that leaves on the
+watchdog's verdict, or with any non-zero code, writes its code into $DSSLM_AGENT_EXIT_FILE.
+torchrun's own shutdown then talks to the
 rendezvous store, which on a node cut off from the store's node blocks far past its read timeout
 (measured: still waiting after 120 s with read_timeout=5). Once the ranks are gone and a code is
-there, the agent exits with it LINGER_S later, whatever torchrun is still waiting for.
+there, the agent exits with it LINGER_S later, whatever torchrun is still waiting for. And where
+torchrun itself fails once the ranks are gone (the store's node left first), the agent exits with
+the ranks' code, not torchrun's 1.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-EXIT_FILE_ENV = "DSSLM_AGENT_EXIT_FILE"
+from dsslm.exits import AGENT_EXIT_FILE_ENV as EXIT_FILE_ENV
+
 LINGER_S = 15.0
 
 
@@ -46,9 +50,27 @@ def main() -> int:
         torchrun()
     except ChildFailedError as exc:
         return job_exit_code([failure.exitcode for failure in exc.failures.values()])
+    except Exception:
+        # torchrun's own failure, after its ranks are gone: on the node that did not host the
+        # rendezvous store, an agent still polling it when the host's agent left on its ranks'
+        # failure raises RendezvousConnectionError (exit 1). The ranks' code is in the exit file.
+        code = ranks_code(Path(exit_file))
+        if code is None:
+            raise
+        print(f"dsslm: torchrun's rendezvous failed after the ranks left with exit {code}; exiting with it",
+              file=sys.stderr, flush=True)
+        return code
     finally:
         Path(exit_file).unlink(missing_ok=True)
     return 0
+
+
+def ranks_code(exit_file: Path) -> int | None:
+    """The code a rank left with (train.py writes it on any non-zero exit), or None."""
+    try:
+        return int(exit_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def leave_after_ranks(exit_file: Path) -> None:
@@ -60,13 +82,10 @@ def leave_after_ranks(exit_file: Path) -> None:
         elif had_ranks and gone_since is None:
             gone_since = time.monotonic()
         if gone_since is not None and time.monotonic() - gone_since > LINGER_S:
-            try:
-                code = int(exit_file.read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                code = None  # no verdict: torchrun decides, however long it takes
+            code = ranks_code(exit_file)  # None: no code, torchrun decides, however long it takes
             if code is not None:
-                print(f"dsslm: the ranks left on a hang verdict (exit {code}); not waiting for torchrun's "
-                      f"rendezvous shutdown", file=sys.stderr, flush=True)
+                print(f"dsslm: the ranks left with exit {code}; not waiting for torchrun's rendezvous shutdown",
+                      file=sys.stderr, flush=True)
                 exit_file.unlink(missing_ok=True)
                 os._exit(code)
         time.sleep(1.0)

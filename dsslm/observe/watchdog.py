@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from dsslm.config import WatchdogCfg
 from dsslm.durable import write_json_atomic
-from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, STATUS_FILE_ENV
+from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, STATUS_FILE_ENV, tell_agent, write_line
 from dsslm.observe import hangs, reaper
 from dsslm.observe.sinks import EventLog
 
@@ -451,25 +451,9 @@ class Watchdog:
             self.reaper.wait()
 
 
-def tell_agent(code: int) -> None:
-    """The code this rank leaves with, for `python -m dsslm.engine.agent` (its DSSLM_AGENT_EXIT_FILE):
-    it exits with it even where torchrun's shutdown would wait on an unreachable rendezvous."""
-    _write_line("DSSLM_AGENT_EXIT_FILE", str(code))
-
-
 def note_status(line: str) -> None:
     """`hang 75` or `hang 6` for the launcher ($DSSLM_STATUS_FILE): srun's code is one for all nodes."""
-    _write_line(STATUS_FILE_ENV, line)
-
-
-def _write_line(env: str, line: str) -> None:
-    path = os.environ.get(env)
-    if path:
-        try:
-            with open(path, "w") as f:
-                f.write(line + "\n")
-        except OSError:
-            pass
+    write_line(STATUS_FILE_ENV, line)
 
 
 def describe(record: dict, folder: Path) -> str:

@@ -47,6 +47,34 @@ def test_the_agent_exits_with_the_ranks_own_code(monkeypatch, tmp_path, handlers
     assert callable(seen["sigterm"]) and seen["sigterm"] not in (signal.SIG_DFL, signal.SIG_IGN)
 
 
+def test_a_rendezvous_failure_after_the_ranks_left_exits_with_their_code(monkeypatch, handlers):
+    """On the node that did not host the rendezvous store, torchrun raised RendezvousConnectionError
+    (exit 1) when the other node's agent left first: the ranks had left with 2 and said so."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def torchrun():
+        Path(os.environ[agent.EXIT_FILE_ENV]).write_text("2\n")  # what train.py's rank writes on exit 2
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr("torch.distributed.run.main", torchrun)
+    monkeypatch.setattr(agent, "leave_after_ranks", lambda exit_file: None)
+    monkeypatch.setattr(sys, "argv", ["agent", "rank.py"])
+    monkeypatch.delenv(agent.EXIT_FILE_ENV, raising=False)
+    assert agent.main() == 2
+    monkeypatch.setattr("torch.distributed.run.main", lambda: (_ for _ in ()).throw(
+        RendezvousConnectionError("no rank said anything")))
+    with pytest.raises(RendezvousConnectionError):  # no code from the ranks: torchrun's failure stands
+        agent.main()
+
+
+def test_a_rank_that_exits_non_zero_tells_the_agent_its_code(tmp_path):
+    exit_file = tmp_path / "exit"
+    env = {**os.environ, agent.EXIT_FILE_ENV: str(exit_file), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "dsslm.train", f"run.dir={tmp_path / 'run'}",
+                           f"data.dir={tmp_path / 'no-data'}"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and exit_file.read_text().split() == ["2"], done.stderr[-2000:]
+
+
 def test_children_are_the_running_ones_only():
     """A rank that exited but is not reaped yet (a zombie) no longer counts as running."""
     child = subprocess.Popen(["sleep", "30"])

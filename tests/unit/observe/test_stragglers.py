@@ -160,8 +160,8 @@ for _ in range(5):
 
 
 def test_the_stall_sampler_adds_up_the_time_this_process_was_stopped_but_not_in_a_save():
-    """Another process stops this one 5 times for 0.1 s: the sampler counts about 0.5 s (each stop
-    less up to a tick it slept through); a quiet second, and the same stops in a save, count nothing."""
+    """Another process stops this one 5 times for 0.1 s: the sampler counts 0.25-0.5 s (each stop
+    less up to the tick it slept through); a quiet second, and the same stops in a save, count nothing."""
     progress = Progress()
     stalls = Stalls(progress)
     try:
@@ -177,5 +177,5 @@ def test_the_stall_sampler_adds_up_the_time_this_process_was_stopped_but_not_in_
     finally:
         stalls.close()
     assert quiet < 0.05, quiet  # noise on a loaded machine, never a stop's worth
-    assert 0.35 <= stopped <= 0.8, stopped
+    assert 0.2 <= stopped <= 0.8, stopped
     assert in_a_save == 0.0, in_a_save

@@ -268,7 +268,10 @@ class Watchdog:
     def _me(self, now: float) -> Seen:
         step, phase, since = self.progress.now
         first = self.progress.first_step is None or step == self.progress.first_step
-        return Seen(self.rank, self.host, self.pid, step, phase, round(now - max(since, self.rebased), 3),
+        # Not below 0: `now` is read before the report, and the training thread may report between
+        # the two reads; a negative age would fail the others' check of this beat (hangs.SEEN_SPEC),
+        # and they would see this rank as one that never beat ("?").
+        return Seen(self.rank, self.host, self.pid, step, phase, max(0.0, round(now - max(since, self.rebased), 3)),
                     self.limits.of(phase, first))
 
     def _seen(self, now: float, at: float, beats: list[Any]) -> list[Seen]:

@@ -4,6 +4,7 @@ one watchdog thread that calls a hang on a stuck single process. The drills with
 are tests/scenarios/test_hangs.py and test_two_nodes.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -171,6 +172,23 @@ def test_the_first_collective_bound_is_set_at_the_first_report_after_the_first_s
         assert timeouts == [(3 + 1, threading.current_thread())] and dog.bound == 4  # nothing timed: the ceiling's
         progress.report(3, DATA)
         assert len(timeouts) == 1                # once; the watchdog's beats move it from here
+    finally:
+        dog.closed = True
+        dog._stop.set()
+
+
+def test_a_beat_taken_as_the_training_thread_reports_is_still_a_valid_beat(tmp_path):
+    """The board thread reads the clock, then the report: a report in between is newer than `now`.
+    Its age was negative, the peers' check refused the beat, and a link-down record named this
+    rank "?" (tests/scenarios/test_two_nodes.py, once in a full suite)."""
+    progress = Progress()
+    dog = Watchdog(WatchdogCfg(beat_s=600), tmp_path, 0, "tok", Links(), progress)
+    try:
+        now = time.monotonic()
+        time.sleep(0.005)         # the board thread loses the interpreter's lock for a switch interval
+        progress.report(7, DATA)  # after `now` was read
+        beat = dataclasses.asdict(dog._me(now))
+        assert beat["age_s"] == 0.0 and hangs.seen_ok(beat), beat
     finally:
         dog.closed = True
         dog._stop.set()

@@ -30,7 +30,11 @@ time alone blames the waiting rank as much as the slow one. What is a rank's own
 A rank is a straggler in a phase where its own time, smoothed over reports (half the new window,
 half the past), is `factor` times the other ranks' median and at least `min_share` of a step more,
 and the newest window alone says so too (one noisy window names nobody; a rank that caught up is
-cleared at the next report).
+cleared at the next report), by WINDOW_NOISE_S in all: on a machine with more runnable threads
+than cores the OS takes a rank off its core for a slice in whatever phase it is in, and in a short
+window one slice in a phase of a fraction of a millisecond is many times the others' time and
+several percent of a step (a clean 2-rank run on 2 busy cores, 5-step windows: rank 0 named in
+`data`, 15.6 ms over the window, and in `optimizer`, 6.5 ms).
 The verdict (rank, host, phase, factor) is in every report's metrics record; the console says when
 a rank is first named, and when it no longer is; named `persist` reports in a row it becomes a
 `straggler` event (the alert command runs) and an entry in run.dir/nodes.json, which a requeue
@@ -67,6 +71,10 @@ SMOOTHING = 0.5  # the newest window's weight in the smoothed times
 # a virtual machine (time.sleep; Event.wait twice that): 20 a second are 0.17% of one core.
 STALL_TICK_S, STALL_NOISE_S = 0.05, 0.03
 UNCOUNTED = (CHECKPOINT, EVALUATION)  # phases whose stalls are not counted (module docstring)
+# A verdict's least excess over a whole window: a few of a loaded machine's scheduling slices
+# (its scheduler runs every runnable thread within 24 ms), which a rank's phase can lose to
+# preemption alone. A straggler at the default 50-step window needs 1 ms a step more.
+WINDOW_NOISE_S = 0.05
 
 
 class Stalls:
@@ -108,9 +116,10 @@ def own_times(windows: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 def verdicts(times: list[dict[str, float]], blamed: tuple[str, ...], factor: float,
-             min_share: float) -> list[dict]:
+             min_share: float, floor_s: float = 0.0) -> list[dict]:
     """The stragglers in `times` (each rank's smoothed own seconds a step): per rank at most one,
-    its phase with the largest excess over the other ranks' median. Pure."""
+    its phase with the largest excess over the other ranks' median, and that excess at least
+    `floor_s` a step. Pure."""
     if len(times) < 2:
         return []
     step_s = statistics.median(sum(t.values()) for t in times)
@@ -121,7 +130,7 @@ def verdicts(times: list[dict[str, float]], blamed: tuple[str, ...], factor: flo
             others = statistics.median(t[phase] for q, t in enumerate(times) if q != rank)
             excess = mine[phase] - others
             ratio = mine[phase] / others if others > 0 else float("inf")
-            if ratio >= factor and excess >= min_share * step_s and (best is None or excess > best["excess_s"]):
+            if ratio >= factor and excess >= max(min_share * step_s, floor_s) and (best is None or excess > best["excess_s"]):
                 best = {"rank": rank, "phase": phase, "factor": round(min(ratio, 1e6), 2),
                         "excess_s": round(excess, 6), "own_s": round(mine[phase], 6),
                         "median_s": round(others, 6)}
@@ -207,7 +216,8 @@ class Stragglers:
             return
         self.progress.report(step, COLLECTIVE)  # the exchange waits for the others: not the optimizer's time
         now = self.totals()
-        window = [(now[key] - self.base[key]) / self.steps for key in KEYS]
+        steps = self.steps
+        window = [(now[key] - self.base[key]) / steps for key in KEYS]
         self.base, self.steps = now, 0
         if self.names is None:  # once: every rank's host and Slurm node name
             self.names = self.engine.all_gather(self.me)
@@ -216,11 +226,15 @@ class Stragglers:
         table[self.engine.rank] = torch.tensor(window, dtype=torch.float64)
         rows = self.engine.all_reduce_sum(table).cpu().tolist()
         if self.engine.is_main:
-            self.judge(step, [(host, node, dict(zip(KEYS, row))) for (host, node), row in zip(self.names, rows)])
+            self.judge(step, [(host, node, dict(zip(KEYS, row))) for (host, node), row in zip(self.names, rows)],
+                       steps)
 
     # --- rank 0 ---------------------------------------------------------------------------
 
-    def judge(self, step: int, everyone: list[tuple[str, str | None, dict]]) -> list[dict]:
+    def judge(self, step: int, everyone: list[tuple[str, str | None, dict]], steps: int | None = None) -> list[dict]:
+        """`everyone`: each rank's (host, Slurm node, seconds a step per KEYS) over the newest
+        window of `steps` steps (default: `every`)."""
+        floor_s = WINDOW_NOISE_S / (steps or self.cfg.every)
         hosts = [host for host, _, _ in everyone]
         own = own_times([window for _, _, window in everyone])
         if self.smoothed is None or len(self.smoothed) != len(own):
@@ -228,9 +242,10 @@ class Stragglers:
         else:
             self.smoothed = [{p: SMOOTHING * new[p] + (1 - SMOOTHING) * old[p] for p in REPORTED}
                              for new, old in zip(own, self.smoothed)]
-        # Named where the smoothed times say so and the newest window agrees: one noisy window names
-        # nobody, and a rank that caught up is cleared at once.
-        now = {(v["rank"], v["phase"]) for v in verdicts(own, self.blamed, self.cfg.factor, self.cfg.min_share)}
+        # Named where the smoothed times say so and the newest window agrees, by more than a few
+        # slices of preemption: one noisy window names nobody, and a rank that caught up is cleared at once.
+        now = {(v["rank"], v["phase"])
+               for v in verdicts(own, self.blamed, self.cfg.factor, self.cfg.min_share, floor_s)}
         found = [v for v in verdicts(self.smoothed, self.blamed, self.cfg.factor, self.cfg.min_share)
                  if (v["rank"], v["phase"]) in now]
         named = {}

@@ -378,21 +378,3 @@ def test_usr1_saves_at_the_step_reached_and_requeues(slurm_cluster, reference_ru
     log = job_log(tmp_path, job_id)
     assert "SIGUSR1: forwarding" in log and "(dsslm: preempted)" in log and "requeueing job" in log, log
     assert last_loss_per_step(run_dir) == last_loss_per_step(reference_run)
-
-
-def test_a_hang_at_the_same_step_every_start_stops_after_three_starts_unrequeued(slurm_cluster, tmp_path):
-    """The hang drill stops rank 1 in step 12 at every start: exit 75 and a requeue twice, then the
-    third hang in a row at the same step and phase is a crash loop: exit 6, not requeued."""
-    run_dir = tmp_path / "run"
-    drill = ["faults.hang_step=12", "faults.hang_rank=1", "observe.watchdog.floor_s=2", "observe.watchdog.beat_s=0.25"]
-    job_id = submit(slurm_cluster, tmp_path, [f"run.dir={run_dir}", *RUN_ARGS, *drill], {})
-    try:
-        info = slurm_cluster.wait_state(job_id, FINISHED_STATES, JOB_TIMEOUT_S)
-    except TimeoutError as err:
-        raise AssertionError(f"{err}\n{job_log(tmp_path, job_id)}") from None
-    log = job_log(tmp_path, job_id)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "6:0", "2"), log
-    hangs = [e for e in events(run_dir) if e["event"] == "hang"]
-    assert [(e["step"], e["in_a_row"], e["exit_code"]) for e in hangs] == [(12, 1, 75), (12, 2, 75), (12, 3, 6)], log
-    assert log.count("diagnosed a hang or a dead node") == 2 and "exit 6 needs a person" in log, log
-    assert "a crash loop, not requeued (exit 6)" in log, log

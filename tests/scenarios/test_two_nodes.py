@@ -213,6 +213,8 @@ def test_slurm_across_two_nodes_requeues_a_hang_and_stops_a_crash_loop(slurm_on_
     starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start"]
     assert {e["world_size"] for e in starts} == {2} and "nodeb" in log and "nodea" in log, log
     assert records(run_dir)[-1]["first"][0]["rank"] == 1, records(run_dir)[-1]
+    assert log.count("diagnosed a hang or a dead node") == 2 and "exit 6 needs a person" in log, log
+    assert "a crash loop, not requeued (exit 6)" in log, log
 
 
 @pytest.mark.slurm

@@ -128,6 +128,23 @@ def start_train(run_dir: Path, *overrides: str, env: dict | None = None) -> subp
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+# A process that stops process argv[1] (SIGSTOP) for 0.1 s of every 0.2 s, argv[2] times, or with
+# 0 until that process exits (this one is then handed to another parent): the stall drills.
+STOPPER = """
+import os, signal, sys, time
+pid, stops = int(sys.argv[1]), int(sys.argv[2])
+done = 0
+while os.getppid() == pid and (stops == 0 or done < stops):
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(0.1)
+    done += 1
+"""
+
+
 def hook_env(folder: Path, code: str) -> dict:
     """Environment for a subprocess whose interpreter runs `code` first, from a sitecustomize.py on
     PYTHONPATH: how a test patches a real `python -m dsslm.train` (or each torchrun rank of one)."""

@@ -295,13 +295,13 @@ class Console:
         """A validation record's line, or a downstream evaluation's (eval.tasks: `eval_acc`...)."""
         if self.enabled and isinstance(record.get("eval_acc"), dict):
             self.evaluation = record
-            self._line(logging.INFO, f"step {record['step']}: evaluation: {_evaluation(record)}")
+            self.line(logging.INFO, f"step {record['step']}: evaluation: {_evaluation(record)}")
         if not self.enabled or not record.get("val_loss"):
             return
         self.val = dict(record["val_loss"])
         for domain, loss in self.val.items():
             self.best_val[domain] = min(loss, self.best_val.get(domain, math.inf))
-        self._line(logging.INFO, f"step {record['step']}: validation loss "
+        self.line(logging.INFO, f"step {record['step']}: validation loss "
                    + ", ".join(f"{d} {v:.4f}" for d, v in sorted(self.val.items())))
 
     # --- events -------------------------------------------------------------------------------
@@ -326,13 +326,13 @@ class Console:
             level, line = LINES[event]
             text = line(fields)
             if text:
-                self._line(level, text)
+                self.line(level, text)
         else:
-            self._line(logging.DEBUG, f"{event}: {fields}")
+            self.line(logging.DEBUG, f"{event}: {fields}")
 
     def _preempt_save(self, f: dict) -> None:
         where = self.run_dir / "checkpoints" / f"step-{int(f.get('step', 0)):08d}"
-        self._line(logging.WARNING, f"stopped by {f.get('signal', 'a stop signal')} after step {f.get('step')}: "
+        self.line(logging.WARNING, f"stopped by {f.get('signal', 'a stop signal')} after step {f.get('step')}: "
                    f"saved {where}; run the same command again to resume from step {f.get('step')}")
 
     def _summary(self, f: dict) -> None:
@@ -349,11 +349,11 @@ class Console:
                  if self.evaluation else "")
         took = (f"in all; this job trained steps {self.first_step}-{f.get('step')} in {_duration(seconds)}" if resumed
                 else f"in {_duration(seconds)}")
-        self._line(logging.INFO, f"finished: step {f.get('step')} of {self.total_steps}, {f.get('tokens', 0):,} tokens "
+        self.line(logging.INFO, f"finished: step {f.get('step')} of {self.total_steps}, {f.get('tokens', 0):,} tokens "
                    f"{took}{loss}; validation loss: {val or 'not measured'}; {evals}{spikes}; "
                    f"checkpoints in {self.run_dir / 'checkpoints'}" + (f" (newest {self.saved})" if self.saved else ""))
 
-    def _line(self, level: int, text: str) -> None:
+    def line(self, level: int, text: str) -> None:
         if self.bar_shown:  # the bar's line ends before the event's line starts
             sys.stderr.write("\n")
             self.bar_shown = False

@@ -317,7 +317,7 @@ class Sinks:
     def say(self, text: str, level: int = logging.WARNING) -> None:
         """One console line that is no event's (rank 0; a no-op elsewhere)."""
         if self.console.enabled:
-            self.console._line(level, text)
+            self.console.line(level, text)
 
     def emit(self, event: str, **fields: Any) -> dict:
         record = self.events.emit(event, **fields)

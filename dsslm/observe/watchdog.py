@@ -311,7 +311,7 @@ class Watchdog:
         first = self.progress.first_step
         if first is not None and step > first and self.bound is not None:  # the first is the training thread's
             bound = self.limits.bound()
-            if self.bound is None or abs(bound - self.bound) > 0.01 * self.bound:
+            if abs(bound - self.bound) > 0.01 * self.bound:
                 self.bound = bound
                 self.progress.pending = lambda: self.links.set_timeout(bound)  # set by the training thread
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import events, hook_env, read_jsonl, run_train
+from helpers import STOPPER, events, hook_env, read_jsonl, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -51,20 +51,9 @@ STOPPED = """
     import os, subprocess, sys
     if os.environ.get("RANK") == "1":
         # Not RANK: this hook runs in the stopper's interpreter too, which must not start another.
-        subprocess.Popen([sys.executable, "-c", STOPPER, str(os.getpid())], stdin=subprocess.DEVNULL,
+        subprocess.Popen([sys.executable, "-c", STOPPER, str(os.getpid()), "0"], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env={k: v for k, v in os.environ.items() if k != "RANK"})
-"""
-STOPPER = """
-import os, signal, sys, time
-pid = int(sys.argv[1])
-while os.getppid() == pid:  # until the rank exits (and this process is handed to another parent)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(0.1)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    time.sleep(0.1)
 """
 
 

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from helpers import STOPPER
+
 from dsslm.config import FaultsCfg, StragglersCfg
 from dsslm.observe.nodes import read_nodes
 from dsslm.observe.stragglers import (BLAMED as ALL_BLAMED, DATA, KEYS, LOOP, OPTIMIZER, STALLED, WAIT, Stalls,
@@ -157,19 +159,6 @@ def test_a_rank_the_os_stopped_is_named_in_stalled_wherever_the_stops_fell():
     assert "in stalled (its process stopped or starved of a CPU)" in describe(found[0])
 
 
-STOPPER = """
-import os, signal, sys, time
-pid = int(sys.argv[1])
-for _ in range(5):
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(0.1)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    time.sleep(0.1)
-"""
-
-
 def test_the_stall_sampler_adds_up_the_time_this_process_was_stopped_but_not_in_a_save():
     """Another process stops this one 5 times for 0.1 s: the sampler counts 0.25-0.5 s (each stop
     less up to the tick it slept through); a quiet second, and the same stops in a save, count nothing."""
@@ -178,11 +167,11 @@ def test_the_stall_sampler_adds_up_the_time_this_process_was_stopped_but_not_in_
     try:
         time.sleep(0.5)
         quiet = stalls.total
-        subprocess.run([sys.executable, "-c", STOPPER, str(os.getpid())], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", STOPPER, str(os.getpid()), "5"], check=True, timeout=60)
         time.sleep(0.1)
         stopped = stalls.total - quiet
         progress.report(3, CHECKPOINT)
-        subprocess.run([sys.executable, "-c", STOPPER, str(os.getpid())], check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", STOPPER, str(os.getpid()), "5"], check=True, timeout=60)
         time.sleep(0.1)
         in_a_save = stalls.total - quiet - stopped
     finally:

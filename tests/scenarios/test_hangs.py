@@ -67,11 +67,15 @@ def test_a_rank_stopped_in_a_step_is_named_and_the_job_resumes_to_the_bit(tmp_pa
     hang_events = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "hang"]
     assert [(e["step"], e["exit_code"]) for e in hang_events] == [(12, EXIT_REQUEUE)]
     assert not (run_dir / "LOCK").exists()  # rank 0 left it: a requeue on any node takes run.dir at once
+    # The newest checkpoint the job finished: step 10's, unless rank 1 was stopped before its async
+    # writer had finished its shard of it (seen once under load: step 10 stayed a temp folder).
+    newest = max(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.name[5:].isdigit())
+    assert newest in ("step-00000005", "step-00000010"), newest
 
     job = launch([HOST], run_dir, *RUN, *QUICK, nproc=2)  # the requeue
     assert job.wait() == {HOST.name: 0}, job.output()
     resumes = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
-    assert len(resumes) == 1 and "step-00000010" in json.dumps(resumes[0])
+    assert len(resumes) == 1 and newest in json.dumps(resumes[0]), (newest, resumes)
     assert losses_by_step(run_dir) == reference
 
 

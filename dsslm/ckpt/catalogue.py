@@ -8,7 +8,8 @@ The rules it keeps:
   each) and never deleted. dsslm deletes only what it renamed `.deleting-*` itself: a delete
   renames first, so a `step-XXXXXXXX` without MANIFEST is never its own half delete (a lost
   MANIFEST, a foreign folder, an older dsslm's delete); the next start sets it aside as
-  `.invalid-*` for a person.
+  `.invalid-*` for a person. Of the temp names, a start deletes only those its saves make
+  (`.tmp-step-XXXXXXXX-<pid>-<hex>`, OWN_TMP_RE) and sets any other `.tmp-*` aside the same way.
 - What is loaded is hashed in full first; retention bookkeeping (which folders count, which
   to delete, what the loop pins) is not: it checks each MANIFEST, the file list and every
   file's size, and remembers every full-hash failure. So the first save after a restart costs
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -47,6 +49,14 @@ def _rename(src: Path, dst: Path) -> None:
     """Every rename of a checkpoint folder goes through here, so a test can crash between two."""
     os.rename(src, dst)
 
+
+# The temp folders of dsslm's own saves, the only `.tmp-*` names a start may delete: store.py's
+# `_write` (4 random bytes) and `make_tmp` (8). Another tool's `.tmp-*` in checkpoints/ may be its
+# work in progress or a person's copy; it is set aside instead (FOREIGN_TMP).
+OWN_TMP_RE = re.compile(r"\.tmp-step-[0-9]{8}-[0-9]+-(?:[0-9a-f]{8}|[0-9a-f]{16})")
+FOREIGN_TMP = ("a temp name that no dsslm save makes (not .tmp-step-XXXXXXXX-<pid>-<hex>), so not dsslm's to "
+               "delete; set aside as {aside}, which nothing reads or deletes: look at it, then remove it by hand "
+               "(docs/checkpoints.md)")
 
 # Said once per folder set aside: what it may be, that nothing reads it, and who removes it.
 NO_MANIFEST = ("no MANIFEST (it was lost, or the folder is not dsslm's, or a dsslm older than this one was "
@@ -103,12 +113,15 @@ class Catalogue:
 
     def remove_leftovers(self) -> list[str]:
         """At start, by the run.dir lock's holder (so no save or delete of another process is in
-        progress): delete `checkpoints/.tmp-*`, saves that a kill cut short, and return their names;
+        progress): delete dsslm's own `checkpoints/.tmp-step-*` temp folders, saves that a kill cut
+        short, and return their names; set aside any other `.tmp-*` (`set_aside_foreign_tmp`);
         finish the deletes and replaces a kill cut short; set aside folders without MANIFEST."""
         removed = []
         if not self.ckpt_dir.is_dir():
             return removed
         for path in sorted(self.ckpt_dir.glob(".tmp-*")):
+            if not OWN_TMP_RE.fullmatch(path.name):
+                continue
             if path.is_symlink() or not path.is_dir():
                 path.unlink()  # a link is removed, never followed
             else:
@@ -116,10 +129,32 @@ class Catalogue:
             removed.append(path.name)
         if removed:
             fsync_dir(self.ckpt_dir)
+        self.set_aside_foreign_tmp()
         self.finish_deletes()  # their own events: checkpoint folders, not temp ones
         self.set_aside_unfinished()
         self.settle_replaces()
         return removed
+
+    def set_aside_foreign_tmp(self) -> list[str]:
+        """Rename each `.tmp-*` entry whose name no dsslm save makes (a folder, file or link, never
+        followed) to `<name>.invalid-<time>` (one `passed_over` event each), as a folder without
+        MANIFEST is set aside; one set aside before is left as it is. For the run.dir lock's holder.
+        Returns the new names."""
+        moved = []
+        with self._lock:
+            for name in sorted(os.listdir(self.ckpt_dir)) if self.ckpt_dir.is_dir() else ():
+                if not name.startswith(".tmp-") or OWN_TMP_RE.fullmatch(name) or INVALID in name:
+                    continue
+                path = self.ckpt_dir / name
+                base = os.fsdecode(os.fsencode(name)[:200])  # the suffix must not push it past NAME_MAX
+                aside = path.with_name(f"{base}{INVALID}{aside_stamp()}")
+                _rename(path, aside)
+                moved.append(aside.name)
+                self._emit("passed_over", checkpoint=name, reason=FOREIGN_TMP.format(aside=aside.name),
+                           set_aside=aside.name)
+            if moved:
+                fsync_dir(self.ckpt_dir)
+        return moved
 
     def settle_replaces(self) -> None:
         """Finish the replaces a kill cut short (`_settle_aside`). For the run.dir lock's holder."""

@@ -88,7 +88,7 @@ def test_corrupt_newest_checkpoint_falls_back_manifestless_set_aside_and_tmp_rem
     (ckpts / "step-00000025" / "state.json").write_text("{}")
     (ckpts / "step-00000026").mkdir()  # no MANIFEST, and a person's file
     (ckpts / "step-00000026" / "notes.txt").write_text("a person's notes")
-    (ckpts / ".tmp-step-00000028-1-x").mkdir()
+    (ckpts / ".tmp-step-00000028-1-0a1b2c3d").mkdir()
     metrics_before = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert train(inprocess(run_dir)) == 0
     assert events(run_dir, "resume")[-1]["step"] == 10
@@ -100,8 +100,8 @@ def test_corrupt_newest_checkpoint_falls_back_manifestless_set_aside_and_tmp_rem
     assert (aside25 / "state.json").read_text() == "{}" and (aside26 / "notes.txt").read_text() == "a person's notes"
     assert not events(run_dir, "deletes_finished")
     # ...but a save's temp folder is, by the trainer holding run.dir's lock: no save of it is running.
-    assert not (ckpts / ".tmp-step-00000028-1-x").exists()
-    assert events(run_dir, "leftovers_removed")[-1]["folders"] == [".tmp-step-00000028-1-x"]
+    assert not (ckpts / ".tmp-step-00000028-1-0a1b2c3d").exists()
+    assert events(run_dir, "leftovers_removed")[-1]["folders"] == [".tmp-step-00000028-1-0a1b2c3d"]
     redone = read_jsonl(run_dir / "metrics.jsonl")[metrics_before:]
     ref = losses_by_step(reference)
     assert [r["step"] for r in redone if "loss" in r] == list(range(11, 31))

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from dsslm.ckpt import format as ckpt_format
 from dsslm.ckpt.accept import upgrade_state
 from dsslm.fields import Fields, Float, Int, ListOf, StateError, Window, validate
+from dsslm.recovery.faults import DrillAbort
 from dsslm.train import main, train
 from helpers import TINY, copy_run_back_to, events, losses_by_step, read_jsonl, remanifest, run_train, tiny_cfg
 
@@ -345,6 +346,47 @@ def test_a_run_dir_whose_every_checkpoint_is_invalid_is_refused_not_restarted(re
     assert started_over["recorded_step"] == 12 and aside.name in started_over["not_resumable"]
     assert events(run_dir, "start")[-1]["step"] == 0 and tree(aside) == lost
     assert len(list(ckpts.glob("step-00000008.invalid-*"))) == 1  # its re-save put the damaged one aside
+
+
+@pytest.mark.parametrize("gone", ["removed", "emptied"])
+def test_a_run_dir_whose_checkpoints_are_gone_is_refused_not_restarted(reference, tmp_path, capsys, gone):
+    """A scratch purge or a deleted checkpoints/ leaves nothing to pass over or set aside, and the
+    start trained from step 0 there, appending a second history to the first's logs."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints")
+    if gone == "emptied":
+        (run_dir / "checkpoints").mkdir()
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    args = [f"run.dir={run_dir}", *TINY, *STEPS]
+    capsys.readouterr()
+    assert main(args) == 5
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dsslm: ") and f"trained to step 12 ({run_dir / 'metrics.jsonl'} says so)" in last
+    assert f"{run_dir / 'checkpoints'} holds no checkpoint that can be resumed" in last
+    assert ("it is missing" if gone == "removed" else "no step-XXXXXXXX folder in it") in last
+    assert "another run.dir" in last and "run.restart_from_scratch=true" in last
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics and not list(run_dir.glob("checkpoints/*"))
+    assert events(run_dir, "start") == events(reference, "start")  # no run began
+    assert main(args) == 5  # again: nothing the refusal wrote changes what the next start reads
+    assert main([*args, "run.restart_from_scratch=true"]) == 0
+    (started_over,) = events(run_dir, "restart_from_scratch")
+    assert started_over["recorded_step"] == 12 and started_over["not_resumable"] == []
+    assert events(run_dir, "start")[-1]["step"] == 0
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == [*range(1, 13), *range(1, 13)]  # the second history, asked for
+
+
+def test_a_run_killed_before_step_1_starts_again_at_step_0(tmp_path):
+    """Its logs show only a start at step 0, and no checkpoint was saved: nothing to lose."""
+    run_dir = tmp_path / "run"
+    steps = ("train.total_steps=4", "optim.warmup_steps=1", "ckpt.every=4", "monitor.enabled=false")
+    with pytest.raises(DrillAbort):
+        train(tiny_cfg(run_dir, *steps, "faults.crash_at_step=0", "faults.crash_mode=raise"))
+    assert [e["step"] for e in events(run_dir, "start")] == [0] and not list(run_dir.glob("checkpoints/step-*"))
+    assert train(tiny_cfg(run_dir, *steps)) == 0
+    assert [e["step"] for e in events(run_dir, "start")] == [0, 0] and not events(run_dir, "restart_from_scratch")
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_a_fresh_run_dir_holding_a_foreign_step_folder_trains_and_keeps_it(tmp_path):

@@ -542,6 +542,42 @@ def start(run: Path, **kwargs) -> tuple[CheckpointStore, list]:
     return store, events
 
 
+def test_a_start_removes_only_its_own_temp_folders_and_sets_any_other_aside(tmp_path):
+    """Every `checkpoints/.tmp-*` was deleted at start, whoever made it: another tool's work in
+    progress or a person's copy went with the saves a kill cut short."""
+    ckpts = tmp_path / "checkpoints"
+    sharded = ckpts / CheckpointStore(tmp_path).make_tmp(5)  # make_tmp's name, as a sharded save makes it
+    (sharded / "model.safetensors").write_bytes(b"half written")
+    gathered = ckpts / ".tmp-step-00000007-4242-0a1b2c3d"  # _write's: 4 random bytes
+    gathered.mkdir()
+    (gathered / "model.safetensors").write_bytes(b"half written")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not under checkpoints/")
+    (ckpts / ".tmp-step-00000009-1-00c0ffee").symlink_to(elsewhere)  # ours by name: unlinked, never followed
+    foreign = ckpts / ".tmp-notours"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("a person's notes")
+    (ckpts / ".tmp-step-00000007-4242-x").write_text("no dsslm save makes this name")
+    (ckpts / ".tmp-link").symlink_to(elsewhere)
+    events, on_event = recorder()
+    removed = CheckpointStore(tmp_path, on_event=on_event).remove_leftovers()
+    assert removed == sorted([sharded.name, gathered.name, ".tmp-step-00000009-1-00c0ffee"])
+    assert (elsewhere / "keep").read_text() == "not under checkpoints/"
+    (aside,) = ckpts.glob(".tmp-notours.invalid-*")
+    assert tree_bytes(aside) == {"notes.txt": b"a person's notes"}
+    (near,) = ckpts.glob(".tmp-step-00000007-4242-x.invalid-*")
+    (link,) = ckpts.glob(".tmp-link.invalid-*")
+    assert near.read_text() == "no dsslm save makes this name" and link.is_symlink()
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([aside.name, near.name, link.name])
+    said = {f["checkpoint"]: f for e, f in events if e == "passed_over"}
+    assert said.keys() == {".tmp-notours", ".tmp-step-00000007-4242-x", ".tmp-link"}
+    assert said[".tmp-notours"]["set_aside"] == aside.name and aside.name in said[".tmp-notours"]["reason"]
+    events.clear()
+    assert CheckpointStore(tmp_path, on_event=on_event).remove_leftovers() == [] and events == []
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([aside.name, near.name, link.name])  # not again
+
+
 def test_a_checkpoint_whose_manifest_is_lost_is_set_aside_and_kept(tmp_path):
     """Its tensors are intact: a person can recompute the hashes and use it. It was deleted at the
     next start as if a kill had cut a retention delete short."""

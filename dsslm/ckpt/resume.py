@@ -122,26 +122,30 @@ class Checkpointer(Acceptance):
             return "sharded" if self.engine.world_size > 1 else "gathered"
         return fmt
 
-    def save(self, sync: bool = False, async_save: bool = True) -> None:
+    def save(self, sync: bool = False, async_save: bool = True, waiting: Callable[[], None] = lambda: None) -> None:
         """Snapshot on every rank; gathered: sharded engines gather, RNG is gathered, rank 0
-        writes; sharded: every rank writes its own shard and random streams, rank 0 the rest."""
+        writes; sharded: every rank writes its own shard and random streams, rank 0 the rest.
+        `waiting`: called once the snapshot is taken, before a synchronous save waits for its
+        write (the watchdog judges that wait by the writer's times, not the snapshot's)."""
         # The previous save's failure reaches every rank here. Its writer can fail after the last
         # step-boundary check (a write longer than ckpt.every steps; ckpt.every=1), and the next
         # save then raised it on rank 0 alone, inside save_async's own wait: the other ranks went
         # on into the next step's collectives and waited there for the collective timeout.
         self.engine.decide(self.store.wait)
         if self.format == "sharded":
-            self._save_sharded(sync or not async_save)
+            self._save_sharded(sync or not async_save, waiting)
             return
         model_sd, optim = self.engine.full_state()
         parts = {name: part.state_dict() for name, part in self.parts.items()}  # collectives inside
         if not self.engine.is_main:
             if sync or not async_save:
+                waiting()
                 self.engine.decide(self.store.wait)
             return
         tensors = {"model": model_sd, "optim": optim.to_tensors()}
         self.store.save_async(self.train.step, tensors, self._state(parts))
         if sync or not async_save:
+            waiting()
             self.engine.decide(self.store.wait)  # a failed write reaches every rank, not rank 0 alone
 
     def _state(self, parts: dict) -> dict:
@@ -149,7 +153,7 @@ class Checkpointer(Acceptance):
                 **parts, "world_size": self.engine.world_size, "engine": self.engine.name,
                 "fingerprint": self.fingerprint, "config": self.config}
 
-    def _save_sharded(self, sync: bool) -> None:
+    def _save_sharded(self, sync: bool, waiting: Callable[[], None]) -> None:
         engine = self.engine
         shards = engine.local_state()
         own = {name: part.local_state_dict() for name, part in self.parts.items() if hasattr(part, "local_state_dict")}
@@ -161,6 +165,7 @@ class Checkpointer(Acceptance):
         self.store.save_shard_async(self.train.step, tmp, engine.rank, engine.world_size, shards, own,
                                     engine.exchange(tmp), state)
         if sync:
+            waiting()
             if not engine.is_main:
                 self.store.wait()  # this rank's files; its failures are rank 0's to raise
             engine.decide(self.store.wait)  # rank 0 waits for every rank: published, or failed everywhere
@@ -221,21 +226,29 @@ class Checkpointer(Acceptance):
 
     def _nothing_lost(self) -> None:
         """Rank 0, when no checkpoint can be resumed: NothingToResume where run.dir's logs show a run
-        past step 0 and a checkpoint was passed over or set aside, unless run.restart_from_scratch
-        (then said in an event). A start at step 0 would append a second history to the first's logs."""
-        damaged = self.store.not_resumable()
-        recorded = recorded_step(self.store.run_dir) if damaged else None
+        past step 0, unless run.restart_from_scratch (then said in an event). A start at step 0 would
+        append a second history to the first's logs, whether the checkpoints were damaged, purged with
+        the scratch space, deleted, or never published (a job killed before its first save)."""
+        recorded = recorded_step(self.store.run_dir)
         if recorded is None:
             return
         step, source = recorded
+        damaged = self.store.not_resumable()
         if self.cfg.run.restart_from_scratch:
             self.emit("restart_from_scratch", step=0, recorded_step=step, not_resumable=damaged)
             return
-        names = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
-        raise NothingToResume(f"{self.store.run_dir} was trained to step {step} ({source}) but no checkpoint in "
-                              f"{self.store.ckpt_dir} can be resumed: {names} (kept; the passed_over events in "
-                              f"events.jsonl say why); to start over on purpose, use another run.dir, or add "
-                              f"run.restart_from_scratch=true to train this one again from step 0")
+        ckpt_dir = self.store.ckpt_dir
+        if damaged:
+            names = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+            why = f"not resumable, kept: {names}; the passed_over events in events.jsonl say why"
+        elif ckpt_dir.is_dir():
+            why = "no step-XXXXXXXX folder in it: deleted, or the run stopped before its first save"
+        else:
+            why = "it is missing: deleted or purged, or the run stopped before its first save"
+        raise NothingToResume(f"{self.store.run_dir} was trained to step {step} ({self.store.run_dir / source} "
+                              f"says so) but {ckpt_dir} holds no checkpoint that can be resumed ({why}); to start "
+                              f"over on purpose, use another run.dir, or add run.restart_from_scratch=true to train "
+                              f"this one again from step 0")
 
     def open(self, path: Path, verified: bool = False, parent: bool = False) -> Checkpoint:
         """A folder named by the user: verified, accepted (every rank calls: the hashing is split)."""

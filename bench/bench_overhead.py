@@ -35,8 +35,8 @@ from dsslm.data.corpus import default_data_dir  # noqa: E402
 from dsslm.data.loader import Loader  # noqa: E402
 from dsslm.model import build_model  # noqa: E402
 from dsslm.observe.sinks import Sinks  # noqa: E402
-from dsslm.observe.stragglers import Stragglers  # noqa: E402
-from dsslm.observe.watchdog import COLLECTIVE, DATA, FORWARD_BACKWARD, OPTIMIZER, Progress  # noqa: E402
+from dsslm.health.stragglers import Stragglers  # noqa: E402
+from dsslm.health.watchdog import COLLECTIVE, DATA, FORWARD_BACKWARD, OPTIMIZER, Progress  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.train import train  # noqa: E402
 
@@ -151,7 +151,7 @@ def _ranks(rank: int, world: int, port: int, every: int, reports: int, out) -> N
     from dsslm.data.corpus import default_data_dir
     from dsslm.data.manifest import load_manifest
     from dsslm.engine import build_engine
-    from dsslm.observe.nodecheck import check_nodes
+    from dsslm.health.nodecheck import check_nodes
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load(None, SHAPE + [f"run.dir={tmp}"])
@@ -192,7 +192,7 @@ def nodes_figures(step_s: float | None) -> None:
         from dsslm.data.corpus import default_data_dir
         from dsslm.data.manifest import load_manifest
         from dsslm.engine import build_engine
-        from dsslm.observe.nodecheck import check_nodes
+        from dsslm.health.nodecheck import check_nodes
         engine = build_engine(cfg, build_model(cfg.model))
         started = time.perf_counter()
         check_nodes(cfg, engine, default_data_dir(), load_manifest(default_data_dir(), verify=False))

@@ -6,7 +6,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
+
+READ_BLOCK = 1 << 20  # file_sha256 reads in blocks this size, each counted as it goes
+
+
+class Moved:
+    """Bytes this process's checkpoint files have moved, counted as they go (`read` by hashing,
+    `written` by the writer thread, `peers`: the other ranks' progress its writer waits on): the
+    watchdog's evidence that a slow load or write is working, not stuck (health/door.py). Each
+    counter has one writing thread at a time, so a plain add is enough. The drills' rates
+    (faults.write_mb_s, faults.load_mb_s) make them as slow as a network filesystem."""
+
+    def __init__(self) -> None:
+        self.read = self.written = self.peers = 0
+        self.read_rate = self.write_rate = 0.0  # bytes a second; 0: as fast as the disk goes
+
+    def add_read(self, n: int) -> None:
+        self.read += n
+        if self.read_rate > 0:
+            time.sleep(n / self.read_rate)
+
+    def add_written(self, n: int) -> None:
+        self.written += n
+        if self.write_rate > 0:
+            time.sleep(n / self.write_rate)
+
+
+IO = Moved()
 
 
 def fsync_dir(path: Path) -> None:
@@ -64,8 +92,12 @@ def publish_folder(tmp: Path, final: Path) -> None:
 
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, read in blocks (a checkpoint shard need not fit in memory)."""
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while block := f.read(READ_BLOCK):
+            digest.update(block)
+            IO.add_read(len(block))  # a load's progress, block by block (the watchdog's evidence)
+    return digest.hexdigest()
 
 
 def pid_running(pid: int) -> bool:

@@ -42,7 +42,7 @@ NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_C
 # A file a run writes one line into as it leaves, for a launcher that must tell exits apart whose
 # codes it may not see whole (srun reports one code for every node's task): rank 0's `finished` or
 # `preempted` (both exit 0; slurm/train.sbatch requeues only the second), the hang caller's `hang 75`
-# or `hang 6` (observe/watchdog.py).
+# or `hang 6` (health/watchdog.py).
 STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
 # The file `python -m dsslm.engine.agent` names for its ranks: the code a rank leaves with.
 AGENT_EXIT_FILE_ENV = "DSSLM_AGENT_EXIT_FILE"
@@ -176,6 +176,14 @@ def tell_agent(code: int) -> None:
     exits with it where torchrun's shutdown would wait on an unreachable rendezvous, or fail on one
     whose host left first. Light (no torch): a refusal before the imports tells it too."""
     write_line(AGENT_EXIT_FILE_ENV, str(code))
+
+
+def note_status(line: str, is_main: bool = True) -> None:
+    """How this job leaves, for the launcher ($DSSLM_STATUS_FILE; srun's exit code is one for all
+    nodes): rank 0's `finished` or `preempted` (exit 0 either way), or the hang caller's `hang 75`
+    / `hang 6`, or the node check's refusal. One writer for the one file."""
+    if is_main:
+        write_line(STATUS_FILE_ENV, line)
 
 
 def write_line(env: str, line: str) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
-import secrets
 import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,20 +37,14 @@ from dsslm.data.tokenizer import load_tokenizer
 from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of, plan_hashing, share_of,
                                update_cache)
 from dsslm.engine import Engine, build_engine
-from dsslm.engine.board import (StoreBoard, collective_failure, flight_record, set_collective_timeout,
-                                store_address)
 from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
-from dsslm.observe import reaper
+from dsslm.health.door import CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, check_nodes, fold_failures
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
-from dsslm.observe.hangs import fold_failures, read_learned
-from dsslm.observe.nodecheck import check_nodes
 from dsslm.observe.sinks import LogWriteError, Sinks
-from dsslm.observe.stragglers import Stragglers, arm_slow_drill
-from dsslm.observe.watchdog import CHECKPOINT, EVALUATION, LOAD, Links, Progress, Watchdog
 from dsslm.optim import older_muon, older_muon_note
 from dsslm.recovery.faults import Drills
 from dsslm.recovery.policy import SpikePolicy
@@ -80,9 +73,7 @@ class Job:
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
     failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
     evals: TaskEvals = dataclasses.field(default_factory=TaskEvals.off)  # eval.tasks, read and checked by setup
-    progress: Progress = dataclasses.field(default_factory=Progress)  # (step, phase) reports the watchdog reads
-    watchdog: Watchdog | None = None
-    stragglers: Stragglers = dataclasses.field(default_factory=Stragglers.off)  # who holds the others back, every N steps
+    health: Health = dataclasses.field(default_factory=Health)  # the one door to the watchdog and the straggler report
 
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
@@ -118,8 +109,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     failures = engine.decide(lambda: fold_failures(run_dir))  # the crash-loop count, under the lock
     nodes = check_nodes(cfg, engine, data_dir, manifest) if cfg.run.preflight else None  # a bad node: exit 76, now
     verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
-    reports, watchdog = start_watchdog(cfg, engine, run_dir, lock, failures)  # after the hashing: it has its own wait
-    cleanup.callback(watchdog.close)  # after finish_saves: the last save is watched too
+    health = Health.start(cfg, engine, run_dir, lock, failures)  # after the hashing: it has its own wait
+    cleanup.callback(health.close)  # after finish_saves: the last save is watched too
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
     loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
     feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
@@ -135,7 +126,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
                            quiet=(ConfigError, DataError, Escalation, LockLost, NothingToResume)))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
-    cleanup.push(finish_saves(store))
+    health.learn_writes(store)
+    cleanup.push(finish_saves(store, lambda: health.wait_write(state.step, store, "before leaving")))
     report_claim(sinks, takeover, engine.decide(store.remove_leftovers))
     drills = Drills(cfg.faults, run_dir, engine.rank, engine.is_main, cfg.run.seed, cfg.model.vocab_size,
                     global_batch, loader)
@@ -152,13 +144,13 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, spikes,
               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)),
-              progress=reports, watchdog=watchdog)
+              health=health)
     # An escalating triage's base, held only in memory, is saved before exit 3.
     spikes.bind(checkpointer, global_batch, save_base=lambda: save(job, sync=True))
-    arm_slow_drill(cfg.faults, engine.rank, feed, engine)  # faults.slow_*: the straggler drill
-    job.stragglers = Stragglers(cfg.observe.stragglers, engine, reports, sinks, run_dir, nodes)
-    cleanup.callback(job.stragglers.close)  # its stall sampler's thread
-    job.evals.before = lambda step: reports.report(step, EVALUATION)
+    health.watch_stragglers(cfg, engine, sinks, run_dir, nodes, feed)  # faults.slow_*: the straggler drill
+    cleanup.callback(health.stragglers.close)  # its stall sampler's thread
+    job.evals.watch = lambda step, forward: health.scoring(step, DOWNSTREAM, forward, f"downstream evals at step {step}")
+    spikes.busy = lambda step: health.during(step, FORWARD_BACKWARD)  # forensics: a forward/backward's kind of work
     return job
 
 
@@ -167,7 +159,7 @@ def start(job: Job) -> str:
     started ("resume", "import", "branch", "fresh"), or "finished": a resumed run with nothing
     left to train, which says so and is not started again."""
     cfg, engine = job.cfg, job.engine
-    job.progress.report(job.state.step, LOAD)  # the watchdog allows observe.watchdog.first_s until the first step
+    job.health.starting(job.state.step)  # the watchdog allows observe.watchdog.first_s until the first step
     hf_dir = hf_dir_of(cfg.run.init_from)
     how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
     if how == "resume" and job.state.step >= cfg.train.total_steps:
@@ -205,18 +197,23 @@ def start(job: Job) -> str:
               f"(sequence {job.state.next_sequence})", flush=True)
         warn_at_start(cfg, engine.device.type, engine.n_params, tokens_per_step, torch.get_num_threads())
     job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
-    job.progress.first_step = job.state.step + 1
+    job.health.first_step(job.state.step + 1)
     return how
 
 
 def save(job: Job, sync: bool = False) -> None:
     """Keep what a rewind would need, then checkpoint (every rank gathers, rank 0 writes).
     Escalation instead of a checkpoint whose skip list a resume would refuse (too many entries)."""
-    job.progress.report(job.state.step, CHECKPOINT)
+    # The write in flight is waited for first, judged by the writer's own times and progress;
+    # the snapshot after it is `checkpoint`.
+    job.health.wait_write(job.state.step, job.store, f"waited for by the save of step {job.state.step}")
+    job.store.wait()
+    job.health.phase(job.state.step, CHECKPOINT)
     pins = job.spikes.before_save(job.state, job.store.valid_steps)
     if job.engine.is_main:
         job.store.pin(pins)
-    job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save)
+    job.checkpointer.save(sync=sync, async_save=job.cfg.ckpt.async_save,
+                          waiting=lambda: job.health.wait_write(job.state.step, job.store, "a synchronous save"))
 
 
 def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> None:
@@ -227,11 +224,13 @@ def report_claim(sinks: Sinks, takeover: dict | None, removed: list[str]) -> Non
         sinks.emit("leftovers_removed", folders=removed, reason="temp folders of saves a kill cut short")
 
 
-def finish_saves(store: CheckpointStore):
+def finish_saves(store: CheckpointStore, waiting: Callable[[], None]):
     """An ExitStack exit callback: every way out waits for the save in flight, so it is published,
-    not lost with the process. Its own failure is the error unless another one is on its way."""
+    not lost with the process (`waiting` tells the watchdog first). Its own failure is the error
+    unless another one is on its way."""
     def on_exit(exc_type, exc, tb) -> bool:
         try:
+            waiting()
             store.close()
         except CheckpointError as err:
             if exc_type is None:
@@ -239,30 +238,6 @@ def finish_saves(store: CheckpointStore):
             print(f"dsslm: also: {err}", file=sys.stderr, flush=True)
         return False
     return on_exit
-
-
-def start_watchdog(cfg: Config, engine: Engine, run_dir: Path, lock: RunLock,
-                   failures: dict | None) -> tuple[Progress, Watchdog]:
-    """The progress reports and this rank's watchdog (observe/watchdog.py): beats in the job's store
-    from 2 ranks up; each node's first rank starts the node's reaper."""
-    f = cfg.faults
-    drill = f.hang_step >= 0 and f.hang_rank == engine.rank
-    progress = Progress((f.hang_step, f.hang_phase) if drill else (-1, ""), read_learned(run_dir))
-    token = engine.decide(lambda: secrets.token_hex(8))  # the job's keys and claim: a group may outlive a job
-    links = Links(flight=flight_record, classify=collective_failure, set_timeout=set_collective_timeout,
-                  on_leave=[lock.release] if engine.is_main else [])
-    address = store_address() if engine.world_size > 1 else None
-    if address is not None:
-        links.board = StoreBoard(address, token, engine.rank, engine.world_size, cfg.observe.watchdog.beat_s)
-        links.store = f"{address[0]}:{address[1]}"
-    watchdog = Watchdog(cfg.observe.watchdog, run_dir, engine.rank, token, links, progress, failures,
-                        cfg.run.alert_command, engine.is_main)
-    if engine.world_size > 1:
-        ids = engine.all_gather((socket.gethostname(), os.getpid(), reaper.pid_start(os.getpid())))
-        node = [r for r, (host, _, _) in enumerate(ids) if host == ids[engine.rank][0]]
-        if node[0] == engine.rank:
-            watchdog.start_reaper([ids[r][1:] for r in node])
-    return progress, watchdog
 
 
 def verify_data(cfg: Config, engine: Engine, data_dir: Path, manifest: dict) -> dict:

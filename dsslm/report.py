@@ -24,7 +24,7 @@ import numpy as np
 from dsslm.ckpt.format import inside_checkpoints
 from dsslm.ckpt.trained import OneLineParser
 from dsslm.observe.audit import last_stop
-from dsslm.observe.nodes import read_nodes
+from dsslm.health.nodes import read_nodes
 from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
 from dsslm.recovery.forensics import spike_lines
 

@@ -44,14 +44,13 @@ from dsslm.data import DataError
 from dsslm.data.skips import active_at
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
-                         EXIT_WRITE_FAILED, STATUS_FILE_ENV, Preempted, StopFlag, ignore_from_now, tell_agent)
+                         EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now, note_status, tell_agent)
+from dsslm.health.door import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER, BadNode
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import IGNORE_INDEX, StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
-from dsslm.observe.nodecheck import BadNode
 from dsslm.observe.sinks import LogWriteError
-from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER
 from dsslm.optim import lr_at
 from dsslm.preflight import load_checked, parse_args
 from dsslm.recovery.monitor import Verdict
@@ -146,7 +145,7 @@ def train(cfg: Config, allow_drift: tuple[str, ...] = ()) -> int:
             if stop.stopped_in_setup:  # a peer that left on the same signal broke a collective
                 raise Preempted(stop.signum) from exc
             if job is not None:
-                job.watchdog.failed(exc)  # a dead peer or the collectives' timeout: diagnosed, exit 75 there
+                job.health.failed(exc)  # a dead peer or the collectives' timeout: diagnosed, exit 75 there
             raise
 
 
@@ -176,8 +175,9 @@ def run_loop(job: Job, stop: StopFlag) -> int:
         if verdict is not Verdict.REWIND:
             account(job, verdict, record, fed)
         sinks.log_step(diagnostics.observe(timed(record, started, state), before))
-        if verdict is Verdict.REWIND:
-            job.spikes.after_step(state, verdict, record)  # the next replay, or a plain rewind
+        if verdict is Verdict.REWIND:  # the next replay, or a plain rewind: a checkpoint load, judged as one
+            with job.health.load(state.step, f"checkpoint load of a rewind from step {state.step}"):
+                job.spikes.after_step(state, verdict, record)
             continue
         if first_step is not None and state.step == first_step + 1:
             report_memory(job)  # after one step: AdamW allocates its moments lazily
@@ -200,28 +200,16 @@ def run_loop(job: Job, stop: StopFlag) -> int:
             save(job)
         job.spikes.after_step(state, verdict, record)  # a rewind point in memory, every monitor.rewind_every steps
         check_health(job, between_steps=True)
-        job.stragglers.after_step(state.step)  # every observe.stragglers.every steps: who holds the others back
+        job.health.after_step(state.step)  # every observe.stragglers.every steps: who holds the others back
     stop.finishing = True  # a Ctrl-C from here waits for the last save, not for a step
-    job.progress.report(state.step, CHECKPOINT)
+    job.health.phase(state.step, CHECKPOINT)
+    job.health.wait_write(state.step, job.store, "the run's end")
     check_health(job, wait=True)
     sinks.emit("end", step=state.step, tokens=state.tokens_seen, skipped_steps=state.skipped_steps,
                domain_tokens=state.domain_tokens, prefetch={"hits": job.feed.hits, "misses": job.feed.misses})
     check_health(job)
     note_status("finished", job.engine.is_main)
     return EXIT_OK
-
-
-def note_status(word: str, is_main: bool) -> None:
-    """Rank 0 tells the launcher how the run left, in $DSSLM_STATUS_FILE if set: `finished` (nothing
-    left to train) or `preempted` (saved on a stop signal; a requeue resumes it). Exit 0 either way."""
-    path = os.environ.get(STATUS_FILE_ENV)
-    if not path or not is_main:
-        return
-    try:
-        with open(path, "w") as f:
-            f.write(word + "\n")
-    except OSError as exc:  # the launcher then decides as without the file
-        print(f"dsslm: cannot write {STATUS_FILE_ENV}={path} ({exc.strerror})", file=sys.stderr)
 
 
 def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice, bool]:
@@ -231,7 +219,7 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     factor = job.spikes.before_step(state, step)  # a triage replay's data left out from its base on
     scheduled = lr_at(state.step, cfg)  # lr_at counts the steps completed before this one
     lr = scheduled * state.lr_scale * factor * job.drills.lr_multiplier(step)
-    job.progress.report(step, DATA)
+    job.health.phase(step, DATA)
     # Each entry from the step it applies from (data.skips.active_at): a catch-up after a restart
     # feeds what the run fed before a verdict. Read ahead during the last step.
     fed, batches = job.feed.step(state.next_sequence, active_at(state.skip_list, step))
@@ -239,18 +227,23 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     streams = step_streams()  # a re-run in place draws the same dropout masks
     # Every target of a training batch is real: the step's token count needs no collective.
     tokens = fed.batch_size * cfg.model.seq_len
-    job.progress.report(step, FORWARD_BACKWARD)
+    job.health.phase(step, FORWARD_BACKWARD)
     result = compute(job, step, batches, tokens, lambda: stop.requested)  # read after the backward
     first = result
 
-    def again() -> StepResult:  # the step once more: same weights, batch and random state
+    def again() -> StepResult:  # the step once more: same weights, batch and random state, judged as a forward/backward
         engine.drop_gradients()
         set_step_streams(streams)
-        return compute(job, step, batches, tokens, lambda: stop.requested or first.stop_requested)
+        with job.health.during(step, FORWARD_BACKWARD):
+            return compute(job, step, batches, tokens, lambda: stop.requested or first.stop_requested)
 
-    job.progress.report(step, COLLECTIVE)
-    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, lambda: probe(job, step))
-    job.progress.report(step, OPTIMIZER)
+    def held_out() -> float | None:
+        with job.health.during(step, FORWARD_BACKWARD):
+            return probe(job, step)
+
+    job.health.phase(step, COLLECTIVE)
+    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, held_out)
+    job.health.phase(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
         job.clipper.commit()
@@ -287,6 +280,7 @@ def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Cal
     """Forward and backward of one step's micro-batches (`tokens` real targets over every rank),
     clipped, the drills' faults applied."""
     t = job.cfg.train
+    job.health.compute(step)  # the drills' slow step (faults.step_s)
     result = accumulate(job.engine, batches, t.precision, t.z_loss, job.clipper.limit, tokens, stop_requested,
                         job.drills.loss_multiplier(step), job.drills.grad_multiplier(step),
                         failed=job.failure is not None)
@@ -334,21 +328,22 @@ def timed(record: StepRecord, started: float, state: TrainState) -> dict:
 def validate(job: Job, diagnostics: Diagnostics) -> None:
     """Validation loss and bits per byte per domain, logged and checked for a diverging domain."""
     state = job.state
-    job.progress.report(state.step, EVALUATION)
-    val_loss, val_bpb = evaluate(job)
+    forward = job.health.scoring(state.step, EVALUATION, job.engine.forward, f"validation at step {state.step}")
+    val_loss, val_bpb = evaluate(job, forward)
     job.sinks.log_val({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb,
                        "domain_tokens": dict(state.domain_tokens)})
     diagnostics.check_val(state.step, val_loss)
 
 
-def evaluate(job: Job) -> tuple[dict[str, float], dict[str, float]]:
+def evaluate(job: Job, forward: Callable | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Mean loss per real token (nats) and bits per byte on each domain's held-out split (every
-    rank runs every batch, so sharded engines see matching collectives)."""
+    rank runs every batch, so sharded engines see matching collectives); `forward`: the engine's,
+    counted (the watchdog's evidence that a long validation is working)."""
     job.engine.train_mode(False)
     losses, bpb = {}, {}
     for domain in job.loader.domains:
         batches = job.loader.val_batches(domain, job.cfg.run.val_batches, job.cfg.train.micro_batch_size)
-        sums = validation_sums(job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
+        sums = validation_sums(forward or job.engine.forward, batches, job.cfg.train.precision, job.engine.device,
                                lambda targets: job.byte_counter.count(domain, targets))  # noqa: B023 (used here)
         if sums.tokens:
             losses[domain] = sums.loss

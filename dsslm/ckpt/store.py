@@ -34,7 +34,7 @@ from dsslm.ckpt.format import (FORMAT, MANIFEST, STATE_FILE, TENSOR_SUFFIX, Chec
                                invalid_reason, load_checkpoint, safetensors_chunks, step_name)
 from dsslm.ckpt.shards import INDEX_FILE, build_index, check_index, dtype_name, rank_file, shard_file
 from dsslm.ckpt.snapshot import HostBuffers
-from dsslm.durable import fsync_dir
+from dsslm.durable import IO, fsync_dir
 
 # aside_stamp: recovery.rewind names its own asides with it.
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointStore", "aside_stamp", "load_checkpoint", "invalid_reason"]
@@ -56,13 +56,28 @@ def _write_file(path: Path, chunks: Iterable) -> tuple[str, int]:
             hashing = hasher.submit(digest.update, chunk) if len(chunk) >= _INLINE_HASH_BYTES else None
             if hashing is None:
                 digest.update(chunk)
-            f.write(chunk)
+            for piece in _pieces(chunk):  # counted as written: the watchdog's evidence of a slow write's progress
+                f.write(piece)
+                IO.add_written(len(piece))
             if hashing is not None:
                 hashing.result()
             size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
     return digest.hexdigest(), size
+
+
+def _pieces(chunk) -> Iterable:
+    """A chunk whole, or in _WRITE_PIECE slices under a drill's write rate (so its progress moves
+    as a network filesystem's would, not in one jump per tensor)."""
+    view = memoryview(chunk)
+    if IO.write_rate <= 0 or len(view) <= _WRITE_PIECE:
+        return (view,)
+    flat = view.cast("B")
+    return (flat[i:i + _WRITE_PIECE] for i in range(0, len(flat), _WRITE_PIECE))
+
+
+_WRITE_PIECE = 1 << 16
 
 
 class CheckpointStore(Catalogue):
@@ -78,6 +93,9 @@ class CheckpointStore(Catalogue):
         self._idle.set()
         self._error: tuple[int, BaseException] | None = None
         self._last_path: Path | None = None
+        # The save in flight: (step, its bytes, IO.written when it started), for the watchdog's line.
+        self.writing: tuple[int, int, int] | None = None
+        self.on_written: Callable[[float], None] = lambda seconds: None  # a whole write's time (the watchdog learns it)
 
     def die_in_save(self, step: int, after_files: int = 1) -> None:
         """Fault drill: the save of `step` hard-exits the process (os._exit(137), as if SIGKILLed)
@@ -95,9 +113,11 @@ class CheckpointStore(Catalogue):
         snapshot = self._buffers.snapshot(tensors)
         if self._thread is not None:
             self._thread.join()  # idle, so it has returned or is returning
-        self._start(step, lambda: self._write(step, snapshot, state))
+        total = sum(t.numel() * t.element_size() for named in snapshot.values() for t in named.values())
+        self._start(step, lambda: self._write(step, snapshot, state), total)
 
-    def _start(self, step: int, write: Callable[[], Path | None]) -> None:
+    def _start(self, step: int, write: Callable[[], Path | None], total: int) -> None:
+        self.writing = (step, total, IO.written)
         self._idle.clear()
         # One thread per save, not a daemon: whatever path the process leaves by, the interpreter
         # waits for a save in flight instead of killing it half written.
@@ -131,7 +151,7 @@ class CheckpointStore(Catalogue):
         if self._thread is not None:
             self._thread.join()
         job = (step, tmp_name, rank, world_size, snapshot, pieces, own, exchange, state)
-        self._start(step, lambda: self._write_shard(*job))
+        self._start(step, lambda: self._write_shard(*job), sum(t.numel() * t.element_size() for t in snapshot.values()))
 
     def save(self, step: int, tensors: dict, state: dict) -> Path:
         """Synchronous save: the same path as save_async, then wait. Returns the published folder."""
@@ -176,8 +196,10 @@ class CheckpointStore(Catalogue):
     # Writer thread.
 
     def _work(self, step: int, write: Callable[[], Path | None]) -> None:
+        started = time.monotonic()
         try:
             self._last_path = write()
+            self.on_written(time.monotonic() - started)
         except BaseException as exc:  # OSError(ENOSPC) included: kept for the training thread
             self._error = (step, exc)
         finally:

@@ -139,7 +139,7 @@ class EngineCfg:
     zero_stage: int = 1
     ds_config: str = ""         # "" = ds_configs/zero{stage}.json
     # Collectives' timeout until the job's first step is done; then a bound derived from the
-    # measured phase times (observe.watchdog's longest limit plus a margin): dsslm/observe/watchdog.py.
+    # measured phase times (observe.watchdog's longest limit plus a margin): dsslm/health/watchdog.py.
     collective_timeout_s: float = 1800.0
     fsdp_grad_reduce: str = "step"  # fsdp: step (hold unsharded grads to the last micro-batch) | micro_batch
 
@@ -203,13 +203,19 @@ class FaultsCfg:
     hang_step: int = -1         # the hang drill: stop (SIGSTOP) a rank as it enters hang_phase of this step, every start
     hang_rank: int = 0
     hang_phase: str = "forward_backward"  # data | forward_backward | optimizer | collective | checkpoint | evaluation
+    #                                       | downstream
     slow_rank: int = -1         # the straggler drill: this rank sleeps slow_s in slow_phase of every step (-1 = off)
     slow_phase: str = "data"    # data (its loader) | optimizer (its optimizer step)
     slow_s: float = 0.0
+    # Production durations for the watchdog's drills (docs/hangs.md), on every rank:
+    write_mb_s: float = 0.0     # checkpoint writes at this rate, MB/s, as a network filesystem (0 = the disk's)
+    load_mb_s: float = 0.0      # checkpoint reads (hashing) at this rate, MB/s (0 = the disk's)
+    eval_batch_s: float = 0.0   # seconds added to each validation and downstream-eval batch
+    step_s: float = 0.0         # seconds added to each forward/backward of a step (re-runs and probes too)
 
 
 @dataclass
-class WatchdogCfg:  # observe.watchdog: hangs, dead nodes and crash loops (dsslm/observe/watchdog.py)
+class WatchdogCfg:  # observe.watchdog: hangs, dead nodes and crash loops (dsslm/health/watchdog.py)
     enabled: bool = True        # call hangs (false: progress is still reported and timed, the collective bound set)
     floor_s: float = 60.0       # no phase is called hung sooner; a rank whose beats stop this long is gone
     ceiling_s: float = 600.0    # no learned limit is longer; a phase not timed yet (a first save) gets this
@@ -229,7 +235,7 @@ class NodesCfg:  # observe.nodes: the check before the first step and the bad no
 
 
 @dataclass
-class StragglersCfg:  # observe.stragglers: the straggler report (dsslm/observe/stragglers.py, docs/nodes.md)
+class StragglersCfg:  # observe.stragglers: the straggler report (dsslm/health/stragglers.py, docs/nodes.md)
     every: int = 50             # steps between reports: one small all-gather of every rank's phase times (0 = off)
     factor: float = 1.5         # a rank whose own time in a phase is this many times the other ranks' median...
     min_share: float = 0.05     # ...and at least this fraction of a step longer is a straggler

@@ -103,9 +103,9 @@ def _check_all(cfg: Config) -> None:
     validate_nodes(cfg)
 
 
-# The phases a rank reports (dsslm/observe/watchdog.py's PHASES, less the start's load): where the
+# The phases a rank reports (dsslm/health/watchdog.py's PHASES, less the start's load): where the
 # hang drill can stop it.
-DRILL_PHASES = ("data", "forward_backward", "optimizer", "collective", "checkpoint", "evaluation")
+DRILL_PHASES = ("data", "forward_backward", "optimizer", "collective", "checkpoint", "evaluation", "downstream")
 
 
 def validate_watchdog(cfg: Config) -> None:
@@ -122,6 +122,8 @@ def validate_watchdog(cfg: Config) -> None:
     _check(cfg.engine.collective_timeout_s >= 1,
            f"engine.collective_timeout_s={cfg.engine.collective_timeout_s} must be >= 1")
     _check_choice("faults.hang_phase", f.hang_phase, DRILL_PHASES)
+    for key in ("write_mb_s", "load_mb_s", "eval_batch_s", "step_s"):
+        _check(getattr(f, key) >= 0, f"faults.{key}={getattr(f, key)} must be >= 0 (0 = off)")
     _check(f.hang_rank >= 0, f"faults.hang_rank={f.hang_rank} must be a rank >= 0")
 
 

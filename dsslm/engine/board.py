@@ -1,4 +1,4 @@
-"""What the watchdog (dsslm/observe/watchdog.py) needs of torch.distributed: a board in the job's
+"""What the watchdog (dsslm/health/watchdog.py) needs of torch.distributed: a board in the job's
 key-value store where each rank posts its beat and reads every rank's, the collectives' timeout,
 the flight recorder's record of this rank's collectives, and what a collective's exception means.
 

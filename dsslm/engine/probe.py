@@ -1,4 +1,4 @@
-"""What the check before the first step (observe/nodecheck.py) needs of torch.distributed: the
+"""What the check before the first step (health/nodecheck.py) needs of torch.distributed: the
 links between nodes timed one at a time, and every rank's wall clock read at one moment.
 
 A ring all-reduce takes as long on every rank as its slowest link, so it cannot say which node is

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from dsslm.config import Config, ConfigError
+from dsslm.durable import IO
 from dsslm.engine.board import enable_flight_recorder
 
 # The collectives' timeout until the first step (engine.collective_timeout_s; then the watchdog's
-# bound, observe/watchdog.py). Nothing waits in a collective for longer than a step, a checkpoint
+# bound, health/watchdog.py). Nothing waits in a collective for longer than a step, a checkpoint
 # gather or rank 0 hashing the one checkpoint it loads (a 16 GB folder hashes in ~10-30 s); the
 # one wait that grows with the corpus (hashing its shards) goes through `gather_long` instead.
 COLLECTIVE_TIMEOUT_S = 1800
@@ -86,6 +87,7 @@ class Exchange:
             now = time.monotonic()
             if seen != last_seen:
                 last_seen, last_change = seen, now
+                IO.peers += 1  # rank 0's writer waits on the others' progress: the watchdog sees it move
             if done == self.world_size:
                 return [self.store.get(k).decode() for k in keys]
             if now - last_change > stall_s:

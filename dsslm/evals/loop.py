@@ -26,7 +26,8 @@ class TaskEvals:
 
     def __init__(self, cfg=None, engine=None, sinks=None, prepared: Prepared | None = None):
         self.cfg, self.engine, self.sinks, self.prepared = cfg, engine, sinks, prepared
-        self.before: Callable[[int], None] = lambda step: None  # the watchdog hears of each evaluation (job.setup)
+        # The watchdog hears of each evaluation and counts the batches it scores (job.setup).
+        self.watch: Callable[[int, Callable], Callable] = lambda step, forward: forward
 
     @classmethod
     def off(cls) -> "TaskEvals":
@@ -55,12 +56,12 @@ class TaskEvals:
             self.run(step)
 
     def run(self, step: int) -> dict:
-        self.before(step)
         engine, cfg = self.engine, self.cfg
+        forward = self.watch(step, engine.forward)
         started = time.perf_counter()
         engine.train_mode(False)
         try:
-            by_task = self.prepared.evaluate(engine.forward, cfg.train.micro_batch_size * cfg.model.seq_len,
+            by_task = self.prepared.evaluate(forward, cfg.train.micro_batch_size * cfg.model.seq_len,
                                              cfg.train.precision, engine.device, engine.rank, engine.world_size,
                                              engine.all_gather)
         finally:

@@ -1,23 +1,27 @@
-"""`python -m dsslm.observe.exclude --job JOBID --nodes N [-- TRAIN ARGS]`: keep a bad node out of a job's requeue.
+"""`python -m dsslm.health.exclude --job JOBID --nodes N [-- TRAIN ARGS]`: keep a bad node out of a job's requeue.
 
 slurm/train.sbatch runs it right after `scontrol requeue`, with the arguments it gave dsslm.train
 (for run.dir and observe.nodes): Slurm takes a job's ExcNodeList only once the job no longer runs
 (measured on 22.05: a running job's update is refused, "Job is no longer pending execution"; a
 requeued one's is taken while it completes). A bad node is
-- one that failed its check before the first step (run.dir/nodes.json, observe/nodecheck.py);
-- one that `observe.nodes.hang_blames` hang records (run.dir/hangs/*/hang.json, the ranks that
-  stopped first) named within `exclude_hours`;
-- one that nodes.json names a persistent straggler (observe/stragglers.py), with
+- one that failed its check before the first step (run.dir/nodes.json, health/nodecheck.py);
+- one that `observe.nodes.hang_blames` hang records (run.dir/hangs/*/hang.json) blamed within
+  `exclude_hours`: the ranks a record proves stopped (its `blamed`; in an older record without
+  it, the ranks that stopped first where their beats stopped), never a rank that merely reported
+  first (a lockstep `stuck`, `store_silent`, `collective_timeout`);
+- one that nodes.json names a persistent straggler (health/stragglers.py), with
   `observe.stragglers.exclude`.
 It is added to the job's ExcNodeList for `exclude_hours` from when it was found bad
-(run.dir/excluded_nodes.json keeps when; a later requeue lifts an exclusion past it), only while
-`sinfo` still lists it in the job's partition, and only while that partition keeps enough usable
-nodes for the job (its NumNodes). What the user excluded stays excluded. One line per decision
+(run.dir/excluded_nodes.json keeps when; a later requeue lifts an exclusion past it, or of a node
+`sinfo` no longer lists in the job's partition), only while `sinfo` still lists it in the job's
+partition, and only while that partition keeps enough usable nodes for the job (its NumNodes).
+What the user excluded stays excluded. One line per decision
 (the script logs them); it exits 0 whatever happens: a requeue never fails because of it.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import subprocess
 import sys
@@ -28,14 +32,22 @@ from typing import Callable
 
 from dsslm.config import Config, ConfigError, load
 from dsslm.durable import write_json_atomic
-from dsslm.fields import Fields, Float, MapOf, Str
-from dsslm.observe.hangs import HANG_SPEC, HANGS, read_json
-from dsslm.observe.nodes import name_of, read_nodes
+from dsslm.fields import Fields, Float, Int, MapOf, StateError, Str, validate
+from dsslm.health.hangs import HANG_SPEC, HANGS, read_json
+from dsslm.health.nodes import name_of, read_nodes
 
 EXCLUDED = "excluded_nodes.json"
 EXCLUDED_SPEC = Fields(nodes=MapOf(Fields(since=Float(0), until=Float(0), why=Str(2000)), max_len=100_000))
 # sinfo's short states (%t) of a node no job starts on; a `*` suffix is a node not responding.
 UNUSABLE = ("down", "drain", "drng", "fail", "failg", "maint", "futr", "inval", "unk")
+# A hang record's entries, checked one by one (anyone who can write into run.dir can write a
+# record): one that does not fit is left out, it never stops the requeue.
+BLAMED_SPEC = Fields(open=True, rank=Int(0), host=Str(255), pid=Int(0))
+FIRST_SPEC = Fields(open=True, host=Str(255))
+# The causes whose `first` ranks an older record (no `blamed`) proves stopped: their beats stopped.
+# `stuck` may be lockstep (every rank in one phase, `first` merely the one that reported a few
+# microseconds earlier); `store_silent` and `collective_timeout` prove no rank.
+BEATS_STOPPED = ("stopped_beating", "peer_lost")
 
 Run = Callable[[list[str]], str]  # a Slurm command's stdout (CalledProcessError where it fails)
 
@@ -66,7 +78,7 @@ def candidates(run_dir: Path, cfg: Config, now: float) -> list[Candidate]:
         named: dict[str, list[float]] = {}
         for record in hang_records(run_dir):
             if now - record["time"] <= expiry:
-                for name in {str(s.get("host", "")).split(".")[0] for s in record.get("first", []) if s.get("host")}:
+                for name in blamed_hosts(record):
                     named.setdefault(name, []).append(record["time"])
         for name, times in named.items():
             if len(times) >= blames and name != "?":
@@ -84,8 +96,32 @@ def hang_records(run_dir: Path) -> list[dict]:
     except OSError:
         return []
     records = [read_json(folder / "hang.json", HANG_SPEC, "hang record") for folder in folders]
+    # A time that is not a finite number would pass the expiry (inf) or break the line's date.
     return [r for r in records if r is not None and isinstance(r.get("time"), (int, float))
-            and isinstance(r.get("first"), list)]
+            and not isinstance(r["time"], bool) and math.isfinite(r["time"])]
+
+
+def blamed_hosts(record: dict) -> set[str]:
+    """The hosts (short names) a hang record proves stopped: its `blamed` entries; in an older
+    record without the key, its `first` ranks where their beats stopped (BEATS_STOPPED). A rank
+    that merely reported first is no proof against its node, and excluding it would leave the
+    node that did stop in the job."""
+    if "blamed" in record:
+        entries, spec = record["blamed"], BLAMED_SPEC
+    elif record.get("cause") in BEATS_STOPPED:
+        entries, spec = record.get("first"), FIRST_SPEC
+    else:
+        return set()
+    names = set()
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            validate(entry, spec, "hang record entry")
+        except StateError:
+            continue
+        name = entry["host"].split(".")[0]
+        if name and name != "?":
+            names.add(name)
+    return names
 
 
 def usable(state: str) -> bool:
@@ -101,8 +137,9 @@ class Plan:
 
 def plan(found: list[Candidate], kept: dict[str, dict], listed: dict[str, str], needed: int, current: list[str],
          now: float, expiry_s: float) -> Plan:
-    """The job's ExcNodeList after this requeue (pure): `current` less our expired exclusions, plus
-    every candidate sinfo lists (`listed`: node -> state) while enough usable nodes remain."""
+    """The job's ExcNodeList after this requeue (pure): `current` less our expired exclusions and
+    those of nodes sinfo no longer lists, plus every candidate sinfo lists (`listed`: node -> state)
+    while enough usable nodes remain."""
     lines, kept = [], {name: entry for name, entry in kept.items()}
     exclude = list(current)
     for name, entry in list(kept.items()):
@@ -112,6 +149,16 @@ def plan(found: list[Candidate], kept: dict[str, dict], listed: dict[str, str], 
                 exclude.remove(name)
                 lines.append(f"{name} may run this job again: its exclusion ({entry['why']}) ended at "
                              f"{stamp(entry['until'])}")
+        elif listed and name not in listed:
+            # A node gone from the partition (renamed, retired) can run none of its jobs: an
+            # exclusion of it only lengthens the ExcNodeList, and a node of that name added later
+            # is another machine. An empty listing proves nothing (a wrong partition, sinfo's
+            # hiccup): then every exclusion stays.
+            del kept[name]
+            if name in exclude:
+                exclude.remove(name)
+            lines.append(f"dropping the exclusion of {name} ({entry['why']}): sinfo no longer lists it in this "
+                         f"job's partition")
     for c in found:
         until = c.since + expiry_s
         if c.name in exclude:
@@ -181,7 +228,7 @@ def exclude(run_dir: Path, cfg: Config, job: str, run: Run = slurm_run, now: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsslm.observe.exclude", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dsslm.health.exclude", description=__doc__.splitlines()[0])
     parser.add_argument("--job", required=True, help="the Slurm job id ($SLURM_JOB_ID)")
     parser.add_argument("--nodes", type=int, default=1, help="the job's node count ($SLURM_NNODES)")
     parser.add_argument("--partition", default="", help="its partition, where scontrol does not say")

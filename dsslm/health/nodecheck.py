@@ -1,7 +1,7 @@
 """The check before the first step, on every node (`run.preflight`, on by default): a node that
 would fail the run later, or hold every rank back, is named before any rank trains, and the start
 ends on every rank with exit 76 (`EXIT_BAD_NODE`: requeue elsewhere), which slurm/train.sbatch
-requeues with that node excluded (observe/exclude.py).
+requeues with that node excluded (health/exclude.py).
 
 Each node's first rank checks what the node holds:
 - `run_dir`: a probe file written, fsynced, read back and removed in run.dir (the node's view of
@@ -16,19 +16,25 @@ time (engine/probe.py: `network`) and read their clocks at one barrier (`clock`)
 
 Every rank then judges the same table (`judge`): a node is bad when one of its own checks failed,
 its links carry less than `observe.nodes.min_bandwidth` of the median node's, its clock is more
-than `max_clock_skew_s` from the median node's, or one of its GPUs computes a wrong answer or runs
-below `min_matmul` of the median GPU's speed. For a bad node rank 0 writes run.dir/nodes.json
-(observe/nodes.py), one console line per bad node, a `node_check` and a `bad_node` event (the
-alert command runs) and `bad_node 76` in $DSSLM_STATUS_FILE; a start that passes says one line
-and writes nothing until its first step is done (then nodes.json and `node_check`: a refusal
-after the check, bad input or a resume refused, leaves run.dir as it was). What fails on every node of two or
-more is no node's fault (a full shared disk, data unreadable everywhere, a config too large for
-any node's memory): exit 4 or 2, which no requeue cures. And the crash_loop-th start in a row
+than `max_clock_skew_s` from the median node's (from rank 0's node's with two nodes: see
+`judge`), or one of its GPUs computes a wrong answer or runs below `min_matmul` of the median
+GPU's speed. For a bad node rank 0 writes run.dir/nodes.json (health/nodes.py), one console line
+per bad node, a `node_check` and a `bad_node` event (the alert command runs) and `bad_node 76`
+in $DSSLM_STATUS_FILE; a start that passes says one line and writes nothing until its first step
+is done (then nodes.json and `node_check`: a refusal after the check, bad input or a resume
+refused, leaves run.dir as it was). What fails for want of what every node shares is no node's
+fault, and no requeue cures it: exit 4 (run.dir) or 2 (the data, the config), its nodes'
+verdict `shared`, not `bad` (the requeue excludes none of them). That is a check failing on every
+node of two or more (a full shared disk, data unreadable everywhere, a config too large for any
+node's memory), and, on a one-node job, which has no other node to compare with, run.dir or the
+data failing on a network filesystem (another node mounts the same one; on a node-local one, a
+disk or a mount over it, the node is bad as before). And the crash_loop-th start in a row
 refused (observe.watchdog.crash_loop) exits 6: no node the job lands on passes.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 import statistics
 import sys
@@ -42,10 +48,9 @@ import torch
 from dsslm.config import Config, NodesCfg
 from dsslm.data.verify import shard_entries
 from dsslm.engine.probe import time_links, wall_clocks
-from dsslm.exits import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_CRASH_LOOP, EXIT_OK, EXIT_WRITE_FAILED
-from dsslm.observe.nodes import job_name, read_nodes, slurm_node, write_nodes
+from dsslm.exits import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_CRASH_LOOP, EXIT_OK, EXIT_WRITE_FAILED, note_status
+from dsslm.health.nodes import job_name, read_nodes, slurm_node, write_nodes
 from dsslm.observe.sinks import EventLog
-from dsslm.observe.watchdog import note_status
 
 STATE_BYTES_PER_PARAM = 12   # fp32 weight and two AdamW moments (Muon's hidden matrices hold one: a bound)
 ROOM_MARGIN = 1.05           # ... plus 5% and LOG_ROOM for state.json, the index, the logs
@@ -55,9 +60,19 @@ PAGE = 4096                  # read at each end of every shard
 READERS = 8                  # shards opened at once (a network filesystem answers each in a round trip)
 EXACT_N = 512                # the matmul with a known answer: small integers, exact in fp32 and TF32
 TIMED_N, TIMED_REPS = 4096, 10
-# A check failing on every node of two or more is the shared resource's, not a node's: the code
-# that says so (no requeue cures it).
+# A check failing for want of what every node shares is the shared resource's, not a node's: the
+# code that says so (no requeue cures it), and what to fix.
 SHARED = {"run_dir": EXIT_WRITE_FAILED, "data": EXIT_BAD_INPUT, "memory": EXIT_BAD_INPUT}
+FIX = {"run_dir": "free space in run.dir or make it writable",
+       "data": "make the data dir's shards readable (their files, permissions, the mount)",
+       "memory": "lower monitor.rewind_points or use ckpt.format=sharded"}
+# Filesystems (/proc/self/mountinfo's types; fuse.* by subtype) that every node of a cluster mounts
+# alike: on a one-node job, run.dir or the data failing there is the filesystem's (full, read-only,
+# a file unreadable), and a requeue onto another node meets the same one. On any other type (a
+# local disk, a tmpfs over the path) a failure may be the node's own, and it is refused as a node.
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "fhgfs", "ceph", "cifs", "smb3", "smbfs", "panfs",
+              "wekafs", "afs", "orangefs", "pvfs2", "gfs2", "ocfs2", "cvfs", "glusterfs", "fuse.glusterfs",
+              "fuse.ceph-fuse", "fuse.cephfs", "fuse.juicefs", "fuse.quobyte", "fuse.mfs", "fuse.sshfs"}
 
 
 class BadNode(RuntimeError):
@@ -87,9 +102,31 @@ def host_bytes(cfg: Config, n_params: int, rank: int, world_size: int) -> int:
 
 # --- one node's own checks --------------------------------------------------------------------
 
+def fs_type(path: Path) -> str | None:
+    """The type of the filesystem `path` lies on (the deepest mount over it in
+    /proc/self/mountinfo, the last of those mounted on one point), or None where that is unknown."""
+    try:
+        target = os.path.realpath(path)
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except (OSError, ValueError):
+        return None
+    best, kind = "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, types = left.split(), right.split()
+        if len(fields) < 5 or not types:
+            continue
+        # mountinfo writes a space, a tab, a newline and a backslash in a path as octal escapes
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, types[0]
+    return kind
+
+
 def check_dir(path: Path, needed: int, probe_bytes: int = PROBE_BYTES) -> dict:
     """run.dir on this node: there, room for `needed` bytes, and a file written, fsynced, read back."""
-    out: dict[str, Any] = {"ok": False, "path": str(path), "needed_bytes": needed}
+    out: dict[str, Any] = {"ok": False, "path": str(path), "needed_bytes": needed, "fs": fs_type(path)}
     if not path.is_dir():
         out["why"] = f"run.dir {path} is not there (is the shared filesystem mounted on this node?)"
         return out
@@ -149,7 +186,7 @@ def check_data(data_dir: Path, paths: list[str]) -> dict:
         problems = [p for p in pool.map(read, paths) if p]
     out: dict[str, Any] = {"ok": not problems, "path": str(data_dir), "shards": len(paths),
                            "seconds": round(time.perf_counter() - started, 3),
-                           "writable": os.access(data_dir, os.W_OK)}
+                           "writable": os.access(data_dir, os.W_OK), "fs": fs_type(data_dir)}
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         out["why"] = problems[0] + more
@@ -231,12 +268,20 @@ def judge(ranks: list[dict], clocks: list[float], links: dict, cfg: NodesCfg) ->
     first = {host: node["ranks"][0] for host, node in nodes.items()}
     _judge_network(nodes, first, links, cfg.min_bandwidth)
     if len(nodes) > 1:
-        mid = median([clocks[first[h]] for h in nodes])
+        if len(nodes) > 2:
+            reference, against = median([clocks[first[h]] for h in nodes]), "the median node's"
+        else:
+            # The median of two clocks is their midpoint, each node half the skew from it: a skew
+            # up to twice the limit passed both, and one past it refused both (and the requeue
+            # excluded both). Two clocks hold no majority to say which is wrong: rank 0's node
+            # (the job's store, the records' times) is the reference, and only the other node can
+            # be named; excluded, its stand-in is compared with rank 0's node at the next start.
+            reference, against = clocks[min(first.values())], "rank 0's node's"
         for host in nodes:
-            skew = clocks[first[host]] - mid
+            skew = clocks[first[host]] - reference
             check = {"ok": abs(skew) <= cfg.max_clock_skew_s, "skew_s": round(skew, 4)}
             if not check["ok"]:
-                check["why"] = f"its clock is {skew:+.1f} s from the median node's (at most {cfg.max_clock_skew_s:g} s)"
+                check["why"] = f"its clock is {skew:+.1f} s from {against} (at most {cfg.max_clock_skew_s:g} s)"
             nodes[host]["checks"]["clock"] = check
     gpus = [r for r in ranks if r.get("gpu")]
     if gpus:
@@ -254,10 +299,32 @@ def judge(ranks: list[dict], clocks: list[float], links: dict, cfg: NodesCfg) ->
                 check.update(ok=False, why=f"rank {slow[0]['rank']}'s GPU runs a matmul at {slow[0]['gpu']['tflops']:.1f} "
                                            f"TFLOP/s, the median GPU's at {mid:.1f}")
             node["checks"]["gpu"] = check
+    shared = shared_failures(nodes)
     for node in nodes.values():
-        node["why"] = [c["why"] for c in node["checks"].values() if not c.get("ok", True) and c.get("why")]
-        node["verdict"] = "bad" if node["why"] else "ok"
+        node["why"] = [c["why"] for c in node["checks"].values() if failed(c)]
+        own = [name for name, c in node["checks"].items() if failed(c) and name not in shared]
+        # `shared`: refused only for what every node shares; no node to exclude (health/exclude.py)
+        node["verdict"] = "bad" if own else "shared" if node["why"] else "ok"
     return nodes
+
+
+def failed(check: dict) -> bool:
+    return not check.get("ok", True) and bool(check.get("why"))
+
+
+def shared_failures(nodes: dict[str, dict]) -> list[str]:
+    """The checks (SHARED's, in its order) that fail for want of what every node shares, no node's
+    fault: one failing on every node of two or more; on a one-node job, which has no other node to
+    compare with, run.dir or the data failing on a network filesystem (NETWORK_FS). A one-node
+    job's memory stays the node's: another node may have more free."""
+    out = []
+    for name in SHARED:
+        checks = [n["checks"].get(name, {}) for n in nodes.values()]
+        if not checks or not all(failed(c) for c in checks):
+            continue
+        if len(nodes) > 1 or (name != "memory" and all(c.get("fs") in NETWORK_FS for c in checks)):
+            out.append(name)
+    return out
 
 
 def _judge_network(nodes: dict[str, dict], first: dict[str, int], links: dict, min_bandwidth: float) -> None:
@@ -290,16 +357,12 @@ def _judge_network(nodes: dict[str, dict], first: dict[str, int], links: dict, m
 
 def exit_code(nodes: dict[str, dict], refused_in_a_row: int, crash_loop: int) -> int:
     """0, or the code a refused start exits with (see the module docstring)."""
-    bad = [n for n in nodes.values() if n["verdict"] == "bad"]
-    if not bad:
+    if all(n["verdict"] == "ok" for n in nodes.values()):
         return EXIT_OK
     if crash_loop and refused_in_a_row >= crash_loop:
         return EXIT_CRASH_LOOP
-    if len(nodes) > 1 and len(bad) == len(nodes):
-        for check, code in SHARED.items():
-            if all(not n["checks"].get(check, {}).get("ok", True) for n in nodes.values()):
-                return code
-    return EXIT_BAD_NODE
+    shared = shared_failures(nodes)
+    return SHARED[shared[0]] if shared else EXIT_BAD_NODE
 
 
 def line_of(node: dict) -> str:
@@ -308,13 +371,20 @@ def line_of(node: dict) -> str:
     return f"node {node['host']} ({who}) failed its check before the first step: {'; '.join(node['why'])}"
 
 
+def shared_line(nodes: dict[str, dict], name: str) -> str:
+    """What failed for want of what every node shares (`name`, one of shared_failures), and what to fix."""
+    check = next(iter(nodes.values()))["checks"][name]
+    where = f"on every node ({len(nodes)})" if len(nodes) > 1 else f"on a {check.get('fs')} filesystem every node shares"
+    return f"{check['why']} ({where}): not a node's fault; {FIX[name]}"
+
+
 def ending(code: int, refused: int) -> str:
     if code == EXIT_CRASH_LOOP:
         return (f"{refused} starts in a row refused: not requeued (exit {code}); no node the job landed on "
                 f"passed; fix them or the shared storage, then start the run again")
     if code == EXIT_BAD_NODE:
         return f"exit {code}: requeue elsewhere (slurm/train.sbatch excludes the node)"
-    return f"every node fails the same way: it is the shared storage or the config, not a node (exit {code})"
+    return f"exit {code}: no requeue cures it; fix it, then start the run again"
 
 
 # --- the check, on every rank -----------------------------------------------------------------
@@ -344,10 +414,12 @@ def check_nodes(cfg: Config, engine: Any, data_dir: Path, manifest: dict) -> dic
     seconds = round(time.perf_counter() - started, 3)
     code, doc = engine.decide(lambda: record(cfg, run_dir, nodes, seconds, links))
     if code != EXIT_OK:
-        error = BadNode(f"{sum(n['verdict'] == 'bad' for n in nodes.values())} node(s) failed the check before "
-                        f"the first step ({run_dir / 'nodes.json'}): "
-                        f"{', '.join(h for h, n in nodes.items() if n['verdict'] == 'bad')}; "
-                        f"{ending(code, doc['refused_in_a_row'])}", code)
+        bad = [h for h, n in nodes.items() if n["verdict"] == "bad"]
+        said = [shared_line(nodes, name) for name in shared_failures(nodes)]
+        if bad:
+            said.append(f"{len(bad)} node(s) failed the check before the first step: {', '.join(bad)}")
+        error = BadNode(f"{'; '.join(said)} ({run_dir / 'nodes.json'}); {ending(code, doc['refused_in_a_row'])}",
+                        code)
         error.echoed = not engine.is_main  # rank 0 says it (train.main)
         raise error
     return doc
@@ -357,15 +429,16 @@ def record(cfg: Config, run_dir: Path, nodes: dict[str, dict], seconds: float, l
     """Rank 0: the console lines and, for a refused start, nodes.json and the events; returns (exit
     code, the document). A start that passes writes nothing yet: a refusal after it (bad input, a
     resume refused) leaves run.dir as it was; the straggler report publishes the document and its
-    `node_check` event once the first step is done (observe/stragglers.py)."""
+    `node_check` event once the first step is done (health/stragglers.py)."""
     before = (read_nodes(run_dir) or {}).get("refused_in_a_row")
     bad = [n for n in nodes.values() if n["verdict"] == "bad"]
-    refused = (before if isinstance(before, int) and before >= 0 else 0) + 1 if bad else 0
+    refusing = any(n["verdict"] != "ok" for n in nodes.values())  # bad, or `shared`
+    refused = (before if isinstance(before, int) and before >= 0 else 0) + 1 if refusing else 0
     code = exit_code(nodes, refused, cfg.observe.watchdog.crash_loop)
     doc = {"schema": 1, "time": time.time(), "job": job_name(), "seconds": seconds,
-           "verdict": "bad" if bad else "ok", "exit_code": code, "refused_in_a_row": refused, "nodes": nodes,
+           "verdict": "bad" if refusing else "ok", "exit_code": code, "refused_in_a_row": refused, "nodes": nodes,
            "links": [{"from": s, "to": d, **m} for (s, d), m in links.items()], "stragglers": []}
-    if not bad:
+    if not refusing:
         names = ", ".join(nodes) if len(nodes) <= 4 else f"{len(nodes)} nodes"
         print(f"dsslm: nodes checked in {seconds:.2f} s: {names} ok ({run_dir / 'nodes.json'})", flush=True)
         return code, doc
@@ -373,13 +446,14 @@ def record(cfg: Config, run_dir: Path, nodes: dict[str, dict], seconds: float, l
         write_nodes(run_dir, doc)
     except OSError as exc:
         print(f"dsslm: cannot write {run_dir / 'nodes.json'} ({exc.strerror or exc})", file=sys.stderr, flush=True)
-    for node in bad:
-        print(f"dsslm: {line_of(node)}", file=sys.stderr, flush=True)
+    lines = [shared_line(nodes, name) for name in shared_failures(nodes)] + [line_of(n) for n in bad]
+    for line in lines:
+        print(f"dsslm: {line}", file=sys.stderr, flush=True)
     events = EventLog(run_dir, True, cfg.run.alert_command)
     try:
         events.emit("node_check", **summary(doc))
-        events.emit("bad_node", nodes=[n["host"] for n in bad], why=[line_of(n) for n in bad],
-                    exit_code=code, refused_in_a_row=refused)
+        # `nodes`: only the bad ones (none where only what every node shares failed)
+        events.emit("bad_node", nodes=[n["host"] for n in bad], why=lines, exit_code=code, refused_in_a_row=refused)
         note_status(f"bad_node {code}")
     finally:
         events.close()  # waits for the alert command (bounded)

@@ -1,15 +1,18 @@
 """run.dir/nodes.json: what this job knows of its nodes, for a person and for the next requeue.
 
 Rank 0 writes it whole (atomic replace): at the start, the check before the first step
-(observe/nodecheck.py) with every node's checks, figures and verdict; during the run, each
-straggler the report found persisting (observe/stragglers.py). `python -m dsslm.observe.exclude`
+(health/nodecheck.py) with every node's checks, figures and verdict; during the run, each
+straggler the report found persisting (health/stragglers.py). `python -m dsslm.health.exclude`
 (slurm/train.sbatch, on a requeue) reads it, validated: anyone who can write into run.dir can write
 it too, and a file that is not what dsslm writes is ignored with one line.
 
     {"schema": 1, "time", "job", "seconds", "verdict": "ok" | "bad", "exit_code", "refused_in_a_row",
-     "nodes": {host: {"host", "slurm_node", "ranks", "verdict", "why": [...],
+     "nodes": {host: {"host", "slurm_node", "ranks", "verdict": "ok" | "bad" | "shared", "why": [...],
                       "checks": {run_dir | data | memory | network | clock | gpu: {"ok", "why", figures...}}}},
      "stragglers": [{"rank", "host", "slurm_node", "phase", "factor", "step", "reports", "time"}]}
+
+A node's verdict `shared`: it failed only what every node shares (run.dir, the data, the config's
+memory: health/nodecheck.py's shared_failures), no fault of its own; the requeue excludes only `bad`.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from dsslm.durable import write_json_atomic
 from dsslm.fields import MAX_STEP, Fields, Float, Int, ListOf, MapOf, Optional, Str
-from dsslm.observe.hangs import read_json
+from dsslm.health.hangs import read_json
 
 NODES = "nodes.json"
 SLURM_NODE_ENV = "SLURMD_NODENAME"  # Slurm's name for the node a step runs on (sinfo's, ExcNodeList's)

@@ -1,7 +1,7 @@
 """The straggler report: every `observe.stragglers.every` steps, which rank holds the others back,
 and in which phase of the step.
 
-Each rank's progress reports (observe/watchdog.py's `Progress`) add up the seconds it spends in each
+Each rank's progress reports (health/watchdog.py's `Progress`) add up the seconds it spends in each
 phase. At a report step every rank's time per step in each phase since the last report is
 gathered (each rank fills its row of a ranks x phases table, and one all-reduce sums it; the hosts
 are gathered once); rank 0 judges, writes the record to metrics.jsonl and says what it found.
@@ -20,7 +20,7 @@ time alone blames the waiting rank as much as the slow one. What is a rank's own
   there is `collective_wait`, with the step's decision (`collective`) and the report's own
   exchange. A rank slow in its own forward/backward (a slow GPU) holds every rank in that
   collective alike: the time is the same everywhere and nobody is blamed for it; the check before
-  the first step times each GPU against the median instead (observe/nodecheck.py);
+  the first step times each GPU against the median instead (health/nodecheck.py);
 - `stalled` is the time the rank's process did not run at all: stopped (SIGSTOP, a debugger, a
   cgroup freezer) or starved of a CPU. A thread (`Stalls`) sleeps STALL_TICK_S at a time and adds
   up how late it wakes beyond STALL_NOISE_S; wherever the stop falls in the step (a forward or
@@ -38,7 +38,7 @@ several percent of a step (a clean 2-rank run on 2 busy cores, 5-step windows: r
 The verdict (rank, host, phase, factor) is in every report's metrics record; the console says when
 a rank is first named, and when it no longer is; named `persist` reports in a row it becomes a
 `straggler` event (the alert command runs) and an entry in run.dir/nodes.json, which a requeue
-reads (observe/exclude.py). One process, or `every=0`: no report. Rank 0 also publishes the check
+reads (health/exclude.py). One process, or `every=0`: no report. Rank 0 also publishes the check
 before the first step here (nodes.json, its `node_check` event) once the first step is done.
 """
 from __future__ import annotations
@@ -55,8 +55,9 @@ from typing import Any
 import torch
 
 from dsslm.config import FaultsCfg, StragglersCfg
-from dsslm.observe.nodes import empty, slurm_node, write_nodes
-from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER, PHASES
+from dsslm.health.nodes import empty, slurm_node, write_nodes
+from dsslm.health.progress import (CHECKPOINT, CHECKPOINT_WRITE, COLLECTIVE, DATA, DOWNSTREAM, EVALUATION,
+                                   FORWARD_BACKWARD, LOAD, OPTIMIZER, PHASES)
 
 WAIT, LOOP, STALLED = "collective_wait", "loop", "stalled"
 REPORTED = (DATA, FORWARD_BACKWARD, WAIT, OPTIMIZER, LOOP, CHECKPOINT, EVALUATION, STALLED)
@@ -70,7 +71,7 @@ SMOOTHING = 0.5  # the newest window's weight in the smoothed times
 # cores is not named. A stop shorter than the noise goes unseen. A wake costs about 80 us of CPU on
 # a virtual machine (time.sleep; Event.wait twice that): 20 a second are 0.17% of one core.
 STALL_TICK_S, STALL_NOISE_S = 0.05, 0.03
-UNCOUNTED = (CHECKPOINT, EVALUATION)  # phases whose stalls are not counted (module docstring)
+UNCOUNTED = (CHECKPOINT, EVALUATION, CHECKPOINT_WRITE, DOWNSTREAM)  # phases whose stalls are not counted (module docstring)
 # A verdict's least excess over a whole window: a few of a loaded machine's scheduling slices
 # (its scheduler runs every runnable thread within 24 ms), which a rank's phase can lose to
 # preemption alone. A straggler at the default 50-step window needs 1 ms a step more.
@@ -111,7 +112,8 @@ def own_times(windows: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{DATA: w.get(DATA, 0.0), FORWARD_BACKWARD: fb,
              WAIT: w.get(COLLECTIVE, 0.0) + w.get(FORWARD_BACKWARD, 0.0) - fb,
              OPTIMIZER: w.get("step", 0.0), LOOP: max(0.0, w.get(OPTIMIZER, 0.0) - w.get("step", 0.0)),
-             CHECKPOINT: w.get(CHECKPOINT, 0.0), EVALUATION: w.get(EVALUATION, 0.0), STALLED: w.get(STALLED, 0.0)}
+             CHECKPOINT: w.get(CHECKPOINT, 0.0) + w.get(CHECKPOINT_WRITE, 0.0) + w.get(LOAD, 0.0),
+             EVALUATION: w.get(EVALUATION, 0.0) + w.get(DOWNSTREAM, 0.0), STALLED: w.get(STALLED, 0.0)}
             for w in windows]
 
 

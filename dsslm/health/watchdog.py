@@ -15,11 +15,11 @@ rank is judged by the others, from beats they can read whatever it does:
     first step (checkpoint load, compilation);
   - a collective that failed in the training thread (`failed`): a peer whose connection closed and
     stopped beating for a few beats is gone; the collectives' timeout is past every limit.
-- The first rank to call it claims `run.dir/hangs/.called-<job>` (observe/hangs.py) and announces
+- The first rank to call it claims `run.dir/hangs/.called-<job>` (health/hangs.py) and announces
   it in the store; every reachable rank dumps its stacks and flight record there; the caller writes
   hang.json, one console line and a `hang` event (the alert command runs); rank 0 releases
   run.dir's lock; every process exits EXIT_REQUEUE, or EXIT_CRASH_LOOP on the crash_loop-th hang
-  in a row at the same step and phase. Each node's reaper (observe/reaper.py) kills its stopped ranks.
+  in a row at the same step and phase. Each node's reaper (health/reaper.py) kills its stopped ranks.
 
 The learned phase times are saved in run.dir/watchdog.json, so a requeued job starts with them;
 after the first step the collectives' timeout becomes `Limits.bound()`, past every phase's limit,
@@ -31,7 +31,6 @@ import dataclasses
 import faulthandler
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -43,78 +42,13 @@ from typing import Any, Callable
 
 from dsslm.config import WatchdogCfg
 from dsslm.durable import write_json_atomic
-from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, STATUS_FILE_ENV, tell_agent, write_line
-from dsslm.observe import hangs, reaper
+from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, note_status, tell_agent
+from dsslm.health import hangs, reaper
+from dsslm.health.progress import (CHECKPOINT, CHECKPOINT_WRITE, COLLECTIVE, DATA, DOWNSTREAM, EVALUATION,  # noqa: F401
+                                   FORWARD_BACKWARD, LOAD, OPTIMIZER, ORDER, PHASES, Limits, Progress, Work)
 from dsslm.observe.sinks import EventLog
 
-LOAD, DATA, FORWARD_BACKWARD, OPTIMIZER = "load", "data", "forward_backward", "optimizer"
-COLLECTIVE, CHECKPOINT, EVALUATION = "collective", "checkpoint", "evaluation"
-PHASES = (LOAD, DATA, FORWARD_BACKWARD, OPTIMIZER, COLLECTIVE, CHECKPOINT, EVALUATION)
-# The order of a step's phases: where the job stopped is the furthest (step, phase) a rank reached.
-ORDER = {LOAD: 0, DATA: 1, FORWARD_BACKWARD: 2, COLLECTIVE: 3, OPTIMIZER: 4, EVALUATION: 5, CHECKPOINT: 6}
-# A step's decision may restore a checkpoint (a rewind, a triage replay's base): its limit also
-# covers the longest load and save this run has timed.
-COVERS = {COLLECTIVE: (CHECKPOINT, LOAD)}
 GAP_BEATS = 4  # the watchdog's own loop late by this many beats: this process was stopped or starved
-
-
-class Progress:
-    """The training thread's reports: `now = (step, phase, since)`, replaced whole, so the watchdog
-    thread reads a consistent triple without a lock, the longest time each phase took (the job's
-    first step aside: compilation, warm-up) and the time spent in each so far (`spent`, the
-    straggler report's). A report is a clock read (vDSO, no syscall), a tuple, an add and a few
-    compares: about 0.3 us (bench/bench_overhead.py)."""
-
-    def __init__(self, trap: tuple[int, str] = (-1, ""), longest: dict[str, float] | None = None):
-        self.now: tuple[int, str, float] = (-1, LOAD, time.monotonic())
-        self.first_step: int | None = None  # the job's first step: set by job.start
-        # Every phase has its key from the start (-1: not timed yet): the watchdog thread reads the
-        # dict while this thread writes it, which is safe while no key is added.
-        self.longest = {phase: float((longest or {}).get(phase, -1.0)) for phase in PHASES}
-        self.spent = dict.fromkeys(PHASES, 0.0)  # seconds in each phase so far: the straggler report's (observe/stragglers.py)
-        self.trap_step, self.trap_phase = trap  # faults.hang_step / hang_phase
-        self.pending: Callable[[], None] | None = None  # the watchdog's work for this thread (the collective bound)
-        # Run by this thread at its first report after the first step: the collectives' first bound
-        # is set there, not at the watchdog's next beat, which a hang within that beat would never see.
-        self.after_first: Callable[[], None] | None = None
-
-    def report(self, step: int, phase: str) -> None:
-        now = time.monotonic()
-        last_step, last_phase, since = self.now
-        self.now = (step, phase, now)
-        self.spent[last_phase] += now - since
-        if now - since > self.longest[last_phase] and last_step != self.first_step:
-            self.longest[last_phase] = now - since
-        if self.after_first is not None and self.first_step is not None and step > self.first_step:
-            after_first, self.after_first = self.after_first, None
-            after_first()
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending()
-        if step == self.trap_step and phase == self.trap_phase:
-            os.kill(os.getpid(), signal.SIGSTOP)  # the hang drill: every thread of this rank stops here
-
-
-class Limits:
-    """How long each phase may take, from the longest time it took in this run (`longest`, the
-    Progress's table: -1 = not timed yet)."""
-
-    def __init__(self, cfg: WatchdogCfg, longest: dict[str, float]):
-        self.cfg, self.longest = cfg, longest
-
-    def of(self, phase: str, first: bool) -> float:
-        c = self.cfg
-        if first:
-            return c.first_s
-        if self.longest.get(phase, -1.0) < 0:
-            return c.ceiling_s
-        longest = max(self.longest.get(p, -1.0) for p in (phase, *COVERS.get(phase, ())))
-        return min(c.ceiling_s, max(c.floor_s, c.factor * longest))
-
-    def bound(self) -> float:
-        """The collectives' timeout after the first step: past every phase's limit by floor_s, the
-        watchdog's time to call it and leave."""
-        return max(self.of(p, first=False) for p in PHASES) + self.cfg.floor_s
 
 
 @dataclass
@@ -129,6 +63,16 @@ class Seen:
     limit_s: float         # its phase's limit, as its own watchdog computed it
     silent_s: float = 0.0  # how long its beats had not changed, at the last exchange
     exited: bool = False
+    idle_s: float = -1.0   # since its phase's work last advanced (Work); -1: the phase has no measure
+
+    def working(self, floor_s: float) -> bool:
+        """Its work advanced within its limit (floor_s at least): slow, not stopped. A writer's
+        fsync or a load's last file may move no byte for a while; a rank stuck in I/O stops here."""
+        return 0.0 <= self.idle_s <= max(floor_s, self.limit_s)
+
+    def ahead_of(self, other: "Seen") -> bool:
+        return other.phase in ORDER and self.phase in ORDER and \
+            (self.step, ORDER[self.phase]) > (other.step, ORDER[other.phase])
 
 
 @dataclass
@@ -137,6 +81,11 @@ class Verdict:
     first: list[Seen]      # who stopped first (the earliest last report first)
     waiting: list[Seen]    # the others, live, waiting
     why: str
+    # The ranks proven to have stopped (their beats stopped, or stuck where the others have gone
+    # past): the only ones a node's exclusion may count. A lockstep `stuck` (every rank in one
+    # phase), `store_silent` or `collective_timeout` proves nobody: `first` is then merely
+    # whichever rank reported a few microseconds earlier.
+    proven: list[Seen] = dataclasses.field(default_factory=list)
 
     def where(self) -> tuple[int, str]:
         """Where the job stopped: the furthest (step, phase) a rank reached. A stopped rank's own
@@ -166,14 +115,20 @@ def judge(seen: list[Seen], floor_s: float, store_silent_s: float, store: str, b
     gone = [s for s in live if s.silent_s > limit]
     if gone:
         return Verdict("peer_lost" if broken else "stopped_beating", gone, [s for s in live if s not in gone],
-                       f"no beat for {gone[0].silent_s:.0f} s")
+                       f"no beat for {gone[0].silent_s:.0f} s", proven=gone)
     if store_silent_s > limit:
         return Verdict("store_silent", live[:1], live[1:],
                        f"the job's store at {store} has not answered for {store_silent_s:.0f} s")
     top = live[0]
     if broken is None and top.age_s > top.limit_s and not any(s.silent_s > quiet_s for s in live):
-        return Verdict("stuck", [top], live[1:], f"in {top.phase} for {top.age_s:.0f} s, past its limit "
-                                                 f"of {top.limit_s:.0f} s")
+        # A rank whose work still advances is slow, not stopped, and the others wait for it.
+        if any(s.working(floor_s) for s in live):
+            return None
+        others = live[1:]
+        # Proven only where the others have gone past it; in lockstep it is merely the first to report.
+        proven = [top] if others and all(s.ahead_of(top) for s in others) else []
+        return Verdict("stuck", [top], others, f"in {top.phase} for {top.age_s:.0f} s, past its limit "
+                                               f"of {top.limit_s:.0f} s", proven=proven)
     return None
 
 
@@ -225,6 +180,10 @@ class Watchdog:
         self.changed: dict[int, tuple[Any, float]] = {}  # rank -> (its beat count, when it last changed)
         self.bound: float | None = None
         self.broken: str | None = None
+        self._work: Work | None = None          # the phase's work being tracked, its last value and when it moved
+        self._work_value: Any = None
+        self._work_at = self.started
+        self._said_at = 0.0                     # the phase's age when this rank last said it is slow, not stopped
         self.closed, self.leaving = False, False
         self._leave_lock = threading.Lock()
         self._stop = threading.Event()
@@ -251,6 +210,7 @@ class Watchdog:
     def tick(self, now: float) -> None:
         step = self.progress.now[0]
         self._learn(step)
+        self._track(now)
         at, beats, verdict = self.links.board.view()
         if verdict is None and now - at > 3 * self.cfg.beat_s:  # the store is silent: a partition's other side may have called
             verdict = hangs.claimed(self.run_dir, self.token)
@@ -263,7 +223,44 @@ class Watchdog:
                           self.grace_s, 4 * self.cfg.beat_s)
             if found is not None:
                 self.call(found)
+                return
+            self._say_slow(now)
         self._reset_failures(step)
+
+    def _track(self, now: float) -> None:
+        """When the current phase's work last advanced (its Work's value changed)."""
+        work = self.progress.work
+        try:
+            value = work.done() if work is not None else None
+        except Exception:  # noqa: BLE001 - a measure that fails measures nothing: judged as without one
+            work, value = None, None
+        if work is not self._work:
+            self._work, self._work_value, self._work_at, self._said_at = work, value, now, 0.0
+        elif value != self._work_value:
+            self._work_value, self._work_at = value, now
+
+    def _idle(self, now: float) -> float:
+        if self._work is None or self._work is not self.progress.work:
+            return -1.0
+        return max(0.0, round(now - max(self._work_at, self.rebased), 3))
+
+    def _say_slow(self, now: float) -> None:
+        """One console line when this rank's phase outlives its limit while its work advances, and
+        again at each further multiple of the limit: the verdict waits, and says why."""
+        me = self._me(now)
+        if not (me.age_s > me.limit_s and me.working(self.cfg.floor_s)) or self._work is None:
+            return
+        if me.age_s < self._said_at + me.limit_s:
+            return
+        self._said_at = me.age_s
+        try:
+            detail = self._work.describe()
+        except Exception:  # noqa: BLE001 - the line without its figures
+            detail = ""
+        quiet = max(self.cfg.floor_s, me.limit_s)
+        print(f"dsslm: {self._work.what}: {me.age_s:.0f} s so far{', ' + detail if detail else ''}, "
+              f"{self._work.verb} (past its limit of {me.limit_s:.0f} s; a hang only once it makes no progress "
+              f"for {quiet:.0f} s)", file=sys.stderr, flush=True)
 
     def _me(self, now: float) -> Seen:
         step, phase, since = self.progress.now
@@ -272,7 +269,7 @@ class Watchdog:
         # the two reads; a negative age would fail the others' check of this beat (hangs.SEEN_SPEC),
         # and they would see this rank as one that never beat ("?").
         return Seen(self.rank, self.host, self.pid, step, phase, max(0.0, round(now - max(since, self.rebased), 3)),
-                    self.limits.of(phase, first))
+                    self.limits.of(phase, first), idle_s=self._idle(now))
 
     def _seen(self, now: float, at: float, beats: list[Any]) -> list[Seen]:
         out = []
@@ -289,8 +286,10 @@ class Watchdog:
                 changed_at = at
             fields = {k: beat[k] for k in ("host", "pid", "step", "phase")}
             limit = beat.get("limit_s") if isinstance(beat.get("limit_s"), (int, float)) else float("inf")
+            idle = beat.get("idle_s")
+            idle = idle + now - changed_at if isinstance(idle, (int, float)) and idle >= 0 else -1.0
             out.append(Seen(rank, **fields, age_s=beat["age_s"] + now - changed_at, limit_s=limit,
-                            silent_s=max(0.0, at - changed_at), exited=beat.get("exited") is True))
+                            silent_s=max(0.0, at - changed_at), exited=beat.get("exited") is True, idle_s=idle))
         return out
 
     def _learn(self, step: int) -> None:
@@ -416,8 +415,12 @@ class Watchdog:
             collective = views[s.rank].get("collective")
             return {**dataclasses.asdict(s), "collective": collective if isinstance(collective, str) else None,
                     "dumped": bool(views[s.rank])}
+        proven = {s.rank for s in verdict.proven}
         record = {"schema": 1, "cause": verdict.cause, "why": verdict.why, "step": step, "phase": phase,
-                  "first": [entry(s) for s in verdict.first], "waiting": [entry(s) for s in verdict.waiting],
+                  "first": [{**entry(s), "proven": s.rank in proven} for s in verdict.first],
+                  "waiting": [entry(s) for s in verdict.waiting],
+                  # the only hosts a node's exclusion counts (health/exclude.py): proven stopped
+                  "blamed": [{"rank": s.rank, "host": s.host, "pid": s.pid} for s in verdict.proven],
                   "called_by": {"rank": self.rank, "host": self.host}, "store": self.links.store,
                   "in_a_row": row, "exit_code": code, "time": time.time()}
         try:
@@ -435,7 +438,7 @@ class Watchdog:
     # --- the job's start and end --------------------------------------------------------------
 
     def start_reaper(self, node: list[tuple[int, int]]) -> None:
-        """Watch this node's ranks `(pid, start time)` from a process of their own (observe/reaper.py)."""
+        """Watch this node's ranks `(pid, start time)` from a process of their own (health/reaper.py)."""
         claim = self.run_dir / hangs.HANGS / f".called-{self.token}"
         grace = self.join_s + 30.0 + 2 * self.cfg.beat_s  # the caller's wait for dumps, then its alert command
         argv = [sys.executable, reaper.__file__, str(claim), f"{grace:g}", f"{self.cfg.beat_s:g}",
@@ -454,14 +457,11 @@ class Watchdog:
             self.reaper.wait()
 
 
-def note_status(line: str) -> None:
-    """`hang 75` or `hang 6` for the launcher ($DSSLM_STATUS_FILE): srun's code is one for all nodes."""
-    write_line(STATUS_FILE_ENV, line)
-
-
 def describe(record: dict, folder: Path) -> str:
     """The console line: where it stopped, who, who waited in what, the record, the exit."""
     who = ", ".join(f"rank {s['rank']} ({s['host']}, pid {s['pid']})" for s in record["first"]) or "no rank"
+    if record["first"] and not record.get("blamed"):  # nothing proves this rank stopped: no node is blamed
+        who += " first to report, not proven stopped (no node blamed)"
     waits = "; ".join(f"rank {s['rank']} waited in {s['collective'] or s['phase']}" for s in record["waiting"][:4])
     more = f" and {len(record['waiting']) - 4} more" if len(record["waiting"]) > 4 else ""
     if record["exit_code"] == EXIT_CRASH_LOOP:

@@ -364,7 +364,7 @@ def plot_evals(run: Run, out: Path) -> Path | None:
 
 
 def plot_phases(run: Run, out: Path) -> Path | None:
-    """The straggler report's per-rank times a step (observe/stragglers.py), one panel per phase any
+    """The straggler report's per-rank times a step (health/stragglers.py), one panel per phase any
     rank spent time in, one line per rank; each rank named a straggler marked where it was."""
     rows = run.phases
     if not rows:

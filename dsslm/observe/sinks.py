@@ -310,7 +310,7 @@ class Sinks:
         self.console.val_loss(record)
 
     def log_phases(self, record: dict) -> None:
-        """The straggler report's record (observe/stragglers.py): per-rank lists, for metrics.jsonl
+        """The straggler report's record (health/stragglers.py): per-rank lists, for metrics.jsonl
         and the report; TensorBoard and W&B plot numbers, not lists."""
         self.metrics.write(record)
 

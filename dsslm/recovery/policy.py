@@ -18,6 +18,8 @@ grad norm, or None.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -51,6 +53,8 @@ class SpikePolicy:
         self.monitor = SpikeMonitor(cfg.monitor)
         self.forensics = Forensics(cfg, engine, run_dir, tokenizer, emit, loader)
         self.progress = ReplayProgress()
+        # Forensics' gathers and writes, judged by the watchdog as a forward/backward (job.setup).
+        self.busy: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
         self.rewinder: Rewinder | None = None
         self.triage: Triage | None = None
 
@@ -109,7 +113,8 @@ class SpikePolicy:
             verdict, reason, result, done = self._surge(state, step, fed, batches, result, reason, again, probe)
         spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
         if spike and not done and not self.triage.replaying(step):  # a replay's evidence goes to its decision
-            self.forensics.capture(step, fed, batches, result, verdict.value, reason, self.monitor.window())
+            with self.busy(step):
+                self.forensics.capture(step, fed, batches, result, verdict.value, reason, self.monitor.window())
         if spike and not done and verdict is Verdict.SKIP and self.triage.may_rerun(step):
             verdict, reason, result = self._rerun_in_place(state, step, result, reason, again)
         verdict, reason = self.triage.review(state, step, verdict, reason, result.loss, result.gnorm, spike)
@@ -168,7 +173,8 @@ class SpikePolicy:
             why = f"{reason}; a held-out batch's grad norm {held_out:.3g}: this batch's alone"
             verdict = self.engine.decide(lambda: self.monitor.outlier(step, why))
             if not self.triage.replaying(step):
-                self.forensics.capture(step, fed, batches, second, verdict.value, why, self.monitor.window())
+                with self.busy(step):
+                    self.forensics.capture(step, fed, batches, second, verdict.value, why, self.monitor.window())
             if rerun and verdict is Verdict.SKIP:  # reproduced in place: data, or unknown (Triage.note_rerun)
                 self.triage.note_rerun(state, step, (first.loss, first.gnorm, why), (second.loss, second.gnorm),
                                        verdict)

@@ -270,9 +270,9 @@ def test_a_diagnosed_hang_is_requeued_and_a_crash_loop_never(tmp_path, srun, req
 
 def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
     """Exit 76 (or srun's other code with `bad_node 76` in the status file): requeued, and after the
-    requeue (Slurm takes ExcNodeList only from a job no longer running) dsslm.observe.exclude adds the
+    requeue (Slurm takes ExcNodeList only from a job no longer running) dsslm.health.exclude adds the
     node nodes.json names to the job's ExcNodeList, sinfo listing it and another node left for it."""
-    from dsslm.observe.nodes import write_nodes
+    from dsslm.health.nodes import write_nodes
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     write_nodes(run_dir, {"schema": 1, "time": time.time(), "stragglers": [], "nodes": {

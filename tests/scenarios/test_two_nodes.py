@@ -220,7 +220,7 @@ def test_slurm_across_two_nodes_requeues_a_hang_and_stops_a_crash_loop(slurm_on_
 @pytest.mark.slurm
 def test_slurm_requeues_a_job_a_node_refused_without_that_node(slurm_on_two_nodes, two_nodes, tmp_path):
     """A 1-node job lands on node B (node A is busy) whose run.dir is a full disk: it exits 76, the
-    script requeues it with ExcNodeList=nodeb (dsslm.observe.exclude: sinfo lists node B, and node A
+    script requeues it with ExcNodeList=nodeb (dsslm.health.exclude: sinfo lists node B, and node A
     is enough for the job), and once node A is free the job runs there to its end."""
     from slurm_cluster import FINISHED_STATES
     from test_slurm import JOB_TIMEOUT_S, RUN_ARGS, SBATCH, job_log

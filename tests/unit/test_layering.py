@@ -9,7 +9,10 @@
   train; recovery never imports observe or train; hf/ only what a checkpoint and its data need;
   nothing but the CLIs imports train or job;
 - evals/ (downstream tasks) imports only the ground floor and the low modules (the engine and the
-  sinks it is handed are duck-typed), and only job (the in-loop hook) and the eval CLI import it.
+  sinks it is handed are duck-typed), and only job (the in-loop hook) and the eval CLI import it;
+- health/ (the watchdog, the node check, the straggler report) never imports recovery, ckpt, evals
+  or train, observe never imports health, and outside health/ the loop talks to it through one
+  door (health.door); the report CLI may read its records (health.nodes, health.hangs).
 """
 from __future__ import annotations
 
@@ -113,7 +116,7 @@ def test_data_and_ckpt_format_import_only_config_durable_fields_and_data(module)
 HIGHER = {"data": ("ckpt", "recovery", "observe", "train", "engine", "hf"),
           "ckpt": ("recovery", "observe", "train", "hf"), "hf": ("recovery", "observe", "train", "engine"),
           "recovery": ("observe", "train"), "engine": ("ckpt", "recovery", "observe", "train", "data"),
-          "observe": ("recovery", "train")}
+          "observe": ("recovery", "train", "health"), "health": ("recovery", "ckpt", "evals", "train")}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -149,6 +152,16 @@ def test_only_the_job_and_the_eval_cli_import_evals(module):
         return
     bad = sorted(m for m in dsslm_imports(module) if in_folder(m, "evals"))
     assert not bad, f"{module} imports {bad}: only {sorted(EVALS_USERS)} may"
+
+
+HEALTH_READERS = {"dsslm.report": ("dsslm.health.nodes", "dsslm.health.hangs")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not in_folder(m, "health")))
+def test_the_loop_talks_to_health_through_its_door(module):
+    allowed = ("dsslm.health.door", *HEALTH_READERS.get(module, ()))
+    bad = sorted(m for m in dsslm_imports(module) if in_folder(m, "health") and not below(m, allowed))
+    assert not bad, f"{module} imports {bad}: outside dsslm/health/ only its door, dsslm.health.door"
 
 
 def test_the_reader_catches_nested_and_relative_imports(tmp_path):

@@ -1,4 +1,4 @@
-"""Bad nodes kept out of a requeue (dsslm/observe/exclude.py): which nodes run.dir's records call
+"""Bad nodes kept out of a requeue (dsslm/health/exclude.py): which nodes run.dir's records call
 bad, the job's ExcNodeList after the requeue (expiry, sinfo, enough nodes, the user's own
 exclusions), and the Slurm commands it runs (stand-ins here; the real cluster is
 tests/scenarios/test_two_nodes.py's)."""
@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from dsslm.config import load
-from dsslm.observe.exclude import EXCLUDED, Candidate, candidates, exclude, main, plan, usable
-from dsslm.observe.nodes import write_nodes
+from dsslm.health.exclude import EXCLUDED, Candidate, candidates, exclude, main, plan, usable
+from dsslm.health.nodes import write_nodes
 
 NOW = 1_800_000_000.0
 HOUR = 3600.0
@@ -22,12 +22,13 @@ def nodes_doc(bad: dict[str, str], stragglers: list[dict] = (), when: float = NO
         "stragglers": list(stragglers)}
 
 
-def hang(run_dir: Path, name: str, host: str, when: float) -> None:
+def hang(run_dir: Path, name: str, host: str, when: float, cause: str = "stopped_beating", **more) -> None:
+    """A hang record as the watchdog writes it; without `blamed` in `more`, an older one's format."""
     folder = run_dir / "hangs" / name
     folder.mkdir(parents=True)
     (folder / "hang.json").write_text(json.dumps({
-        "schema": 1, "cause": "stopped_beating", "step": 12, "phase": "data", "in_a_row": 1, "exit_code": 75,
-        "time": when, "first": [{"rank": 1, "host": host}], "waiting": [{"rank": 0, "host": "n1"}]}))
+        "schema": 1, "cause": cause, "step": 12, "phase": "data", "in_a_row": 1, "exit_code": 75,
+        "time": when, "first": [{"rank": 1, "host": host}], "waiting": [{"rank": 0, "host": "n1"}], **more}))
 
 
 def test_a_refused_node_a_node_blamed_twice_and_a_persistent_straggler(tmp_path):
@@ -48,6 +49,44 @@ def test_a_refused_node_a_node_blamed_twice_and_a_persistent_straggler(tmp_path)
     off = load(None, [f"run.dir={tmp_path}", "observe.stragglers.exclude=false", "observe.nodes.hang_blames=0"])
     assert [c.name for c in candidates(tmp_path, off, NOW)] == ["n2"]
     assert candidates(tmp_path, cfg, NOW + 25 * HOUR) == []  # all past exclude_hours
+
+
+def test_hang_blame_counts_only_the_ranks_a_record_proves_stopped(tmp_path):
+    """A lockstep `stuck` record's first rank merely reported a few microseconds before the others;
+    `store_silent` and `collective_timeout` prove no rank either: however many such records name a
+    host, it is not blamed. Beats that stopped prove it, in the old format (no `blamed`) and the new."""
+    cfg = load(None, [f"run.dir={tmp_path}"])  # hang_blames=2
+    proven_not = [{"rank": 1, "host": "n3", "pid": 7, "proven": False}]
+    for i, when in enumerate((NOW - 2 * HOUR, NOW - HOUR)):
+        hang(tmp_path, f"a{i}-stuck-old", "n3", when, cause="stuck")                     # no `blamed`: lockstep
+        hang(tmp_path, f"b{i}-stuck-new", "n3", when, cause="stuck", first=proven_not, blamed=[])
+        hang(tmp_path, f"c{i}-store-old", "n4", when, cause="store_silent")
+        hang(tmp_path, f"d{i}-store-new", "n4", when, cause="store_silent", blamed=[])
+        hang(tmp_path, f"e{i}-timeout", "n4", when, cause="collective_timeout")
+        hang(tmp_path, f"f{i}-beats-old", "n5.cluster", when)                            # stopped_beating, old
+        hang(tmp_path, f"g{i}-stuck-past", "n6", when, cause="stuck", first=[{"rank": 1, "host": "n6", "pid": 7,
+             "proven": True}], blamed=[{"rank": 1, "host": "n6.cluster", "pid": 7}])    # the others went past it
+    hang(tmp_path, "h-peer-lost", "n7", NOW - HOUR, cause="peer_lost")
+    hang(tmp_path, "i-peer-lost", "n7", NOW - HOUR, cause="peer_lost")
+    found = {c.name: c for c in candidates(tmp_path, cfg, NOW)}
+    assert sorted(found) == ["n5", "n6", "n7"], found
+    assert found["n6"].why.startswith("named by 2 hang records") and found["n6"].since == NOW - HOUR
+    assert found["n7"].why.startswith("named by 2 hang records"), found["n7"]
+
+
+def test_a_malformed_hang_entry_is_left_out_and_never_stops_the_requeue(tmp_path):
+    """Anyone who can write into run.dir can write a hang record: an entry that does not fit is
+    left out (n8 and n9 have one good entry each, not the two it takes), and nothing raises."""
+    cfg = load(None, [f"run.dir={tmp_path}"])
+    junk = [None, "n8", {"host": "n8"}, {"rank": "1", "host": "n8", "pid": 7}, {"rank": 1, "host": 8, "pid": 7},
+            {"rank": 1, "host": "n8", "pid": -1}, {"rank": True, "host": "n8", "pid": 7}]
+    hang(tmp_path, "j-junk", "n8", NOW - HOUR, cause="stuck", blamed=junk)
+    hang(tmp_path, "k-junk", "n8", NOW - HOUR, cause="stuck", blamed={"host": "n8"})
+    hang(tmp_path, "l-good", "n8", NOW - HOUR, blamed=[{"rank": 1, "host": "n8", "pid": 7}])
+    hang(tmp_path, "m-junk", "n9", NOW - HOUR, first=[None, {"host": 9}, "n9", {"host": "n9"}])
+    hang(tmp_path, "n-junk", "n9", NOW - HOUR, first={"host": "n9"})
+    hang(tmp_path, "o-junk", "n9", float("inf"))  # a time past any expiry
+    assert candidates(tmp_path, cfg, NOW) == []
 
 
 def test_the_plan_keeps_enough_nodes_the_users_exclusions_and_lifts_the_expired():
@@ -94,6 +133,32 @@ def test_it_runs_the_slurm_commands_and_remembers_the_expiry(tmp_path):
         "Partition=debug NumNodes=1 ExcNodeList=n2" if argv[1] == "-o" else "n1 idle\nn2 idle\n"), now=NOW + 25 * HOUR)
     assert ["scontrol", "update", "job=7", "ExcNodeList="] in calls and later[0].startswith("n2 may run this job again")
     assert json.loads((tmp_path / EXCLUDED).read_text())["nodes"] == {}
+
+
+def test_a_kept_exclusion_of_a_node_sinfo_no_longer_lists_is_dropped(tmp_path):
+    """old1 left the partition (retired, renamed): its exclusion, not yet expired, leaves the
+    ExcNodeList written back and excluded_nodes.json, with one line; n2's stays; the user's own
+    exclusion (user1, which sinfo does not list either) stays."""
+    cfg = load(None, [f"run.dir={tmp_path}"])
+    kept = {"old1": {"since": NOW - HOUR, "until": NOW + 23 * HOUR, "why": "slow link"},
+            "n2": {"since": NOW - HOUR, "until": NOW + 23 * HOUR, "why": "full run.dir"}}
+    (tmp_path / EXCLUDED).write_text(json.dumps({"nodes": kept}))
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        if argv[:3] == ["scontrol", "-o", "show"]:
+            return "JobId=7 Partition=debug NumNodes=1 ExcNodeList=user1,old1,n2\n"
+        if argv[0] == "sinfo":
+            return "n1 idle\nn2 idle\nn3 alloc\n"
+        return ""
+    lines = exclude(tmp_path, cfg, "7", run, now=NOW)
+    assert ["scontrol", "update", "job=7", "ExcNodeList=user1,n2"] in calls, calls
+    assert lines == ["dropping the exclusion of old1 (slow link): sinfo no longer lists it in this job's partition"]
+    assert json.loads((tmp_path / EXCLUDED).read_text())["nodes"] == {"n2": kept["n2"]}
+    # A listing with no node in it proves nothing (a wrong partition, sinfo's hiccup): all stay.
+    empty = plan([], kept, {}, needed=1, current=["user1", "old1", "n2"], now=NOW, expiry_s=24 * HOUR)
+    assert (empty.exclude, empty.kept, empty.lines) == (["user1", "old1", "n2"], kept, []), empty
 
 
 def test_a_completing_jobs_count_of_nodes_is_not_its_size(tmp_path):

@@ -1,4 +1,4 @@
-"""The check before the first step (dsslm/observe/nodecheck.py): each node's own checks, the verdict
+"""The check before the first step (dsslm/health/nodecheck.py): each node's own checks, the verdict
 every rank reaches from the same table (links, clocks, GPUs), the exit code, and what rank 0 records.
 The multi-process and two-node drills are tests/scenarios/test_two_nodes.py's and test_nodes.py's."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 from dsslm.config import NodesCfg, load
 from dsslm.exits import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_CRASH_LOOP, EXIT_OK, EXIT_WRITE_FAILED
-from dsslm.observe import nodecheck
-from dsslm.observe.nodecheck import (check_data, check_dir, check_gpu, check_memory, exit_code, host_bytes, judge,
-                                     line_of, record)
-from dsslm.observe.nodes import read_nodes
+from dsslm.health import nodecheck
+from dsslm.health.nodecheck import (check_data, check_dir, check_gpu, check_memory, exit_code, fs_type, host_bytes,
+                                    judge, line_of, record)
+from dsslm.health.nodes import read_nodes
 
 CFG = NodesCfg()
 
@@ -62,6 +62,12 @@ def test_a_full_filesystem_fails_the_write_and_the_room(tmp_path):
         assert not list(mount.iterdir())  # nor is it left behind
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_the_filesystem_under_run_dir_and_the_data_is_recorded(tmp_path):
+    assert fs_type("/proc") == "proc" and fs_type("/proc/self") == "proc"  # the deepest mount over the path
+    assert isinstance(fs_type(tmp_path), str)
+    assert check_dir(tmp_path, needed=1)["fs"] == fs_type(tmp_path) == check_data(tmp_path, [])["fs"]
 
 
 def test_data_shards_are_read_at_both_ends(tmp_path):
@@ -131,6 +137,24 @@ def test_a_clock_far_from_the_median_node():
     assert "+3.5 s from the median node's" in table["c"]["why"][0]
 
 
+def test_of_two_nodes_only_the_one_without_rank_0_is_named_for_its_clock():
+    """The median of two clocks is their midpoint: a 5 s skew (max_clock_skew_s 2) put each node
+    2.5 s from it and refused both; a 3 s one passed both. Rank 0's node is the reference."""
+    for clocks, skew in (([100.0, 100.01, 105.0, 105.02], "+5.0"), ([100.0, 100.01, 103.0, 103.02], "+3.0"),
+                         ([105.0, 105.01, 100.0, 100.02], "-5.0")):  # rank 0's node off: still only b named
+        table = judge(ranks("a", "a", "b", "b"), clocks, {}, CFG)
+        assert [h for h, n in table.items() if n["verdict"] == "bad"] == ["b"], (clocks, table)
+        assert table["b"]["why"] == [f"its clock is {skew} s from rank 0's node's (at most 2 s)"], table["b"]
+        assert table["a"]["checks"]["clock"] == {"ok": True, "skew_s": 0.0}
+        assert exit_code(table, 1, 3) == EXIT_BAD_NODE
+    close = judge(ranks("a", "b"), [100.0, 101.5], {}, CFG)
+    assert all(n["verdict"] == "ok" for n in close.values()) and close["b"]["checks"]["clock"]["skew_s"] == 1.5
+    # From three nodes the median: rank 0's node is named when it is the one off.
+    three = judge(ranks("a", "b", "c"), [103.5, 100.0, 100.01], {}, CFG)
+    assert [h for h, n in three.items() if n["verdict"] == "bad"] == ["a"], three
+    assert "+3.5 s from the median node's" in three["a"]["why"][0]
+
+
 def test_a_wrong_or_slow_gpu():
     everyone = ranks("a", "a", "b", "b")
     for r, tflops in zip(everyone, (400, 410, 395, 90)):
@@ -150,10 +174,42 @@ def test_exit_codes_a_node_the_shared_storage_and_the_crash_loop():
     assert exit_code(both, 1, 3) == EXIT_WRITE_FAILED  # a full shared disk: no node's fault
     no_data = {**ok_local(), "data": {"ok": False, "why": "unreadable"}}
     assert exit_code(judge(ranks("a", "b", local={"a": no_data, "b": no_data}), [0, 0], {}, CFG), 1, 3) == EXIT_BAD_INPUT
+    assert [n["verdict"] for n in both.values()] == ["shared", "shared"], both  # neither node is bad
+    bad_gpu = {**bad_dir, "gpu": {"ok": False, "why": "cuda:0 computes a known matmul wrong"}}
+    mixed = judge(ranks("a", "b", local={"a": bad_dir, "b": bad_gpu}), [0.0, 0.0], {}, CFG)
+    assert {h: n["verdict"] for h, n in mixed.items()} == {"a": "shared", "b": "bad"}, mixed
+    assert exit_code(mixed, 1, 3) == EXIT_WRITE_FAILED  # run.dir first: no requeue cures it
     alone = judge(ranks("a", local={"a": bad_dir}), [0.0], {}, CFG)
-    assert exit_code(alone, 2, 3) == EXIT_BAD_NODE  # one node: it may be the node; requeue elsewhere
+    assert exit_code(alone, 2, 3) == EXIT_BAD_NODE  # one node, run.dir's filesystem not known shared: the node
     assert exit_code(alone, 3, 3) == EXIT_CRASH_LOOP and exit_code(alone, 3, 0) == EXIT_BAD_NODE
     assert exit_code(judge(ranks("a", "b"), [0, 0], {}, CFG), 5, 3) == EXIT_OK
+
+
+def test_a_one_node_job_is_not_refused_as_a_bad_node_for_a_shared_filesystem(tmp_path, capsys):
+    """One node has no other to compare with, and a requeue onto another meets the same network
+    filesystem: run.dir that cannot be written there is exit 4, the data unreadable there exit 2,
+    and the node is not named bad (nothing for the requeue to exclude). On a node-local filesystem
+    (a disk, a tmpfs over the path), and for its memory, the node is refused as before (76)."""
+    cfg = load(None, [f"run.dir={tmp_path}"])
+    unwritable = {"ok": False, "fs": "nfs4", "why": f"run.dir {tmp_path}: cannot write and fsync a file there "
+                                                   "(Read-only file system)"}
+    table = judge(ranks("a", "a", local={"a": {**ok_local(), "run_dir": unwritable}}), [0.0, 0.0], {}, CFG)
+    assert table["a"]["verdict"] == "shared" and exit_code(table, 1, 3) == EXIT_WRITE_FAILED, table
+    code, doc = record(cfg, tmp_path, table, 0.1, {})
+    assert code == EXIT_WRITE_FAILED and read_nodes(tmp_path)["nodes"]["a"]["verdict"] == "shared"
+    err = capsys.readouterr().err
+    assert ("(Read-only file system) (on a nfs4 filesystem every node shares): not a node's fault; free space in "
+            "run.dir or make it writable") in err and "node a (ranks 0-1) failed" not in err, err
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "bad_node" and events[-1]["nodes"] == [] and events[-1]["exit_code"] == 4
+    unreadable = {"ok": False, "fs": "lustre", "why": "cannot read /data/web/a.bin: Permission denied"}
+    data = judge(ranks("a", local={"a": {**ok_local(), "data": unreadable}}), [0.0], {}, CFG)
+    assert data["a"]["verdict"] == "shared" and exit_code(data, 1, 3) == EXIT_BAD_INPUT, data
+    for local in ({**ok_local(), "run_dir": {**unwritable, "fs": "tmpfs"}},
+                  {**ok_local(), "data": {**unreadable, "fs": "ext4"}},
+                  {**ok_local(), "memory": {"ok": False, "why": "0.10 GB of host memory available"}}):
+        node = judge(ranks("a", local={"a": local}), [0.0], {}, CFG)
+        assert node["a"]["verdict"] == "bad" and exit_code(node, 1, 3) == EXIT_BAD_NODE, node
 
 
 def test_rank_0_records_the_table_the_lines_and_the_events(tmp_path, capsys, monkeypatch):
@@ -185,8 +241,8 @@ def test_rank_0_records_the_table_the_lines_and_the_events(tmp_path, capsys, mon
 def test_a_passed_check_is_published_once_the_first_step_is_done(tmp_path):
     from test_stragglers import FakeEngine, FakeSinks
     from dsslm.config import StragglersCfg
-    from dsslm.observe.stragglers import Stragglers
-    from dsslm.observe.watchdog import Progress
+    from dsslm.health.stragglers import Stragglers
+    from dsslm.health.watchdog import Progress
     cfg = load(None, [f"run.dir={tmp_path}"])
     _, doc = record(cfg, tmp_path, judge(ranks("a"), [0.0], {}, CFG), 0.05, {})
     sinks = FakeSinks()

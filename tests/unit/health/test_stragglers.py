@@ -1,4 +1,4 @@
-"""The straggler report (dsslm/observe/stragglers.py): a rank's own time apart from its waiting,
+"""The straggler report (dsslm/health/stragglers.py): a rank's own time apart from its waiting,
 the verdict against the other ranks' median, and what rank 0 records as a verdict persists. The
 2-rank drills are tests/scenarios/test_nodes.py's."""
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 from helpers import STOPPER
 
 from dsslm.config import FaultsCfg, StragglersCfg
-from dsslm.observe.nodes import read_nodes
-from dsslm.observe.stragglers import (BLAMED as ALL_BLAMED, DATA, KEYS, LOOP, OPTIMIZER, STALLED, WAIT, Stalls,
+from dsslm.health.nodes import read_nodes
+from dsslm.health.stragglers import (BLAMED as ALL_BLAMED, DATA, KEYS, LOOP, OPTIMIZER, STALLED, WAIT, Stalls,
                                       Stragglers, arm_slow_drill, describe, own_times, verdicts)
-from dsslm.observe.watchdog import CHECKPOINT, COLLECTIVE, EVALUATION, FORWARD_BACKWARD, PHASES, Progress
+from dsslm.health.watchdog import CHECKPOINT, COLLECTIVE, EVALUATION, FORWARD_BACKWARD, PHASES, Progress
 
 BLAMED = (DATA, OPTIMIZER)
 

@@ -19,8 +19,8 @@ import pytest
 from dsslm.config import WatchdogCfg
 from dsslm.engine.board import collective_failure
 from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, job_exit_code
-from dsslm.observe import hangs, reaper, watchdog
-from dsslm.observe.watchdog import (CHECKPOINT, COLLECTIVE, DATA, FORWARD_BACKWARD, LOAD, Limits, Links, Progress, Seen,
+from dsslm.health import hangs, reaper, watchdog
+from dsslm.health.watchdog import (CHECKPOINT, COLLECTIVE, DATA, FORWARD_BACKWARD, LOAD, Limits, Links, Progress, Seen,
                                     Verdict, Watchdog, judge)
 
 CFG = WatchdogCfg(floor_s=60, ceiling_s=600, factor=10, first_s=1800, beat_s=2)
@@ -116,23 +116,28 @@ def test_limits_clamp_the_learned_times_and_allow_the_first_step_and_untimed_pha
     assert limits.of(FORWARD_BACKWARD, first=True) == 1800       # the first step: compilation
     assert limits.of(COLLECTIVE, first=False) == 600             # not timed yet
     longest[COLLECTIVE] = 0.01
-    assert limits.of(COLLECTIVE, first=False) == 200             # covers a restore: the saves' time
+    # Its own time only: a rewind's load and a re-run report their own phases (they once counted here).
+    assert limits.of(COLLECTIVE, first=False) == 60
     assert limits.bound() == 600 + 60 and all(limits.bound() > limits.of(p, False) for p in watchdog.PHASES)
 
 
-def test_reports_time_each_phase_except_in_the_first_step(monkeypatch):
-    clock = iter([0.0, 10.0, 10.5, 12.5, 13.0, 13.2, 13.3])
+def test_reports_time_each_phase_except_the_start_and_the_first_step(monkeypatch):
+    clock = iter([0.0, 10.0, 10.5, 12.5, 13.0, 13.2, 13.3, 13.4, 20.4, 20.5])
     monkeypatch.setattr(watchdog.time, "monotonic", lambda: next(clock))
     progress = Progress()                      # t=0: (-1, load)
-    progress.report(0, LOAD)                   # 10: setup's tail counts as load (10 s)
+    progress.report(0, LOAD)                   # 10: setup's tail: the start, judged by first_s, teaches nothing
     progress.first_step = 1
-    progress.report(1, DATA)                   # 10.5: load 0.5 s: shorter, kept 10
+    progress.report(1, DATA)                   # 10.5: the start's load: not timed either
     progress.report(1, FORWARD_BACKWARD)       # 12.5: the first step's data: not timed
     progress.report(2, DATA)                   # 13.0: nor its forward/backward
     progress.report(2, FORWARD_BACKWARD)       # 13.2: step 2's data: 0.2 s
     progress.report(3, DATA)                   # 13.3: 0.1 s
-    assert progress.longest[LOAD] == 10.0 and progress.longest[DATA] == pytest.approx(0.2)
+    assert progress.longest[LOAD] == -1.0, "a rewind's load would be judged by the start's (init: ms, the floor)"
+    assert progress.longest[DATA] == pytest.approx(0.2)
     assert progress.longest[FORWARD_BACKWARD] == pytest.approx(0.1) and progress.now == (3, DATA, 13.3)
+    progress.report(3, LOAD)                   # 13.4: a rewind's checkpoint load ...
+    progress.report(3, DATA)                   # 20.4: ... of 7 s: the loads' limit from here on
+    assert progress.longest[LOAD] == pytest.approx(7.0)
 
 
 def test_the_hang_drill_stops_the_rank_in_its_step_and_phase(monkeypatch):

@@ -392,7 +392,7 @@ def test_the_throughput_legend_reads_like_a_number(tmp_path, monkeypatch):
 def test_the_straggler_reports_get_their_figure_and_the_nodes_their_lines(tmp_path):
     """The straggler report's records: phases.png (each rank's time a step in each phase, the named
     one marked) and summary.md's Nodes section, with the check before the first step (nodes.json)."""
-    from dsslm.observe.nodes import write_nodes
+    from dsslm.health.nodes import write_nodes
     run_dir = clean_run(tmp_path / "nodes")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for step in (50, 100):

@@ -207,7 +207,6 @@ def save(job: Job, sync: bool = False) -> None:
     # The write in flight is waited for first, judged by the writer's own times and progress;
     # the snapshot after it is `checkpoint`.
     job.health.wait_write(job.state.step, job.store, f"waited for by the save of step {job.state.step}")
-    job.store.wait()
     job.health.phase(job.state.step, CHECKPOINT)
     pins = job.spikes.before_save(job.state, job.store.valid_steps)
     if job.engine.is_main:

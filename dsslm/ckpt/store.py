@@ -175,6 +175,11 @@ class CheckpointStore(Catalogue):
         self._idle.wait()
         self.check()
 
+    def settle(self) -> None:
+        """Block until no save is in flight, raising nothing: its failure is raised where every
+        rank raises it together (a decide, check_health)."""
+        self._idle.wait()
+
     @property
     def in_flight(self) -> bool:
         """True while a background save is being written."""
@@ -225,6 +230,7 @@ class CheckpointStore(Catalogue):
             report = {"error": f"{type(exc).__name__}: {exc}"}
         exchange.post(rank, json.dumps(report))
         if state is None:
+            exchange.wait_finished()  # in flight until rank 0 published it: the ranks leave their waits together
             return None  # not rank 0: the publish, and any failure, are rank 0's to report
         try:
             reports = [json.loads(v) for v in exchange.wait_all()]
@@ -240,6 +246,8 @@ class CheckpointStore(Catalogue):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # every rank has posted: nobody writes there any more
             raise
+        finally:
+            exchange.finish()
         self._emit("save", checkpoint=path.name, step=step, seconds=round(time.perf_counter() - start, 3),
                    bytes=sum(size for _, size in files.values()), format="sharded", world_size=world_size)
         try:

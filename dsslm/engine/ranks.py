@@ -76,6 +76,30 @@ class Exchange:
         else:
             self.store.set(f"rank{rank}", value)
 
+    def finish(self) -> None:
+        """Rank 0's writer, once the save is published or failed: the other ranks' writers stop waiting."""
+        if self.store is not None:
+            self.store.set("finished", "1")
+
+    def wait_finished(self, stall_s: float = STALL_TIMEOUT_S, poll_s: float = 0.01) -> None:
+        """A rank's writer after posting its files: wait for rank 0 to publish (or fail) the save,
+        so every rank's save is in flight until the checkpoint is, and no training thread enters a
+        collective while rank 0 still writes (a write may outlast the collectives' timeout). Gives
+        up after `stall_s` without progress seen; rank 0's own failure is raised by rank 0."""
+        if self.store is None:
+            return
+        last_seen, last_change = None, time.monotonic()
+        while not self.store.check(["finished"]):
+            seen = self.store.add("units", 0)
+            now = time.monotonic()
+            if seen != last_seen:
+                last_seen, last_change = seen, now
+                IO.peers += 1  # the watchdog sees this rank's wait move with the others' writes
+            if now - last_change > stall_s:
+                return
+            time.sleep(poll_s)
+            poll_s = min(0.5, poll_s * 2)
+
     def wait_all(self, stall_s: float = STALL_TIMEOUT_S, poll_s: float = 0.01) -> list[str]:
         if self.store is None:
             return [self.local[r] for r in range(self.world_size)]

@@ -117,8 +117,10 @@ class Health:
             time.sleep(self.step_s)
 
     def wait_write(self, step: int, store: Any, why: str) -> None:
-        """Waiting for the asynchronous checkpoint write in flight, judged by the writer's own
-        measured write times, its progress the bytes it has written (the snapshot is `checkpoint`)."""
+        """Wait for the asynchronous checkpoint write in flight (a failure is raised later, by every
+        rank together), judged by the writer's own measured write times, its progress the bytes
+        it has written (the snapshot is `checkpoint`). Every rank waits for its own writer, which
+        waits for the save's publish: no rank enters a collective while another still writes."""
         writing = store.writing
         if writing is None or not store.in_flight:
             return
@@ -128,6 +130,7 @@ class Health:
             return f"{size(IO.written - base)} of {size(total)} written"
         self.phase(step, CHECKPOINT_WRITE, Work(f"checkpoint write of step {saved_step} ({why})",
                                                 lambda: (IO.written, IO.peers), describe, "still writing"))
+        store.settle()
 
     def learn_writes(self, store: Any) -> None:
         """The writer thread's whole-write times teach checkpoint_write's limit."""

@@ -64,7 +64,7 @@ class Progress:
         # Learned only from the job's steps: its start (the load, the first evals, a start
         # checkpoint) and first step (compilation) are judged by first_s and teach no limit, so a
         # later rewind's load is judged by loads timed in the run, or the ceiling, never the floor.
-        if self.first_step is not None and last_step not in (self.first_step, self.first_step - 1):
+        if self.first_step is not None and last_step > self.first_step:
             self.learn(last_phase, now - since)
         if self.after_first is not None and self.first_step is not None and step > self.first_step:
             after_first, self.after_first = self.after_first, None

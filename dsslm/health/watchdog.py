@@ -224,7 +224,7 @@ class Watchdog:
             if found is not None:
                 self.call(found)
                 return
-            self._say_slow(now)
+            self._say_slow(now, seen)
         self._reset_failures(step)
 
     def _track(self, now: float) -> None:
@@ -244,11 +244,14 @@ class Watchdog:
             return -1.0
         return max(0.0, round(now - max(self._work_at, self.rebased), 3))
 
-    def _say_slow(self, now: float) -> None:
+    def _say_slow(self, now: float, seen: list[Seen]) -> None:
         """One console line when this rank's phase outlives its limit while its work advances, and
-        again at each further multiple of the limit: the verdict waits, and says why."""
+        again at each further multiple of the limit: the verdict waits, and says why. Where rank 0
+        does the same work (every rank validates, every rank writes its shard), rank 0 alone says it."""
         me = self._me(now)
         if not (me.age_s > me.limit_s and me.working(self.cfg.floor_s)) or self._work is None:
+            return
+        if not self.is_main and any(s.rank == 0 and (s.step, s.phase) == (me.step, me.phase) for s in seen):
             return
         if me.age_s < self._said_at + me.limit_s:
             return

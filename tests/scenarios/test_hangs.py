@@ -134,3 +134,22 @@ def test_slow_saves_a_slow_first_step_and_evaluation_never_trip_the_watchdog(tmp
     learned = json.loads((run_dir / "watchdog.json").read_text())["longest"]
     # timed, and saved with the run: a synchronous save's write is its own phase, apart from the snapshot
     assert learned["checkpoint_write"] >= 3 and learned["evaluation"] >= 3, learned
+
+
+def test_writes_and_evaluations_past_every_limit_wait_while_they_work_and_the_run_ends_0(tmp_path):
+    """Production durations at tight limits (floor 2 s, ceiling 4 s), 2 ranks: every checkpoint
+    shard written at 0.05 MB/s (about 6 s each, waited for by the next save and at the run's end:
+    before, that wait was the snapshot's phase, its limit the floor, exit 75 at every start), and
+    validation batches of 0.7 s (a pass past the ceiling). Each outlives its limit while its work
+    advances: no hang, one line each saying so, exit 0."""
+    run_dir = tmp_path / "run"
+    job = launch([HOST], run_dir, *RUN, "observe.watchdog.floor_s=2", "observe.watchdog.beat_s=0.25",
+                 "observe.watchdog.ceiling_s=4", "observe.watchdog.first_s=120", "faults.write_mb_s=0.05",
+                 "faults.eval_batch_s=0.7", "run.val_every=8", "run.val_batches=4", "train.total_steps=16",
+                 "ckpt.every=5", nproc=2)
+    assert job.wait() == {HOST.name: 0}, job.output()
+    log = job.output()
+    assert not (run_dir / "hangs").exists() and "hang at" not in log, log
+    assert "still writing" in log and "still scoring" in log, log
+    learned = json.loads((run_dir / "watchdog.json").read_text())["longest"]
+    assert learned["checkpoint_write"] > 4 > learned["checkpoint"], learned  # the write apart from the snapshot

@@ -237,12 +237,8 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
         with job.health.during(step, FORWARD_BACKWARD):
             return compute(job, step, batches, tokens, lambda: stop.requested or first.stop_requested)
 
-    def held_out() -> float | None:
-        with job.health.during(step, FORWARD_BACKWARD):
-            return probe(job, step)
-
     job.health.phase(step, COLLECTIVE)
-    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, held_out)
+    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, lambda: probe(job, step))
     job.health.phase(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -270,8 +266,9 @@ def probe(job: Job, step: int) -> float | None:
         return None
     job.engine.drop_gradients()
     t = job.cfg.train
-    result = accumulate(job.engine, batches, t.precision, t.z_loss, math.inf, real * job.engine.world_size,
-                        grad_multiplier=job.drills.surge_multiplier(step))
+    with job.health.during(step, FORWARD_BACKWARD):  # a forward/backward's work inside the step's decision
+        result = accumulate(job.engine, batches, t.precision, t.z_loss, math.inf, real * job.engine.world_size,
+                            grad_multiplier=job.drills.surge_multiplier(step))
     job.engine.drop_gradients()
     return result.gnorm if math.isfinite(result.gnorm) else None
 

@@ -192,8 +192,10 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "escalation": (logging.ERROR, lambda f: f"escalated to a human at step {f.get('step')}: {f.get('reason')}"),
     "passed_over": (logging.WARNING, lambda f: f"checkpoint {f.get('checkpoint')} passed over: {f.get('reason')}"),
     "restart_from_scratch": (logging.WARNING, lambda f: f"starting over at step 0 (run.restart_from_scratch): this "
-                                                        f"run.dir was trained to step {f.get('recorded_step')}; kept, "
-                                                        f"not resumed: {', '.join(f.get('not_resumable') or [])}"),
+                                                        f"run.dir was trained to step {f.get('recorded_step')}; "
+                                                        + (f"kept, not resumed: {', '.join(f['not_resumable'])}"
+                                                           if f.get("not_resumable") else
+                                                           "checkpoints/ held no checkpoint")),
     "lock_takeover": (logging.WARNING, lambda f: f"took run.dir over from a dead holder, {_holder(f.get('previous'))}: "
                                                  f"{f.get('reason')}"),
     "leftovers_removed": (logging.INFO, lambda f: f"removed half-written saves {f.get('folders')}"),

@@ -65,7 +65,9 @@ def chunks_fed(records, skip_list) -> set[int]:
 
 
 def test_poisoned_window_rewinds_once_and_its_data_is_never_fed_again(tmp_path):
-    assert train(cfg(tmp_path, "faults.poison_batches=[[70,74]]")) == 0
+    # keep_last=30: the resume below needs a checkpoint from before the spike. With 4 kept it found
+    # none, and started over at step 0 over the first run's logs (now refused, exit 5).
+    assert train(cfg(tmp_path, "faults.poison_batches=[[70,74]]", "ckpt.keep_last=30")) == 0
     rewinds = events(tmp_path, "rewind")
     assert len(rewinds) == 1
     start, end = rewinds[0]["window"]  # in global sequences

@@ -36,7 +36,7 @@ from dsslm.data.loader import Loader  # noqa: E402
 from dsslm.model import build_model  # noqa: E402
 from dsslm.observe.sinks import Sinks  # noqa: E402
 from dsslm.health.stragglers import Stragglers  # noqa: E402
-from dsslm.health.watchdog import COLLECTIVE, DATA, FORWARD_BACKWARD, OPTIMIZER, Progress  # noqa: E402
+from dsslm.health.progress import COLLECTIVE, DATA, FORWARD_BACKWARD, OPTIMIZER, Progress  # noqa: E402
 from dsslm.optim import build_adamw  # noqa: E402
 from dsslm.train import train  # noqa: E402
 
@@ -113,9 +113,9 @@ def reports_per_step(steps: int) -> float:
     """Progress.report calls per train() step, counted in a run (setup's and the end's included)."""
     calls, original = [0], Progress.report
 
-    def counted(self, step, phase):
+    def counted(self, step, phase, work=None):
         calls[0] += 1
-        return original(self, step, phase)
+        return original(self, step, phase, work)
     Progress.report = counted
     try:
         with tempfile.TemporaryDirectory() as tmp:

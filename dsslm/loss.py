@@ -67,8 +67,10 @@ class StepResult:
     # This rank's cross-entropy sum of each sequence, one detached tensor per micro-batch, left
     # on the device: read only when the step is a spike (forensics), so no host sync otherwise.
     sequence_ce: list[torch.Tensor] = field(default_factory=list)
-    # This rank's mean loss per real token of each sequence, read in the step's one host sync:
-    # rank 0's go into the monitor's history of sequence losses (`SpikeMonitor.blame`).
+    # Every rank's mean loss per real token of each sequence (rank by rank, in batch order), read in
+    # the step's one host sync: the whole global batch, whatever its split, goes into the monitor's
+    # history of sequence losses (`SpikeMonitor.blame`), so a verdict sees the same evidence at any
+    # micro-batch, accumulation and world size.
     sequence_losses: list[float] = field(default_factory=list)
 
 
@@ -121,13 +123,18 @@ def accumulate(engine: Engine, micro_batches: list[tuple[torch.Tensor, torch.Ten
     # The stop flag as of now, after the backward: a signal during this step stops at its end.
     stop_now = stop_requested() if callable(stop_requested) else stop_requested
     flags = torch.tensor([float(stop_now), float(failed)], dtype=torch.float64, device=engine.device)
-    reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.reshape(1))))
-    # The one host sync of the step: everything the loop needs, read together (this rank's
-    # sequence losses too: a few floats a step).
     per_sequence = (torch.cat(sequence_ce).detach().double() / torch.cat(sequence_real).clamp(min=1).double()
-                    if sequence_ce else torch.zeros(0, dtype=torch.float64))
+                    if sequence_ce else torch.zeros(0, dtype=torch.float64, device=engine.device))
+    # Every rank's sequence losses ride in the same all-reduce, each rank's in its own slots (every
+    # rank holds as many sequences: a step's batch is a multiple of accumulation x world size), so
+    # the monitor sees the whole global batch, not rank 0's share: a few floats a sequence.
+    n = per_sequence.numel()
+    everyone = torch.zeros(n * engine.world_size, dtype=torch.float64, device=engine.device)
+    everyone[engine.rank * n:(engine.rank + 1) * n] = per_sequence
+    reduced = engine.all_reduce_sum(torch.cat((ce_total.reshape(1), flags, real_total.reshape(1), everyone)))
+    # The one host sync of the step: everything the loop needs, read together.
     ce, stops, failures, real, norm, *sequence_losses = torch.cat(
-        (reduced, gnorm.detach().double().reshape(1).to(reduced.device), per_sequence.to(reduced.device))).tolist()
+        (reduced[:4], gnorm.detach().double().reshape(1).to(reduced.device), reduced[4:])).tolist()
     if real != tokens_global:
         raise RuntimeError(f"the step was scaled for tokens_global={tokens_global} real targets but its batches "
                            f"hold {int(real)}: the caller's count is wrong, so its gradient would be too")

@@ -47,7 +47,7 @@ from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_
                          EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now, note_status, tell_agent)
 from dsslm.health.door import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER, BadNode
 from dsslm.job import Job, save, setup, start
-from dsslm.loss import IGNORE_INDEX, StepResult, accumulate, validation_sums
+from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
 from dsslm.observe.diagnostics import Diagnostics
 from dsslm.observe.sinks import LogWriteError
@@ -238,7 +238,8 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
             return compute(job, step, batches, tokens, lambda: stop.requested or first.stop_requested)
 
     job.health.phase(step, COLLECTIVE)
-    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again, lambda: probe(job, step))
+    verdict, reason, result = job.spikes.decide(state, step, fed, batches, result, again,
+                                                lambda: probe(job, step, fed.batch_size))
     job.health.phase(step, OPTIMIZER)
     if verdict is Verdict.OK:
         engine.step(lr)
@@ -253,21 +254,20 @@ def train_step(job: Job, stop: StopFlag) -> tuple[Verdict, StepRecord, StepSlice
     return verdict, record, fed, result.stop_requested
 
 
-def probe(job: Job, step: int) -> float | None:
-    """The grad norm of a held-out batch (the first domain's first validation chunks, the same on
-    every rank) at the current weights, its gradients dropped after; None without a validation
-    split or with monitor.gnorm_probe off. Not clipped; of the drills only faults.grad_surge (a
-    model-wide surge) touches it."""
+def probe(job: Job, step: int, global_batch: int) -> float | None:
+    """The grad norm of a held-out batch of the step's global size, laid out as the step is
+    (Loader.held_out_share), at the current weights, its gradients dropped after: the same at any
+    split of the batch, and comparable with the step's (a mean's grad norm shrinks with its batch).
+    None without a validation split or with monitor.gnorm_probe off. Not clipped."""
     if not job.cfg.monitor.gnorm_probe:
         return None
-    batches = job.loader.val_batches(job.loader.domains[0], 1, job.cfg.train.micro_batch_size)
-    real = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches)
+    t, engine = job.cfg.train, job.engine
+    batches, real = job.loader.held_out_share(global_batch, t.grad_accum, engine.rank, engine.world_size)
     if not real:
         return None
-    job.engine.drop_gradients()
-    t = job.cfg.train
+    engine.drop_gradients()
     with job.health.during(step, FORWARD_BACKWARD):  # a forward/backward's work inside the step's decision
-        result = accumulate(job.engine, batches, t.precision, t.z_loss, math.inf, real * job.engine.world_size,
+        result = accumulate(engine, batches, t.precision, t.z_loss, math.inf, real,
                             grad_multiplier=job.drills.surge_multiplier(step))
     job.engine.drop_gradients()
     return result.gnorm if math.isfinite(result.gnorm) else None

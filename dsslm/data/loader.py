@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsslm.data.bytecount import IGNORE_INDEX
 from dsslm.data.manifest import load_manifest
 from dsslm.data.mixture import Mixture, domain_key, weight_units
 from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, view_of
@@ -289,6 +290,24 @@ class Loader:
             for i in range(min(self._n_chunks(entry["tokens"]), wanted - len(rows))):
                 rows.append(np.asarray(tokens[i * self.seq_len : (i + 1) * self.seq_len + 1]))
         return [_as_batch(np.stack(rows[i : i + batch_size])) for i in range(0, len(rows), batch_size)]
+
+    def held_out_share(self, global_batch: int, grad_accum: int, rank: int, world_size: int) -> tuple[list[Batch], int]:
+        """A held-out batch laid out as a training step of `global_batch` sequences: the first
+        domain's first validation chunks (fewer where its split is smaller, padded with rows whose
+        targets count nothing), rank `rank`'s share in `grad_accum` micro-batches; and the real
+        targets over every rank's share (the step's token weighting). The same sequences and
+        weights at any split of the batch."""
+        held = self.val_batches(self.domains[0], 1, global_batch)
+        if not held:
+            return [], 0
+        inputs, targets = held[0]
+        real = int((targets != IGNORE_INDEX).sum())
+        missing = global_batch - len(inputs)
+        inputs = torch.cat((inputs, torch.zeros(missing, inputs.shape[1], dtype=inputs.dtype)))
+        targets = torch.cat((targets, torch.full((missing, targets.shape[1]), IGNORE_INDEX, dtype=targets.dtype)))
+        per_micro = global_batch // (grad_accum * world_size)
+        mine = slice(rank * grad_accum * per_micro, (rank + 1) * grad_accum * per_micro)
+        return list(zip(inputs[mine].split(per_micro), targets[mine].split(per_micro))), real
 
     def _mixture(self, mix: dict[str, float]) -> Mixture:
         unknown = sorted(set(mix) - set(self.domains))

@@ -194,6 +194,31 @@ def test_val_batches_are_fixed_and_seed_independent(data_dir):
         a.val_batches("nope", 1, 1)
 
 
+@pytest.mark.parametrize("accum, world", [(1, 1), (8, 1), (8, 2), (2, 4)])
+def test_the_held_out_batch_is_the_same_sequences_at_any_split(data_dir, accum, world):
+    """The spike probe's held-out batch: the first domain's first 16 validation chunks, rank r's
+    share in `accum` micro-batches as a training step lays them out; together the ranks hold every
+    row once, and every rank counts every rank's real targets (the step's token weighting)."""
+    lo = loader(data_dir)
+    (want_x, want_y), = lo.val_batches("code", 1, 16)
+    shares = [lo.held_out_share(16, accum, rank, world) for rank in range(world)]
+    assert {real for _, real in shares} == {int((want_y != -100).sum())}
+    assert all(len(batches) == accum and all(len(x) == 16 // (accum * world) for x, _ in batches)
+               for batches, _ in shares)
+    got_x = torch.cat([x for batches, _ in shares for x, _ in batches])
+    got_y = torch.cat([y for batches, _ in shares for _, y in batches])
+    assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y)
+
+
+def test_a_held_out_split_smaller_than_the_batch_is_padded_with_rows_that_count_nothing(data_dir):
+    lo = loader(data_dir)
+    held = sum(len(x) for x, _ in lo.val_batches("code", 10_000, 64))
+    batches, real = lo.held_out_share(held + 6, 1, 1, 2)  # one rank's half of held + 6 rows
+    (x, y), = batches
+    full = torch.cat([t for _, t in lo.val_batches("code", 10_000, 64)])
+    assert real == int((full != -100).sum()) and len(x) == (held + 6) // 2
+
+
 def test_seq_len_longer_than_every_shard_is_an_error(data_dir):
     with pytest.raises(ValueError, match="model.seq_len"):
         Loader(data_dir, 100_000, 0)

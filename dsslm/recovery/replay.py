@@ -17,7 +17,6 @@ from dsslm.fields import (MAX_COUNT, MAX_STEP, Bool, Fields, Float, Int, Json, L
                           StateError, Str, Window)
 
 STATE_FORMAT = 1
-# One re-run samples the spread once; a replay's difference is taken as noise up to this many times it.
 
 
 class Phase(str, Enum):

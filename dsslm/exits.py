@@ -34,11 +34,13 @@ EXIT_ESCALATED = 3       # the spike policy escalated                           
 EXIT_WRITE_FAILED = 4    # rank 0 could not write into run.dir                        (requeue may cure)
 EXIT_NOTHING_TO_RESUME = 5  # the run was past step 0 but every checkpoint was set aside (person)
 EXIT_CRASH_LOOP = 6      # the same failure at the same step and phase, start after start (person)
+EXIT_OOM_AT_FLOOR = 7    # out of memory at one sequence a micro-batch: nothing left to halve    (person)
 EXIT_REQUEUE = 75        # a hang or a dead node was diagnosed: requeue (EX_TEMPFAIL) (requeue)
 EXIT_BAD_NODE = 76       # a node failed its check before the first step: requeue elsewhere (requeue)
+EXIT_OUT_OF_MEMORY = 77  # a step ran out of memory: requeue at half the micro-batch       (requeue)
 EXIT_INTERRUPTED = 130   # Ctrl-C
 # Codes no requeue can cure: a launcher that requeues on failure stops on these.
-NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_CRASH_LOOP)
+NEEDS_A_PERSON = (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_CRASH_LOOP, EXIT_OOM_AT_FLOOR)
 # A file a run writes one line into as it leaves, for a launcher that must tell exits apart whose
 # codes it may not see whole (srun reports one code for every node's task): rank 0's `finished` or
 # `preempted` (both exit 0; slurm/train.sbatch requeues only the second), the hang caller's `hang 75`
@@ -48,9 +50,10 @@ STATUS_FILE_ENV = "DSSLM_STATUS_FILE"
 AGENT_EXIT_FILE_ENV = "DSSLM_AGENT_EXIT_FILE"
 # Which rank's code a job's launcher reports when ranks differ (a hang's survivors exit 75 while the
 # stopped rank dies of SIGKILL): a person's codes first, the crash loop the first of them (it is
-# what ends the requeues), then the requeue codes, then a failed write.
-_JOB_ORDER = (EXIT_CRASH_LOOP, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_BAD_NODE,
-              EXIT_WRITE_FAILED)
+# what ends the requeues), then the requeue codes (out of memory before a hang: the ranks waiting
+# for one that ran out see a lost peer), then a failed write.
+_JOB_ORDER = (EXIT_CRASH_LOOP, EXIT_ESCALATED, EXIT_NOTHING_TO_RESUME, EXIT_OOM_AT_FLOOR, EXIT_BAD_INPUT,
+              EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, EXIT_BAD_NODE, EXIT_WRITE_FAILED)
 
 
 def job_exit_code(codes: list[int]) -> int:

@@ -41,7 +41,8 @@ from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
-from dsslm.health.door import CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, check_nodes, fold_failures
+from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes,
+                               fold_failures, out_of_memory_retry)
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
 from dsslm.observe.sinks import LogWriteError, Sinks
@@ -99,6 +100,9 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     if cfg.model.document_mask and cfg.model.eos_id != data_eos:  # prepare ends documents with data_eos
         raise ConfigError(f"model.eos_id={cfg.model.eos_id} but {data_dir}'s documents end with its tokenizer's "
                           f"EOS, id {data_eos}: the mask would split them elsewhere; drop model.eos_id")
+    retry = out_of_memory_retry(cfg, Path(cfg.run.dir))  # after an out-of-memory error: half the micro-batch
+    if retry is not None:
+        print(f"dsslm: {retry}", flush=True)
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
     cleanup.callback(engine.close)
@@ -123,7 +127,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to
     # write); a failed write is recorded, and said once, by main's last line.
     cleanup.push(note_exit(sinks.emit, lambda: state.step, said=(CheckpointError, LogWriteError),
-                           quiet=(ConfigError, DataError, Escalation, LockLost, NothingToResume)))
+                           quiet=(ConfigError, DataError, Escalation, LockLost, NothingToResume, OutOfMemory)))
     store = CheckpointStore(run_dir, keep_last=cfg.ckpt.keep_last, keep_every=cfg.ckpt.keep_every,
                             on_event=sinks.emit if engine.is_main else None, fence=lambda: lock.check(fresh=True))
     health.learn_writes(store)

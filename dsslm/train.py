@@ -1,11 +1,8 @@
 """`python -m dsslm.train [--config FILE.yaml] [--allow-drift KEY] [dotted.key=value ...]`
 
-The same entry point under plain python, torchrun, accelerate launch and srun. Exit codes:
-0 finished (or stopped by SIGTERM/SIGUSR1, saved where there was anything to save), 2 bad input or
-config, 3 escalated to a human, 4 the run could not write to run.dir (disk full, lost mount,
-another trainer took run.dir over; what was saved before is intact), 130 Ctrl-C. With
-DSSLM_STATUS_FILE set, rank 0 also writes `finished` or `preempted` there as it leaves with exit 0
-(slurm/train.sbatch tells a preemption save from the run's end by it).
+The same entry point under plain python, torchrun, accelerate launch and srun. Exit codes: the
+table in dsslm/exits.py (docs/run-folder.md#exit-codes); with DSSLM_STATUS_FILE set, rank 0 also
+writes `finished` or `preempted` there as it leaves with exit 0 (for slurm/train.sbatch).
 
 Read top-down: `main` -> `train` -> `run_loop` -> `train_step` and its verbs. The job and its
 setup are in `job.py`.
@@ -45,7 +42,8 @@ from dsslm.data.skips import active_at
 from dsslm.data.stream import StepSlice
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_ESCALATED, EXIT_INTERRUPTED, EXIT_NOTHING_TO_RESUME, EXIT_OK,
                          EXIT_WRITE_FAILED, Preempted, StopFlag, ignore_from_now, note_status, tell_agent)
-from dsslm.health.door import CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER, BadNode
+from dsslm.health.door import (CHECKPOINT, COLLECTIVE, DATA, EVALUATION, FORWARD_BACKWARD, OPTIMIZER, BadNode,
+                               OutOfMemory)
 from dsslm.job import Job, save, setup, start
 from dsslm.loss import StepResult, accumulate, validation_sums
 from dsslm.observe.console import memory_line
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except WRITE_FAILURES as err:
         say(err, f"dsslm: {err}")
         return EXIT_WRITE_FAILED
-    except BadNode as err:  # a node failed its check before the first step: 76, requeue elsewhere
+    except (BadNode, OutOfMemory) as err:  # 76: requeue elsewhere; 77: at half the micro-batch (7: a person)
         say(err, f"dsslm: {err}")
         return err.code
     except Preempted as stopped:
@@ -278,6 +276,7 @@ def compute(job: Job, step: int, batches: list, tokens: int, stop_requested: Cal
     clipped, the drills' faults applied."""
     t = job.cfg.train
     job.health.compute(step)  # the drills' slow step (faults.step_s)
+    job.drills.maybe_oom(step)
     result = accumulate(job.engine, batches, t.precision, t.z_loss, job.clipper.limit, tokens, stop_requested,
                         job.drills.loss_multiplier(step), job.drills.grad_multiplier(step),
                         failed=job.failure is not None)

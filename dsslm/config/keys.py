@@ -88,6 +88,7 @@ class TrainCfg:
     device: str = "auto"        # auto | cpu | cuda
     batch_ramp: BatchRampCfg = field(default_factory=BatchRampCfg)  # batch-size warmup, in sequences
     compile: bool = False       # torch.compile every block (applied by the engine; names unchanged)
+    compile_cache: str = ""     # compile caches' folder: "" = run.dir/cache; a path (~, $VARS) for a node-local disk
     activation_checkpointing: str = "none"  # none | full | every_n: recompute blocks' activations in backward
     activation_checkpointing_every: int = 2  # every_n: checkpoint blocks n-1, 2n-1, ... (every n-th block)
     tf32: bool = True           # CUDA: TF32 tensor cores for fp32 matmuls (10-bit mantissa products)
@@ -212,6 +213,8 @@ class FaultsCfg:
     load_mb_s: float = 0.0      # checkpoint reads (hashing) at this rate, MB/s (0 = the disk's)
     eval_batch_s: float = 0.0   # seconds added to each validation and downstream-eval batch
     step_s: float = 0.0         # seconds added to each forward/backward of a step (re-runs and probes too)
+    oom_step: int = -1          # the out-of-memory drill: torch.OutOfMemoryError in this step, once per run.dir
+    oom_rank: int = -1          # the rank that runs out (-1 = every rank)
 
 
 @dataclass

@@ -25,18 +25,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
+
 from dsslm.durable import IO
+from dsslm.exits import note_status
 from dsslm.engine.board import StoreBoard, collective_failure, flight_record, set_collective_timeout, store_address
-from dsslm.health import reaper
+from dsslm.health import oom, reaper
 from dsslm.health.hangs import fold_failures, read_learned
 from dsslm.health.nodecheck import BadNode, check_nodes
 from dsslm.health.stragglers import Stragglers, arm_slow_drill
 from dsslm.health.progress import (CHECKPOINT, CHECKPOINT_WRITE, COLLECTIVE, DATA, DOWNSTREAM, EVALUATION,
                                    FORWARD_BACKWARD, LOAD, OPTIMIZER, Progress, Work)
 from dsslm.health.watchdog import Links, Watchdog
+from dsslm.observe.sinks import EventLog
 
-__all__ = ["Health", "BadNode", "check_nodes", "fold_failures", "Work", "LOAD", "DATA", "FORWARD_BACKWARD",
-           "COLLECTIVE", "OPTIMIZER", "EVALUATION", "DOWNSTREAM", "CHECKPOINT", "CHECKPOINT_WRITE"]
+OutOfMemory = oom.OutOfMemory
+__all__ = ["Health", "BadNode", "OutOfMemory", "check_nodes", "fold_failures", "out_of_memory_retry", "Work", "LOAD",
+           "DATA", "FORWARD_BACKWARD", "COLLECTIVE", "OPTIMIZER", "EVALUATION", "DOWNSTREAM", "CHECKPOINT", "CHECKPOINT_WRITE"]
 
 
 def size(n: float) -> str:
@@ -57,6 +62,7 @@ class Health:
         self.step_s = getattr(faults, "step_s", 0.0)              # and slow forward/backward
         if faults is not None:  # the drills' network filesystem: this process's checkpoint I/O at that rate
             IO.write_rate, IO.read_rate = 1e6 * faults.write_mb_s, 1e6 * faults.load_mb_s
+        self.job: tuple[Any, int] | None = None  # (config, world size), for an out-of-memory record
 
     @classmethod
     def start(cls, cfg: Any, engine: Any, run_dir: Path, lock: Any, failures: dict | None) -> "Health":
@@ -79,7 +85,9 @@ class Health:
             node = [r for r, (host, _, _) in enumerate(ids) if host == ids[engine.rank][0]]
             if node[0] == engine.rank:
                 watchdog.start_reaper([ids[r][1:] for r in node])
-        return cls(progress, watchdog, f)
+        health = cls(progress, watchdog, f)
+        health.job = (cfg, engine.world_size)
+        return health
 
     def watch_stragglers(self, cfg: Any, engine: Any, sinks: Any, run_dir: Path, nodes: Any, feed: Any) -> None:
         """The straggler report every observe.stragglers.every steps (and its drill)."""
@@ -162,11 +170,39 @@ class Health:
         self.stragglers.after_step(step)
 
     def failed(self, exc: BaseException) -> None:
-        """A collective failed in the training thread: a dead peer or the collectives' timeout is
-        diagnosed and the process exits there; anything else returns and goes on."""
+        """The training thread failed: out of memory is recorded and raised as OutOfMemory (its
+        code, for every rank: health/oom.py); a collective's failure (a dead peer, the collectives'
+        timeout) is diagnosed and the process exits there; anything else returns and goes on."""
+        if isinstance(exc, torch.OutOfMemoryError) and self.watchdog is not None and self.job is not None:
+            dog, (cfg, world) = self.watchdog, self.job
+            step, phase, _ = self.progress.now
+
+            def event(line: str, folder: Path, code: int, record: dict) -> None:
+                events = EventLog(dog.run_dir, True, dog.alert_command)
+                events.emit("oom", step=step, phase=phase, record=str(folder), exit_code=code, line=line,
+                            micro_batch_size=record["micro_batch_size"], grad_accum=record["grad_accum"])
+                events.close()
+            error = oom.caught(dog.run_dir, dog.token, dog.rank, step, phase, cfg, world, exc, event)
+            note_status(f"oom {error.code}")  # srun's code is one for every node's task
+            error.echoed = True  # said once, by the job's first rank to run out
+            raise error from exc
         if self.watchdog is not None:
             self.watchdog.failed(exc)
 
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
+
+
+def out_of_memory_retry(cfg: Any, run_dir: Path) -> str | None:
+    """At a start, before the engine is built: after an out-of-memory error, the micro-batch
+    halved and the accumulation raised to keep the global batch (health/oom.py); the line that
+    says so, or None. OutOfMemory (exit 7) where nothing is left to halve."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    plan = oom.retry(run_dir, cfg, world)
+    if plan is None:
+        return None
+    cfg.train.micro_batch_size = plan.micro_batch_size
+    if not cfg.train.global_batch_size:  # set, the engine derives the accumulation from it
+        cfg.train.grad_accum = plan.grad_accum
+    return plan.line

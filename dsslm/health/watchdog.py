@@ -42,8 +42,8 @@ from typing import Any, Callable
 
 from dsslm.config import WatchdogCfg
 from dsslm.durable import write_json_atomic
-from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, note_status, tell_agent
-from dsslm.health import hangs, reaper
+from dsslm.exits import EXIT_CRASH_LOOP, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, note_status, tell_agent
+from dsslm.health import hangs, oom, reaper
 from dsslm.health.progress import (CHECKPOINT, CHECKPOINT_WRITE, COLLECTIVE, DATA, DOWNSTREAM, EVALUATION,  # noqa: F401
                                    FORWARD_BACKWARD, LOAD, OPTIMIZER, ORDER, PHASES, Limits, Progress, Work)
 from dsslm.observe.sinks import EventLog
@@ -357,6 +357,9 @@ class Watchdog:
     # --- calling it, and leaving --------------------------------------------------------------
 
     def call(self, verdict: Verdict) -> None:
+        if oom.claimed(self.run_dir, self.token):  # a rank ran out of memory: its record says so, no hang
+            self._leave(None, EXIT_OUT_OF_MEMORY, None)
+            return
         row = hangs.in_a_row(self.run_dir, *verdict.where())
         code = EXIT_CRASH_LOOP if self.cfg.crash_loop and row >= self.cfg.crash_loop else EXIT_REQUEUE
         folder, code, won = hangs.claim(self.run_dir, self.token, code)

@@ -78,6 +78,13 @@ class Drills:
                 raise DrillAbort(f"drill: abort at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)  # as abrupt as a node failure: no cleanup runs
 
+    def maybe_oom(self, step: int) -> None:
+        """Run out of memory in step `step`'s forward/backward (faults.oom_step), once per run.dir:
+        the exception CUDA raises, so the whole path is drilled on CPU (health/oom.py)."""
+        cfg = self.cfg
+        if cfg.oom_step == step and cfg.oom_rank in (-1, self.rank) and self._once(f"oom-{step}-rank{self.rank}"):
+            raise torch.OutOfMemoryError(f"drill: out of memory in step {step} (faults.oom_step)")
+
     def arm(self, store: CheckpointStore) -> None:
         """The save of step faults.crash_in_save dies half-written, once per run.dir, on the saving rank."""
         step = self.cfg.crash_in_save

@@ -261,7 +261,11 @@ def test_after_a_notice_only_a_preemption_save_is_requeued(tmp_path, status, req
     # srun's one code may be a node's task that --kill-on-bad-exit killed: the caller's line decides.
     ('echo "hang 75" >"$DSSLM_STATUS_FILE"; exit 137', True, "diagnosed a hang or a dead node"),
     ('echo "hang 6" >"$DSSLM_STATUS_FILE"; exit 75', False, "exit 6 needs a person"),
-    ("exit 1", False, "ranks exited with 1")])
+    ("exit 1", False, "ranks exited with 1"),
+    # Out of memory: requeued at half the micro-batch; at one sequence a micro-batch, a person's.
+    ("exit 77", True, "ran out of memory"),
+    ('echo "oom 77" >"$DSSLM_STATUS_FILE"; exit 137', True, "ran out of memory"),
+    ('echo "oom 7" >"$DSSLM_STATUS_FILE"; exit 137', False, "exit 7 needs a person")])
 def test_a_diagnosed_hang_is_requeued_and_a_crash_loop_never(tmp_path, srun, requeued, said):
     rc, out, calls = run_alone(tmp_path, srun)
     assert ("requeue 42" in calls) == requeued and said in out, (rc, out, calls)
@@ -290,9 +294,10 @@ def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
 
 
 def test_the_scripts_exit_codes_are_dsslms():
-    from dsslm.exits import EXIT_BAD_NODE, EXIT_REQUEUE, NEEDS_A_PERSON
+    from dsslm.exits import EXIT_BAD_NODE, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, NEEDS_A_PERSON
     script = SBATCH.read_text()
     assert f"\nEXIT_REQUEUE={EXIT_REQUEUE}\n" in script and f"\nEXIT_BAD_NODE={EXIT_BAD_NODE}\n" in script
+    assert f"\nEXIT_OUT_OF_MEMORY={EXIT_OUT_OF_MEMORY}\n" in script
     assert f'\nNEEDS_A_PERSON=" {" ".join(map(str, sorted(NEEDS_A_PERSON)))} "\n' in script
 
 

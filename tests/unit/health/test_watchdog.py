@@ -18,7 +18,7 @@ import pytest
 
 from dsslm.config import WatchdogCfg
 from dsslm.engine.board import collective_failure
-from dsslm.exits import EXIT_CRASH_LOOP, EXIT_REQUEUE, job_exit_code
+from dsslm.exits import EXIT_CRASH_LOOP, EXIT_OOM_AT_FLOOR, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, job_exit_code
 from dsslm.health import hangs, reaper, watchdog
 from dsslm.health.watchdog import (CHECKPOINT, COLLECTIVE, DATA, FORWARD_BACKWARD, LOAD, Limits, Links, Progress, Seen,
                                     Verdict, Watchdog, judge)
@@ -258,7 +258,10 @@ def test_one_exit_code_for_the_job_a_persons_first_then_the_requeue():
     assert job_exit_code([EXIT_REQUEUE, -9]) == EXIT_REQUEUE           # the survivor, the stopped rank killed
     assert job_exit_code([EXIT_REQUEUE, EXIT_CRASH_LOOP]) == EXIT_CRASH_LOOP
     assert job_exit_code([1, EXIT_REQUEUE]) == EXIT_REQUEUE
-    assert job_exit_code([2, 3]) == 3 and job_exit_code([-15]) == 1 and job_exit_code([1, 7]) == 1
+    assert job_exit_code([2, 3]) == 3 and job_exit_code([-15]) == 1 and job_exit_code([1, 9]) == 1
+    # A rank that ran out of memory, and one that waited for it (a lost peer): the job's code is 77.
+    assert job_exit_code([EXIT_OUT_OF_MEMORY, EXIT_REQUEUE]) == EXIT_OUT_OF_MEMORY
+    assert job_exit_code([EXIT_OOM_AT_FLOOR, EXIT_OUT_OF_MEMORY]) == EXIT_OOM_AT_FLOOR
 
 
 @pytest.mark.parametrize("text, kind", [

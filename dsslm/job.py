@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import socket
 import sys
 import time
@@ -37,14 +38,16 @@ from dsslm.data.tokenizer import load_tokenizer
 from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of, plan_hashing, share_of,
                                update_cache)
 from dsslm.engine import Engine, build_engine
+from dsslm.engine.compile_cache import kept_with_run
 from dsslm.evals.loop import TaskEvals
-from dsslm.exits import note_exit
+from dsslm.exits import PROCESS_STARTED, note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
 from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes,
                                fold_failures, out_of_memory_retry)
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
+from dsslm.observe.goodput import job_end_line
 from dsslm.observe.sinks import LogWriteError, Sinks
 from dsslm.optim import older_muon, older_muon_note
 from dsslm.recovery.faults import Drills
@@ -110,6 +113,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     lock = RunLock(run_dir, cfg.run.lock_stale_s)
     cleanup.callback(lock.release)  # first: a stop signal once LOCK is linked (in decide's broadcast) removes it
     takeover = engine.decide(lock.acquire)  # before anything is written there; exit 2 naming a live holder
+    cleanup.enter_context(kept_with_run(cfg, engine.world_size, engine.device))  # train.compile's caches, with the run
     failures = engine.decide(lambda: fold_failures(run_dir))  # the crash-loop count, under the lock
     nodes = check_nodes(cfg, engine, data_dir, manifest) if cfg.run.preflight else None  # a bad node: exit 76, now
     verified = verify_data(cfg, engine, data_dir, manifest) if cfg.data.verify else None
@@ -124,6 +128,8 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     cleanup.callback(sinks.close)
+    # After the saves and the exit events, before the sinks close: this job's and the run's goodput.
+    cleanup.callback(lambda: engine.is_main and (line := job_end_line(run_dir)) and sinks.say(line, logging.INFO))
     # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to
     # write); a failed write is recorded, and said once, by main's last line.
     cleanup.push(note_exit(sinks.emit, lambda: state.step, said=(CheckpointError, LogWriteError),
@@ -191,7 +197,8 @@ def start(job: Job) -> str:
     job.spikes.protect_start(job.state, lambda: save(job))  # a spike at step 7 can rewind
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
-                   optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg))
+                   optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg),
+                   process_started=PROCESS_STARTED)
     if job.verified is not None:
         job.sinks.emit("data_verified", **job.verified)
     if engine.is_main:

@@ -3,7 +3,8 @@
 Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (formats in docs/design.md) and writes
 loss.png, lr.png, gnorm.png, throughput.png, update_ratio.png (only when records carry
 `update_ratio`), evals.png (only with eval.tasks), phases.png (each rank's time a step in each
-phase, from the straggler report; the figures are drawn by `observe.plots`) and summary.md
+phase, from the straggler report), goodput.png (where the wall time went, `observe.goodput`; the
+figures are drawn by `observe.plots`) and summary.md
 (with the nodes' check and the stragglers named) into RUN_DIR/report/ or --out. When
 RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every spike with its triage
 verdict and the few worst sequences of its batch, decoded (`dsslm.recovery.forensics`).
@@ -25,7 +26,8 @@ from dsslm.ckpt.format import inside_checkpoints
 from dsslm.ckpt.trained import OneLineParser
 from dsslm.observe.audit import last_stop
 from dsslm.health.nodes import read_nodes
-from dsslm.observe.plots import Run, column, is_number, load_run, write_figures
+from dsslm.observe.goodput import LABELS, read_ledger
+from dsslm.observe.plots import Run, column, is_number, load_run, plot_goodput, write_figures
 from dsslm.recovery.forensics import spike_lines
 
 ROUTINE_EVENTS = {"start", "save", "end", "retention_delete"}
@@ -241,14 +243,35 @@ def node_lines(run_dir: Path, run: Run) -> list[str]:
     return lines
 
 
-def write_report(run: Run, out: Path, spikes: list[str] | None = None) -> list[Path]:
+def goodput_lines(ledger: dict | None) -> list[str]:
+    """The goodput section: each part's hours and share of the wall time (figure: goodput.png)."""
+    if not ledger or not ledger.get("wall_s"):
+        return []
+    wall, parts = ledger["wall_s"], ledger["parts"]
+    lines = ["", "## Goodput", "",
+             f"Wall time {fmt_duration(wall)} from the first start to the last record, {ledger.get('restarts', 0)} "
+             f"restart(s), {ledger.get('rewinds', 0)} rewind(s), {ledger.get('hangs', 0)} hang(s) "
+             "(goodput.json; figure: goodput.png):", "", "| part | time | share |", "|---|---|---|"]
+    for name in ("productive", *LABELS):
+        lines.append(f"| {name} | {fmt_duration(parts.get(name, 0.0))} | {100 * parts.get(name, 0.0) / wall:.1f}% |")
+    return lines
+
+
+def with_goodput(lines: list[str], ledger: dict | None) -> list[str]:
+    """The goodput section before the events' table (which runs to the end of the summary's tables)."""
+    at = next((i for i, line in enumerate(lines) if line.startswith("## Events")), len(lines))
+    return lines[:at] + goodput_lines(ledger) + ([""] if at < len(lines) and ledger else []) + lines[at:]
+
+
+def write_report(run: Run, out: Path, spikes: list[str] | None = None, ledger: dict | None = None) -> list[Path]:
     # The summary is built, and replaces the old one, before any figure is drawn: a run it cannot
     # describe then leaves the folder as it was, and no folder holds new figures beside the summary
     # of an older report.
-    text = "\n".join(summary_lines(run) + (spikes or []))
+    text = "\n".join(with_goodput(summary_lines(run), ledger) + (spikes or []))
     out.mkdir(parents=True, exist_ok=True)
     summary = write_atomic(out / "summary.md", text)
-    return write_figures(run, out) + [summary]
+    figure = plot_goodput(ledger, out) if ledger else None
+    return write_figures(run, out) + ([figure] if figure else []) + [summary]
 
 
 def write_atomic(path: Path, text: str) -> Path:
@@ -311,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               f"and written to", file=sys.stderr)
         return 2
     spikes = spike_lines(args.run_dir)
-    for path in write_report(run, out, node_lines(args.run_dir, run) + spikes):
+    for path in write_report(run, out, node_lines(args.run_dir, run) + spikes, read_ledger(args.run_dir)):
         print(path)
     if spikes:
         print("\n".join(spikes))

@@ -122,14 +122,14 @@ def lr_change(saved_config: Any, cfg: Config, step: int) -> tuple[float, float] 
 # computes up to that point. Everything else must match (or be allowed with --allow-drift).
 RESUME_MUTABLE_KEYS = (
     "run.dir", "run.log_every", "run.val_every", "run.val_batches", "run.init_from",
-    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "run.restart_from_scratch",
+    "run.tensorboard", "run.alert_command", "run.lock_stale_s", "run.restart_from_scratch", "train.compile_cache",
     "run.preflight",
     "data.dir", "data.verify", "data.prefetch",
     "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults",
     "monitor.max_rewinds", "engine",
     "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
-    "monitor.rewind_every", "monitor.rewind_points",
+    "monitor.rewind_every", "monitor.rewind_points", "monitor.loss_trend", "monitor.loss_trend_z",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
     "optim.impl", "eval",

@@ -275,13 +275,14 @@ class Console:
             configure()
 
     # --- steps --------------------------------------------------------------------------------
-    def step(self, record: dict) -> None:
+    def step(self, record: dict, now: float | None = None) -> None:
+        """`now`: the step's time.monotonic() reading, when the caller took one."""
         if not self.enabled:
             return
         step = record["step"]
         if self.first_step is None:
             self.first_step = step
-        per_step = self.eta.update(step, time.monotonic(), record.get("step_time_s", 0.0))
+        per_step = self.eta.update(step, time.monotonic() if now is None else now, record.get("step_time_s", 0.0))
         self.last = record
         eta = max(0, self.total_steps - step) * (per_step if per_step is not None else math.inf)
         if self.tty:

@@ -401,3 +401,27 @@ def write_figures(run: Run, out: Path) -> list[Path]:
     written = [plot_loss(run, out), plot_lr(run, out), plot_gnorm(run, out), plot_throughput(run, out),
                plot_update_ratio(run, out), plot_evals(run, out), plot_phases(run, out)]
     return [p for p in written if p is not None]
+
+
+GOODPUT_COLORS = {"productive": "tab:green", "recomputed": "tab:red", "checkpoint": "tab:blue",
+                  "evaluation": "tab:purple", "startup": "tab:orange", "hang_detection": "tab:brown",
+                  "between_starts": "tab:gray", "other": "tab:olive"}
+
+
+def plot_goodput(ledger: dict, out: Path) -> Path | None:
+    """goodput.png: the run's wall time and each start's, stacked by part (observe/goodput.py)."""
+    starts = ledger.get("starts") or []
+    if not ledger.get("wall_s"):
+        return None
+    rows = [("run", ledger["parts"])] + [(f"start {i + 1}", s["parts"]) for i, s in enumerate(starts)]
+    fig, (ax,) = new_figure("where the wall time went (goodput)", "", 1)
+    ax.set_xlabel("hours")
+    labels = [name for name, _ in rows][::-1]
+    left = np.zeros(len(rows))
+    for part, color in GOODPUT_COLORS.items():
+        widths = np.array([max(0.0, as_float(parts.get(part, 0.0))) / 3600 for _, parts in rows][::-1])
+        widths[~np.isfinite(widths)] = 0.0
+        if widths.any():
+            ax.barh(labels, widths, left=left, color=color, label=part.replace("_", " "))
+        left += widths
+    return finish(fig, out / "goodput.png", ax)

@@ -292,19 +292,27 @@ class Sinks:
         self.events = EventLog(run_dir, is_main, alert_command)
         self.tensorboard = TensorBoard(run_dir, is_main and tensorboard)
         self.wandb = WandB(run_dir, is_main and observe.wandb, observe.wandb_project, observe.wandb_mode, config)
+        self.clock_origin = time.time() - time.monotonic()  # wall time at monotonic zero, for the records' `time`
         self.listeners: list[Callable[[dict], None]] = []  # shown every event after it is written (the resume audit)
         log_every = int(((config or {}).get("run") or {}).get("log_every", 1))
         self.console = Console(run_dir, is_main, total_steps, log_every)  # what a person reads
 
     def log_step(self, record: dict) -> None:
-        self.metrics.write(record)
+        # The one clock read a step's logging makes, shared with the console's ETA: the record's
+        # wall time places it in the run's time for the goodput ledger (observe/goodput.py).
+        now = time.monotonic()
+        self.metrics.write({**record, "time": self.wall_time(now)})
         self.tensorboard.write(record)
         self.wandb.write(record)
-        self.console.step(record)
+        self.console.step(record, now)
+
+    def wall_time(self, monotonic: float) -> float:
+        """A monotonic reading as a wall time (the events' clock), to the millisecond."""
+        return round(self.clock_origin + monotonic, 3)
 
     def log_val(self, record: dict) -> None:
         """A `{"step", "val_loss": {domain: float}}` record, to every sink (the console says one line)."""
-        self.metrics.write(record)
+        self.metrics.write({**record, "time": self.wall_time(time.monotonic())})
         self.tensorboard.write(record)
         self.wandb.write(record)
         self.console.val_loss(record)

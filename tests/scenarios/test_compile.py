@@ -1,8 +1,10 @@
 """`train.compile=true` on CPU with inductor: checkpoint names unchanged, a killed-and-resumed
 compiled run equal to the uninterrupted one to the bit, close to eager, and the same under DDP,
 FSDP and ZeRO on 2 gloo ranks. Compiling costs ~30 s here, so each process compiles the tiny
-model once and later builds hit inductor's cache."""
+model once and later builds hit inductor's cache; and that cache kept in run.dir, so a restart's
+first step reuses what the first start compiled."""
 import math
+import os
 
 import pytest
 import torch
@@ -28,6 +30,28 @@ def run(tmp_path, name, *overrides):
     except DrillAbort:
         pass
     return tmp_path / name
+
+
+def test_a_restart_reuses_the_compile_cache_kept_in_run_dir(tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # not where the run keeps it
+    torch._dynamo.reset()  # a new process as far as compiling goes: nothing traced or loaded yet
+    counters.clear()
+    run_dir = run(tmp_path, "run", "train.compile=true", "faults.crash_at_step=5", "faults.crash_mode=raise")
+    first = dict(counters["inductor"])
+    folders = list((run_dir / "cache").glob("compile-*"))
+    assert len(folders) == 1, f"no run.dir/cache/compile-<key>/ (job.setup enters compile_cache.kept_with_run): {folders}"
+    folder = folders[0]
+    assert first.get("fxgraph_cache_miss", 0) >= 2 and not first.get("fxgraph_cache_hit")  # forward, backward
+    assert len(list((folder / "fxgraph").rglob("*"))) >= 2 and not any((tmp_path / "elsewhere").rglob("*"))
+    torch._dynamo.reset()
+    counters.clear()
+    run(tmp_path, "run", "train.compile=true")  # the requeue: resumes from step 4
+    again = dict(counters["inductor"])
+    assert again.get("fxgraph_cache_hit", 0) >= 2 and not again.get("fxgraph_cache_miss"), again
+    assert list((run_dir / "cache").glob("compile-*")) == [folder]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "elsewhere")  # put back after the run
+    assert losses_by_step(run_dir)[8] > 0
 
 
 def test_compiled_run_resumes_to_the_bit_and_keeps_checkpoint_names(tmp_path):

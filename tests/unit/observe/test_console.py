@@ -287,7 +287,9 @@ def test_a_run_logged_to_a_file_reads_like_a_log(tmp_path):
         == ["1/12", "4/12", "8/12", "12/12"]
     assert any("saved step-00000006" in line for line in lines)
     assert any("validation loss" in line for line in lines)
-    assert "finished: step 12 of 12" in lines[-1] and "Traceback" not in proc.stderr
+    # The run's summary, then where this job's time went (the goodput ledger's line) last.
+    assert "finished: step 12 of 12" in lines[-2] and "Traceback" not in proc.stderr
+    assert " dsslm: goodput: this job: " in lines[-1]
 
 
 def test_a_gpu_sized_config_on_the_cpu_and_a_too_short_run_are_warned_about(capsys):

@@ -24,9 +24,10 @@ import time
 from typing import Callable
 
 # When this process started, as near as dsslm can tell: `python -m dsslm.train` imports this module
-# first. The `start` event carries it, so the goodput ledger counts the imports and the engine's
-# build as the job's start-up rather than as time between starts.
-PROCESS_STARTED = time.time()
+# first and calls catch_early at once, which sets it (None in a process that calls train() itself:
+# a test, a notebook). The `start` event carries it, so the goodput ledger counts the imports and
+# the engine's build as the job's start-up rather than as time between starts.
+PROCESS_STARTED: float | None = None
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -85,7 +86,10 @@ def _note(signum: int, frame: object) -> None:
 
 
 def catch_early() -> None:
-    """Note stop signals from the very start of `python -m dsslm.train`, before the imports."""
+    """Note stop signals from the very start of `python -m dsslm.train`, before the imports (and
+    when the process started)."""
+    global PROCESS_STARTED
+    PROCESS_STARTED = time.time()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _note)
 

@@ -40,7 +40,8 @@ from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of,
 from dsslm.engine import Engine, build_engine
 from dsslm.engine.compile_cache import kept_with_run
 from dsslm.evals.loop import TaskEvals
-from dsslm.exits import PROCESS_STARTED, note_exit
+from dsslm import exits
+from dsslm.exits import note_exit
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
 from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes,
@@ -77,11 +78,14 @@ class Job:
     audit: ResumeAudit = dataclasses.field(default_factory=ResumeAudit.off)  # set by start() on a resume
     failure: BaseException | None = None  # what rank 0's last step-boundary check saw fail, until raised
     evals: TaskEvals = dataclasses.field(default_factory=TaskEvals.off)  # eval.tasks, read and checked by setup
+    started: list = dataclasses.field(default_factory=list)  # [True] once start() began the job: its goodput is said
+    began: float = 0.0           # when this job's process started (or, called in-process, its setup)
     health: Health = dataclasses.field(default_factory=Health)  # the one door to the watchdog and the straggler report
 
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
     """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
+    began = exits.PROCESS_STARTED or time.time()  # read at the call: catch_early sets it in `python -m`
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
     verify_tokenizer(data_dir, manifest)  # before anything is built or written: eos_id splits documents
@@ -128,8 +132,11 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     sinks = Sinks(run_dir, engine.is_main, cfg.train.total_steps, cfg.run.tensorboard, cfg.run.alert_command,
                   cfg.observe, to_dict(cfg))
     cleanup.callback(sinks.close)
-    # After the saves and the exit events, before the sinks close: this job's and the run's goodput.
-    cleanup.callback(lambda: engine.is_main and (line := job_end_line(run_dir)) and sinks.say(line, logging.INFO))
+    # After the saves and the exit events, before the sinks close: this job's and the run's goodput,
+    # once the job has started (`started`): a refused start writes nothing and ends on its one line.
+    started: list = []
+    cleanup.callback(lambda: engine.is_main and started and (line := job_end_line(run_dir))
+                     and sinks.say(line, logging.INFO))
     # No event for a refusal (its own stderr line), an escalation (its own event) or a lost lock (not ours to
     # write); a failed write is recorded, and said once, by main's last line.
     cleanup.push(note_exit(sinks.emit, lambda: state.step, said=(CheckpointError, LogWriteError),
@@ -154,7 +161,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, spikes,
               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)),
-              health=health)
+              health=health, started=started, began=began)
     # An escalating triage's base, held only in memory, is saved before exit 3.
     spikes.bind(checkpointer, global_batch, save_base=lambda: save(job, sync=True))
     health.watch_stragglers(cfg, engine, sinks, run_dir, nodes, feed)  # faults.slow_*: the straggler drill
@@ -198,9 +205,10 @@ def start(job: Job) -> str:
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg),
-                   process_started=PROCESS_STARTED)
+                   process_started=job.began)
     if job.verified is not None:
         job.sinks.emit("data_verified", **job.verified)
+    job.started.append(True)
     if engine.is_main:
         tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size * cfg.model.seq_len
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "

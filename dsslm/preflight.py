@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dsslm.config import Config, ConfigError, accumulation_for, load
 from dsslm.exits import (EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_CRASH_LOOP, EXIT_ESCALATED, EXIT_INTERRUPTED,
-                         EXIT_NOTHING_TO_RESUME, EXIT_OK, EXIT_REQUEUE, EXIT_WRITE_FAILED)
+                         EXIT_NOTHING_TO_RESUME, EXIT_OK, EXIT_OOM_AT_FLOOR, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE,
+                         EXIT_WRITE_FAILED)
 
 USAGE = "python -m dsslm.train [--config FILE.yaml] [--allow-drift KEY] [dotted.key=value ...]"
 DESCRIPTION = """\
@@ -36,10 +37,12 @@ EXIT_CODES = (  # the numbers are exits.py's; what each means, in full: docs/run
     (EXIT_BAD_INPUT, "bad input or config: one line says what to fix; nothing was written"),
     (EXIT_ESCALATED, "the spike policy escalated to a person"),
     (EXIT_WRITE_FAILED, "run.dir could not be written (disk full, lost mount, lock taken over); run again"),
-    (EXIT_NOTHING_TO_RESUME, "every checkpoint of a run past step 0 was set aside as damaged"),
+    (EXIT_NOTHING_TO_RESUME, "a run past step 0 with no checkpoint that can be resumed"),
     (EXIT_CRASH_LOOP, "the same failure at the same step, start after start"),
+    (EXIT_OOM_AT_FLOOR, "out of memory at one sequence a micro-batch: shrink the model or the batch"),
     (EXIT_REQUEUE, "a hang or a dead node was diagnosed: requeue the job"),
     (EXIT_BAD_NODE, "a node failed its check before the first step: requeue it elsewhere"),
+    (EXIT_OUT_OF_MEMORY, "a step ran out of memory: requeue; it resumes at half the micro-batch"),
     (EXIT_INTERRUPTED, "Ctrl-C (saved at the end of the step in flight)"),
 )
 

@@ -135,7 +135,9 @@ def retry(run_dir: Path, cfg: Config, world_size: int) -> Retry | None:
     """At a start: the micro-batch and accumulation after an out-of-memory error (None: none, or
     the config already asks for less than what ran out). OutOfMemory(EXIT_OOM_AT_FLOOR) where no
     smaller micro-batch splits the global batch."""
-    state = read_json(Path(run_dir) / OOM / STATE, STATE_SPEC, "out-of-memory record")
+    path = Path(run_dir) / OOM / STATE
+    # Not there (the usual case; run.dir a file is refused later, in its own words): nothing to do.
+    state = read_json(path, STATE_SPEC, "out-of-memory record") if path.is_file() else None
     t = cfg.train
     if state is None or t.micro_batch_size < state["micro_batch_size"]:
         return None

@@ -156,6 +156,11 @@ class MonitorCfg:
     # re-run once in place, then applied (clipped) and noted, never skipped (docs/spikes.md)
     gnorm_mult: float = 5.0
     gnorm_trend: int = 5        # the reference is also the median of the last this many norms (0 = window only)
+    # While the loss falls faster than the window's median follows, a rise is also measured from
+    # the median of the last loss_trend clean losses in units of the step-to-step noise (0 = off):
+    # an outlier past loss_trend_z, from loss_trend + 3 clean steps on (docs/spikes.md)
+    loss_trend: int = 5
+    loss_trend_z: float = 8.0
     # A surge is held against a held-out batch's grad norm: one of the batch alone (the held-out
     # norm normal) is an outlier as before; one the held-out batch shares is the model's, applied
     gnorm_probe: bool = True

@@ -94,6 +94,9 @@ def _check_all(cfg: Config) -> None:
     _check(bool(cfg.run.dir.strip()), "run.dir is empty; name the run's folder, e.g. run.dir=runs/my-run")
     _check(cfg.run.lock_stale_s > 0, f"run.lock_stale_s={cfg.run.lock_stale_s} must be > 0")
     _check(t.z_loss >= 0, f"train.z_loss={t.z_loss} must be >= 0")
+    _check(t.compile_cache == t.compile_cache.strip() and "\0" not in t.compile_cache,
+           f"train.compile_cache={t.compile_cache!r}: name a folder without surrounding spaces, or \"\" for "
+           "run.dir/cache")
     _check(t.loss_scale_init >= 1, f"train.loss_scale_init={t.loss_scale_init} must be >= 1")
     validate_model(cfg)
     validate_optim(cfg)
@@ -233,6 +236,8 @@ def validate_spike_policy(cfg: Config) -> None:
     _check(0 < m.lr_backoff <= 1, f"monitor.lr_backoff={m.lr_backoff} must be in (0, 1]")
     _check(m.window >= 3, f"monitor.window={m.window} must be >= 3")
     _check(m.gnorm_trend >= 0, f"monitor.gnorm_trend={m.gnorm_trend} must be >= 0 (0 = the window median only)")
+    _check(m.loss_trend >= 0, f"monitor.loss_trend={m.loss_trend} must be >= 0 (0 = the window median only)")
+    _check(m.loss_trend_z > 0, f"monitor.loss_trend_z={m.loss_trend_z} must be > 0")
     _check(m.sequence_window >= 1, f"monitor.sequence_window={m.sequence_window} must be >= 1")
     _check(m.skip_batches >= 1, f"monitor.skip_batches={m.skip_batches} must be >= 1")
     _check(m.max_multiple > 1 and m.max_multiple_steps >= 1,

@@ -116,6 +116,11 @@ class SpikeMonitor:
             reason = f"non-finite loss={loss} gnorm={gnorm}"
             return self._outlier(step, reason) if self.cfg.nonfinite == "skip" else self._rewind(step, reason)
         if not self._ready():
+            trend = self._trend_z(loss)  # the descent's first steps: the trend alone can see a rise
+            calm = gnorm <= self.cfg.gnorm_mult * max(self._gnorm_reference(), GNORM_FLOOR) if self._gnorms else True
+            if trend is not None and trend > self.cfg.loss_trend_z and calm:
+                return self._outlier(step, f"loss {trend:.1f} x the step-to-step noise over its recent level "
+                                           f"(the first {len(self._losses)} steps)")
             self._record(loss, gnorm, sequences)
             return Verdict.OK
         hard, outlier, surge, reason = self._assess(loss, gnorm)
@@ -272,8 +277,34 @@ class SpikeMonitor:
         if z > cfg.hard_loss_z:
             return True, True, False, f"loss z={z:.1f} > hard_loss_z={cfg.hard_loss_z}"
         ratio = gnorm / max(self._gnorm_reference(), GNORM_FLOOR)
-        reason = f"loss z={z:.1f}, gnorm {ratio:.1f}x its reference"
-        return False, z > cfg.loss_z, z <= cfg.loss_z and ratio > cfg.gnorm_mult, reason
+        trend = self._trend_z(loss)
+        # Over the recent level while the loss falls, with a calm grad norm. With a surging one it
+        # is the plateau's exit, whose loss wobbles as the norm jumps 10-50x (two false alarms of
+        # the clean bench, one an LR cut): a surge, for the held-out probe to tell apart.
+        rose = trend is not None and trend > cfg.loss_trend_z and ratio <= cfg.gnorm_mult
+        reason = (f"loss z={z:.1f}{f' ({trend:.1f} over its recent level)' if rose else ''}, "
+                  f"gnorm {ratio:.1f}x its reference")
+        outlier = z > cfg.loss_z or rose
+        return False, outlier, not outlier and ratio > cfg.gnorm_mult, reason
+
+    def _trend_z(self, loss: float) -> float | None:
+        """The loss's rise over its recent level (the median of the last `loss_trend` clean losses)
+        in units of the step-to-step noise (the robust spread of successive clean losses'
+        differences around their median difference, / sqrt 2: a steady descent's slope is no
+        noise), where the recent level is below the window's median (the loss is falling faster
+        than the median follows: its MAD is then the descent's, and a batch of garbage at step 31
+        stood under the window's threshold); None otherwise, or before loss_trend + 3 clean steps."""
+        k = self.cfg.loss_trend
+        if self.cfg.detector != "mad" or k <= 0 or len(self._losses) < k + 3:
+            return None
+        losses = list(self._losses)
+        recent = statistics.median(losses[-k:])
+        if recent >= statistics.median(losses):
+            return None
+        steps = [b - a for a, b in zip(losses, losses[1:])]
+        middle = statistics.median(steps)
+        noise = MAD_TO_STD * statistics.median(abs(d - middle) for d in steps) / math.sqrt(2)
+        return (loss - recent) / max(noise, SCALE_FLOOR_REL * abs(recent) + SCALE_FLOOR_NATS)
 
     def _gnorm_reference(self) -> float:
         """The grad norm a step's is measured against: its window median, or the median of its

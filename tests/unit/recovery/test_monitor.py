@@ -154,10 +154,34 @@ def test_hard_threshold_rewinds_immediately_and_keeps_the_streak_start():
     assert monitor.spike_start == 300
 
 
-def test_no_judgement_before_min_history():
-    monitor = SpikeMonitor(MonitorCfg(min_history=20))
+def test_no_judgement_before_min_history_but_the_trend_s():
+    monitor = SpikeMonitor(MonitorCfg(min_history=20, loss_trend=0))
     assert set(feed(monitor, ((s, 3.0 if s % 2 else 30.0, 1.0) for s in range(20)))) == {Verdict.OK}
     assert len(monitor.state_dict()["losses"]) == 20
+
+
+def descent(steps: int, seed: int = 0) -> list[float]:
+    """An initial descent: from 5.5 nats towards 2.5, fast, with 2% batch-to-batch noise."""
+    rng = random.Random(seed)
+    return [(2.5 + 3.0 * math.exp(-s / 15)) * (1 + 0.02 * rng.gauss(0, 1)) for s in range(steps)]
+
+
+@pytest.mark.parametrize("at", [10, 31, 60])
+def test_a_batch_of_garbage_in_the_initial_descent_is_an_outlier(at):
+    """The loss reference lags a fast descent (the window's median sits far above the loss, its MAD
+    is the descent's): random tokens at step 31 (5.95 nats against a current 3.0) passed under a
+    threshold of 11.2 nats. Against the recent level in units of the step-to-step noise they
+    stand out, from the first steps on; the same descent without them is never an outlier."""
+    curve = descent(120)
+    clean = SpikeMonitor(MonitorCfg())
+    assert set(feed(clean, ((s + 1, loss, 1.0) for s, loss in enumerate(curve)))) == {Verdict.OK}
+    monitor = SpikeMonitor(MonitorCfg())
+    feed(monitor, ((s + 1, loss, 1.0) for s, loss in enumerate(curve[:at])))
+    assert monitor.judge(at + 1, 5.95, 2.3) is Verdict.SKIP
+    assert "over its recent level" in monitor.last_reason
+    old = SpikeMonitor(MonitorCfg(loss_trend=0))  # the window's median alone: blind before step 60
+    feed(old, ((s + 1, loss, 1.0) for s, loss in enumerate(curve[:at])))
+    assert (old.judge(at + 1, 5.95, 2.3) is Verdict.OK) == (at < 60)
 
 
 def spiky_stream(seed=3, n_steps=1500):
@@ -389,3 +413,16 @@ def test_outliers_and_surges_leave_the_sequence_history_alone():
     assert monitor.state_dict()["sequences"] == before
     monitor.accept(2.0, 20.0, [1.9] * 4)
     assert monitor.state_dict()["sequences"] == before + [1.9] * 4  # 400 + 4 < monitor.sequence_window
+
+
+def test_a_rise_over_the_recent_level_with_a_surging_grad_norm_is_a_surge_not_an_outlier():
+    """The plateau's exit: the norm jumps 10-50x and the loss wobbles over its recent level (the
+    clean bench's two false alarms of the trend test, one of them an LR cut). With the norm
+    surging it is a surge, for the held-out probe to tell the batch's from the model's."""
+    curve = descent(40)
+    monitor = SpikeMonitor(MonitorCfg())
+    feed(monitor, ((s + 1, loss, 1.0) for s, loss in enumerate(curve)))
+    assert monitor.judge(41, 5.95, 11.0) is Verdict.SURGE
+    monitor = SpikeMonitor(MonitorCfg())
+    feed(monitor, ((s + 1, loss, 1.0) for s, loss in enumerate(curve[:12])))
+    assert monitor.judge(13, 5.95, 11.0) is Verdict.OK  # before min_history a surge is not judged

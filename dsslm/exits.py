@@ -85,6 +85,11 @@ def _note(signum: int, frame: object) -> None:
     _early.append(signum)
 
 
+def process_started() -> float | None:
+    """When `python -m dsslm.train` started (catch_early's note); None in a process that calls train()."""
+    return PROCESS_STARTED
+
+
 def catch_early() -> None:
     """Note stop signals from the very start of `python -m dsslm.train`, before the imports (and
     when the process started)."""

@@ -40,8 +40,7 @@ from dsslm.data.verify import (cache_path, digest_problem, hash_shards, node_of,
 from dsslm.engine import Engine, build_engine
 from dsslm.engine.compile_cache import kept_with_run
 from dsslm.evals.loop import TaskEvals
-from dsslm import exits
-from dsslm.exits import note_exit
+from dsslm.exits import note_exit, process_started
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model
 from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes,
@@ -85,7 +84,7 @@ class Job:
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
     """Build what the loop needs; `cleanup` takes it down again in reverse, saves finished first."""
-    began = exits.PROCESS_STARTED or time.time()  # read at the call: catch_early sets it in `python -m`
+    began = process_started() or time.time()  # read at the call: catch_early sets it in `python -m`
     data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir()
     manifest = load_manifest(data_dir, verify=False)  # sizes; the hashes are checked below
     verify_tokenizer(data_dir, manifest)  # before anything is built or written: eos_id splits documents

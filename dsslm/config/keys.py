@@ -158,9 +158,9 @@ class MonitorCfg:
     gnorm_trend: int = 5        # the reference is also the median of the last this many norms (0 = window only)
     # While the loss falls faster than the window's median follows, a rise is also measured from
     # the median of the last loss_trend clean losses in units of the step-to-step noise (0 = off):
-    # an outlier past loss_trend_z, from loss_trend + 3 clean steps on (docs/spikes.md)
+    # an outlier past loss_trend_z with a calm norm, from loss_trend + 3 clean steps on (docs/spikes.md)
     loss_trend: int = 5
-    loss_trend_z: float = 8.0
+    loss_trend_z: float = 10.0
     # A surge is held against a held-out batch's grad norm: one of the batch alone (the held-out
     # norm normal) is an outlier as before; one the held-out batch shares is the model's, applied
     gnorm_probe: bool = True

@@ -25,9 +25,9 @@ from dsslm.ckpt.drift import RESUME_MUTABLE_KEYS
 from dsslm.ckpt.lock import LockLost, RunLock
 from dsslm.ckpt.resume import Checkpointer, RngStreams, Stateful
 from dsslm.ckpt.store import CheckpointError, CheckpointStore
-from dsslm.ckpt.train_state import NothingToResume, TrainState, fingerprint
+from dsslm.ckpt.train_state import NothingToResume, TrainState, epoch_order, fingerprint
 from dsslm.clip import Clipper, build_clipper
-from dsslm.config import Config, ConfigError, to_dict
+from dsslm.config import Config, ConfigError, mix_of, to_dict
 from dsslm.data import DataError, Loader, load_manifest, manifest_hash
 from dsslm.data.bytecount import ByteCounter
 from dsslm.data.corpus import default_data_dir
@@ -123,7 +123,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     health = Health.start(cfg, engine, run_dir, lock, failures)  # after the hashing: it has its own wait
     cleanup.callback(health.close)  # after finish_saves: the last save is watched too
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * engine.world_size
-    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=cfg.data.mix)
+    loader = Loader(data_dir, cfg.model.seq_len, cfg.run.seed, manifest=manifest, mix=mix_of(cfg.data))
     feed = Prefetcher(loader, engine.rank, engine.world_size, cfg.train.grad_accum,
                       batch_schedule(cfg, engine.world_size), pin_memory=engine.device.type == "cuda",
                       enabled=cfg.data.prefetch)
@@ -178,6 +178,8 @@ def start(job: Job) -> str:
     job.health.starting(job.state.step)  # the watchdog allows observe.watchdog.first_s until the first step
     hf_dir = hf_dir_of(cfg.run.init_from)
     how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
+    job.state.shuffle = epoch_order(cfg, how, job.state)
+    job.loader.set_shuffle(job.state.shuffle)  # before the first read: the prefetcher starts with step 1
     if how == "resume" and job.state.step >= cfg.train.total_steps:
         if job.verified is not None:  # what was checked is still worth recording
             job.sinks.emit("data_verified", **job.verified)
@@ -204,7 +206,7 @@ def start(job: Job) -> str:
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg),
-                   process_started=job.began)
+                   process_started=job.began, shuffle=job.state.shuffle)
     if job.verified is not None:
         job.sinks.emit("data_verified", **job.verified)
     job.started.append(True)

@@ -15,7 +15,8 @@ import torch
 from dsslm.ckpt.drift import from_dict
 from dsslm.ckpt.format import Checkpoint, CheckpointError
 from dsslm.ckpt.train_state import FINGERPRINT_SPEC, ResumeRefused, check_fingerprint
-from dsslm.config import ConfigError
+from dsslm.config import ConfigError, shuffle_spec
+from dsslm.data.permute import parse_shuffle
 from dsslm.engine.base import STATE_KINDS, OptimState, optim_kinds
 from dsslm.fields import MAX_STEP, Fields, Int, MapOf, Json, StateError, Str, validate
 
@@ -71,6 +72,8 @@ class Acceptance:
         # its name, or, allowed, lets that part start afresh.
         drifted = check_fingerprint(saved, self.fingerprint, self.cfg, where, allowed)
         self.check_parts(ckpt.state, drifted)
+        if not parent:  # a branch may read its parent's stream in another order on purpose
+            self.check_shuffle(ckpt.state["train"], where)
         sharded = ckpt.reader is not None and bool(ckpt.reader.index["save"])  # "": gathered (no rank files)
         for name in self.parts:
             if kept_per_rank(ckpt.state.get(name)) and not sharded:
@@ -80,6 +83,23 @@ class Acceptance:
         else:
             self.check_tensors(ckpt.tensors, values)
         return drifted
+
+    def check_shuffle(self, train: dict, where: str) -> None:
+        """The order the checkpoint's run read its epochs in (TrainState.shuffle, "" = array) is the
+        one data.shuffle asks for, or data.shuffle is auto (then the resume keeps it): another order
+        continues at the same position over other chunks, re-reading some and never reading others."""
+        saved = train.get("shuffle") or "array"
+        try:
+            parse_shuffle(saved)
+        except ValueError as exc:
+            raise StateError(f"state.train.shuffle: {exc}") from None
+        wanted = shuffle_spec(self.cfg.data)
+        if wanted and wanted != saved and "data.shuffle" not in self.allow_drift:
+            raise ResumeRefused(
+                f"resume refused: {where} read its epochs in data.shuffle={saved} order, now {wanted}; drop "
+                f"data.shuffle (auto: a resume keeps its checkpoint's order), or pass --allow-drift data.shuffle "
+                "to read the rest of the run in the new order (the current epoch then repeats some chunks and "
+                "leaves out others)")
 
     def check_header(self, state: Any) -> None:
         header = Fields(open=True, schema=Int(SCHEMA_VERSION, SCHEMA_VERSION), step=Int(0, MAX_STEP),

@@ -125,6 +125,9 @@ RESUME_MUTABLE_KEYS = (
     "run.tensorboard", "run.alert_command", "run.lock_stale_s", "run.restart_from_scratch", "train.compile_cache",
     "run.preflight",
     "data.dir", "data.verify", "data.prefetch",
+    # The order a run reads its epochs in is recorded in its train state (TrainState.shuffle) and
+    # checked there (ckpt.accept): auto means "the checkpoint's", which no hash of the config can say.
+    "data.shuffle", "data.shuffle_block", "data.shuffle_window",
     "train.total_steps",
     "train.device", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size", "ckpt", "faults",
     "monitor.max_rewinds", "engine",

@@ -12,7 +12,7 @@ from typing import Any
 
 from dsslm.fields import (MAX_COUNT, MAX_STEP, Fields, Float, Int, Json, ListOf, MapOf, Optional, SkipList,
                                Str, Window)
-from dsslm.config import Config, ConfigError, keep_global_batch
+from dsslm.config import Config, ConfigError, keep_global_batch, shuffle_spec
 from dsslm.ckpt.drift import SHAPE_KEYS, config_hash, drift, hashed_items, shape_refusal
 
 # A rewind carried out (recovery.rewind.rewind_record): the first spike step, the window of global
@@ -44,15 +44,20 @@ class TrainState:
     # The furthest step the run has trained to, in any pass: a step at or below it is a replay
     # (a rewind's, a triage's), which neither validates nor evaluates again (it was, once).
     reached: int = 0
+    # The order the run's epochs read their chunks in (data.permute's kind, as parse_shuffle reads
+    # it). "" in a checkpoint saved before it was recorded: that run read numpy's materialised
+    # permutation, "array", and resumes with it.
+    shuffle: str = ""
 
     state_spec = Fields(
-        optional=("domain_tokens", "reached"),
+        optional=("domain_tokens", "reached", "shuffle"),
         step=Int(0, MAX_STEP), tokens_seen=Int(0, MAX_COUNT), next_sequence=Int(0, MAX_COUNT),
         skip_list=SkipList(),
         lr_scale=Float(1e-12, 1.0), rewinds=ListOf(REWIND_RECORD, max_len=100_000),
         skipped_steps=Int(0, MAX_STEP), clipped_steps=Int(0, MAX_STEP),
         lineage=ListOf(Fields(open=True, run_dir=Str(), step=Int(0, MAX_STEP), checkpoint=Str()), max_len=1000),
-        domain_tokens=Optional(MapOf(Int(0, MAX_COUNT), max_len=10_000)), reached=Int(0, MAX_STEP))
+        domain_tokens=Optional(MapOf(Int(0, MAX_COUNT), max_len=10_000)), reached=Int(0, MAX_STEP),
+        shuffle=Str(64))
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,9 +65,22 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         for f in dataclasses.fields(self):
             # Optional: a checkpoint from before `domain_tokens` (None: derived) or `reached` (its step).
-            default = state.get("step", 0) if f.name == "reached" else None
-            setattr(self, f.name, state.get(f.name, default) if f.name in ("domain_tokens", "reached")
+            default = state.get("step", 0) if f.name == "reached" else "" if f.name == "shuffle" else None
+            setattr(self, f.name, state.get(f.name, default) if f.name in ("domain_tokens", "reached", "shuffle")
                     else state[f.name])
+
+
+def epoch_order(cfg: Config, how: str, state: TrainState) -> str:
+    """The order the run reads its epochs in (data.permute's kind): data.shuffle's where it names
+    one (ckpt.accept refused a resume it would change), else that of the run it continues (a
+    resume, or a branch at its parent's position: "" is array, the order before kinds were
+    recorded), else feistel."""
+    wanted = shuffle_spec(cfg.data)
+    if wanted:
+        return wanted
+    if how == "resume" or (how == "branch" and state.next_sequence > 0):
+        return state.shuffle or "array"
+    return "feistel"
 
 
 class ResumeRefused(ConfigError):

@@ -8,7 +8,8 @@ everything is imported from here.
 from dsslm.config.keys import (HF_PREFIX, BatchRampCfg, CkptCfg, Config, ConfigError, DataCfg, EngineCfg, EvalCfg,
                                FaultsCfg, ModelCfg, MonitorCfg, NodesCfg, ObserveCfg, OptimCfg, RunCfg, StragglersCfg,
                                TrainCfg, WatchdogCfg,
-                               accumulation_for, ffn_hidden_of, keep_global_batch, micro_batch_for, to_dict)
+                               accumulation_for, ffn_hidden_of, keep_global_batch, micro_batch_for, mix_of, shuffle_spec,
+                               to_dict)
 from dsslm.config.load import CONFIG_DIR, DEFAULT_CONFIG, _explain as _explain, load  # _explain: ckpt/drift.py's messages
 from dsslm.config.validate import (join_problems, validate, validate_data, validate_mix, validate_model, validate_optim,
                                    validate_spike_policy)
@@ -16,6 +17,6 @@ from dsslm.config.validate import (join_problems, validate, validate_data, valid
 __all__ = ["HF_PREFIX", "BatchRampCfg", "CkptCfg", "Config", "ConfigError", "DataCfg", "EngineCfg", "EvalCfg",
            "FaultsCfg", "ModelCfg", "MonitorCfg", "NodesCfg", "ObserveCfg", "OptimCfg", "RunCfg", "StragglersCfg",
            "TrainCfg", "WatchdogCfg", "accumulation_for",
-           "ffn_hidden_of", "keep_global_batch", "micro_batch_for", "to_dict", "CONFIG_DIR", "DEFAULT_CONFIG", "load",
+           "ffn_hidden_of", "keep_global_batch", "micro_batch_for", "mix_of", "shuffle_spec", "to_dict", "CONFIG_DIR", "DEFAULT_CONFIG", "load",
            "join_problems", "validate", "validate_data", "validate_mix", "validate_model", "validate_optim",
            "validate_spike_policy"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, FrozenSet, List, Optional, Union
+from typing import Any, ClassVar, Dict, FrozenSet, List, Optional, Union
 
 HF_PREFIX = "hf:"  # run.init_from=hf:HF_DIR starts from a Hugging Face folder's weights
 
@@ -42,6 +42,27 @@ class DataCfg:
     prefetch: bool = True       # read the next step's batch in a background thread
     # {domain: weight}: each sequence's domain drawn by weight; {} = by token count. Unnamed domains get 0.
     mix: Dict[str, float] = field(default_factory=dict)
+    # A planned mixture: [{start: global sequence, weights: {domain: weight}}, ...], the first at
+    # start 0, each stage's weights from its start on (data.mixture.StagedMixture). Not with data.mix.
+    mix_stages: List[Any] = field(default_factory=list)
+    # The order each epoch reads its chunks in (docs/data.md#shuffle): auto = a resume's checkpoint's
+    # kind (array for one saved before kinds were recorded), feistel for a new run; feistel |
+    # block (read locality: blocks of shuffle_block chunks, mixed within shuffle_window blocks) | array.
+    shuffle: str = "auto"
+    shuffle_block: int = 64
+    shuffle_window: int = 256
+
+
+def mix_of(data: DataCfg) -> dict[str, float] | list[tuple[int, dict[str, float]]]:
+    """What the loader draws domains by: data.mix, or data.mix_stages as (start, weights) pairs."""
+    return [(stage["start"], stage["weights"]) for stage in data.mix_stages] if data.mix_stages else data.mix
+
+
+def shuffle_spec(data: DataCfg) -> str:
+    """The epoch order data.shuffle asks for, as a run records it ('' for auto: the checkpoint's)."""
+    if data.shuffle == "block":
+        return f"block/{data.shuffle_block}/{data.shuffle_window}"
+    return "" if data.shuffle == "auto" else data.shuffle
 
 
 @dataclass

@@ -217,7 +217,14 @@ def validate_data(cfg: Config) -> None:
     _check(cfg.data.verify in (True, False, "full"),
            f"data.verify={cfg.data.verify!r} is not allowed; use true (hash what changed since the cached "
            "verification), false (sizes only) or full (hash every shard)")
+    _check(cfg.data.shuffle in ("auto", "feistel", "block", "array"),
+           f"data.shuffle={cfg.data.shuffle!r} is not a kind; use auto (a resume keeps its checkpoint's), "
+           "feistel, block or array")
+    _check(cfg.data.shuffle_block >= 1 and cfg.data.shuffle_window >= 1,
+           f"data.shuffle_block={cfg.data.shuffle_block} and data.shuffle_window={cfg.data.shuffle_window} "
+           "must be >= 1 (chunks per block, blocks per window)")
     validate_mix(cfg.data.mix)
+    validate_stages(cfg.data.mix_stages, bool(cfg.data.mix))
 
 
 def validate_spike_policy(cfg: Config) -> None:
@@ -269,16 +276,41 @@ def validate_spike_policy(cfg: Config) -> None:
         _check(isinstance(step, int) and step >= 1, f"faults.grad_fault_steps entry {step!r} must be a step >= 1")
 
 
-def validate_mix(mix: dict[str, float]) -> None:
+def validate_mix(mix: dict[str, float], key: str = "data.mix") -> None:
     """data.mix: finite weights >= 0 with a positive total; each named positive weight at least a
     millionth of the total (weights are kept in parts per million: a smaller one would be 0)."""
-    valid = [_check(math.isfinite(weight) and weight >= 0, f"data.mix.{domain}={weight} must be a finite number >= 0")
-             for domain, weight in mix.items()]
+    valid = [_check(_is_number(weight) and math.isfinite(weight) and weight >= 0,
+                    f"{key}.{domain}={weight!r} must be a finite number >= 0") for domain, weight in mix.items()]
     if not mix or not all(valid):
         return
     total = sum(mix.values())
-    _check(total > 0, "data.mix has no positive weight; give at least one domain a weight > 0, or drop data.mix")
+    _check(total > 0, f"{key} has no positive weight; give at least one domain a weight > 0, or drop {key}")
     for domain, weight in mix.items():
         _check(weight == 0 or weight >= total * 1e-6,
-               f"data.mix.{domain}={weight} is below a millionth of the total {total}; raise it or set it to 0")
-    _check(sum(w > 0 for w in mix.values()) <= 256, "data.mix gives more than 256 domains a positive weight")
+               f"{key}.{domain}={weight} is below a millionth of the total {total}; raise it or set it to 0")
+    _check(sum(w > 0 for w in mix.values()) <= 256, f"{key} gives more than 256 domains a positive weight")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def validate_stages(stages: list, with_mix: bool) -> None:
+    """data.mix_stages: [{start, weights}], starts from 0 strictly increasing, each stage's weights
+    as data.mix's; not beside data.mix (which of the two would hold?)."""
+    if not stages:
+        return
+    _check(not with_mix, "data.mix and data.mix_stages are both set; put data.mix's weights in a stage at start 0")
+    starts = []
+    for i, stage in enumerate(stages):
+        ok = _check(isinstance(stage, dict) and set(stage) == {"start", "weights"} and type(stage["start"]) is int
+                    and stage["start"] >= 0 and isinstance(stage["weights"], dict) and bool(stage["weights"]),
+                    f"data.mix_stages[{i}]={stage!r} must be {{start: a global sequence >= 0, weights: {{domain: "
+                    "weight, ...}}}}")
+        if ok:
+            starts.append(stage["start"])
+            validate_mix(stage["weights"], f"data.mix_stages[{i}].weights")
+    if len(starts) == len(stages):
+        _check(starts[0] == 0, f"data.mix_stages starts at sequence {starts[0]}; the first stage must have start: 0")
+        _check(all(a < b for a, b in zip(starts, starts[1:])),
+               f"data.mix_stages' starts {starts} must increase; list the stages in the order they begin")

@@ -5,8 +5,9 @@ Training reads the train shards of every domain as one virtual concatenation (do
 order). Each shard is cut into non-overlapping chunks of seq_len + 1 tokens (chunk i is tokens
 [i*seq_len, i*seq_len + seq_len + 1): consecutive chunks share one token, so every token is a
 target exactly once); chunks never cross a shard boundary. Global sequence g of the run is
-chunk perm_e[g % n_chunks] with e = g // n_chunks and perm_e a permutation seeded by (seed, e):
-domains are drawn in proportion to their token counts. With `data.mix` (`mix`), the domain of
+chunk perm_e[g % n_chunks] with e = g // n_chunks and perm_e a permutation seeded by (seed, e),
+computed per index (`data.permute`: no array of n_chunks exists): domains are drawn in
+proportion to their token counts. With `data.mix` (`mix`), the domain of
 g is drawn by weight instead and each domain shuffles and repeats its own chunks
 (`data.mixture`). There is no iterator state: position 10**9 costs what position 0 costs, and a
 resume needs only (position, skip_list). Each rank reads only the chunks of its own sequences.
@@ -34,7 +35,8 @@ import torch
 
 from dsslm.data.bytecount import IGNORE_INDEX
 from dsslm.data.manifest import load_manifest
-from dsslm.data.mixture import Mixture, domain_key, weight_units
+from dsslm.data.mixture import Mixture, StagedMixture, domain_key, weight_units
+from dsslm.data.permute import order_of, parse_shuffle
 from dsslm.data.skips import DOCUMENT_TOKENS, chunk_range, document_bounds, entries_of, view_of
 from dsslm.data.sources import DataError, NothingLeft
 from dsslm.data.stream import StepSlice, merge_windows, slice_of_merged, split_micro_batches, take
@@ -54,6 +56,7 @@ def _open_shard_budget() -> int:
 
 
 MAX_OPEN_SHARDS = _open_shard_budget()
+_COUNT_SPAN = 1 << 20  # positions mapped at once where a count walks the stream (8 MB of int64s each)
 
 __all__ = ["Batch", "Loader", "merge_windows"]
 
@@ -62,9 +65,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), int64 [batch, se
 
 class Loader:
     def __init__(self, data_dir: str | Path, seq_len: int, seed: int, manifest: dict | None = None,
-                 mix: dict[str, float] | None = None):
+                 mix: dict[str, float] | list | None = None, shuffle: str = "feistel"):
         """`manifest` None: read it, checking shard sizes only (pass a verified one to check hashes).
-        `mix` {domain: weight}: draw each sequence's domain by weight (None or {}: by token count)."""
+        `mix` {domain: weight}, or [(start, {domain: weight})] stages (`data.mixture`): draw each
+        sequence's domain by weight (None or {}: by token count). `shuffle`: the epoch order's kind (`data.permute`)."""
         if seq_len < 1:
             raise DataError(f"model.seq_len={seq_len} must be >= 1")
         if seed < 0:
@@ -92,13 +96,22 @@ class Loader:
         # and a shuffled epoch reads every shard (1,018 shards met the usual soft limit of 1,024).
         self._maps: collections.OrderedDict[str, np.memmap] = collections.OrderedDict()
         self._maps_lock = threading.Lock()  # the prefetcher's thread reads beside the loop's
-        self._perm = (-1, np.empty(0, dtype=np.int64))          # (epoch, permutation of all chunks)
-        self._domain_perm: dict[int, tuple[int, np.ndarray]] = {}  # domain -> (epoch, its permutation)
+        self.shuffle = ""
+        self.set_shuffle(shuffle)
         self._shard_index = {path: i for i, (path, _) in enumerate(self._train)}
         # (the view's entries list, their JSON key, chunk ids): see skipped_chunks
         self._skipped: tuple[list | None, str, np.ndarray] = (None, "[]", np.empty(0, dtype=np.int64))
         self._count_lock = threading.Lock()
         self.chunks_read = 0  # for the benchmarks and the rank-local reads test
+
+    def set_shuffle(self, spec: str) -> None:
+        """Read epochs in the order of kind `spec` (`data.permute`): set once the run knows which
+        kind its checkpoint was trained with, before the first read."""
+        parse_shuffle(spec)  # ValueError for a kind this code does not know
+        if spec != self.shuffle:
+            self.shuffle = spec
+            # (domain or -1, epoch) -> that epoch's order; replaced whole (the prefetcher reads beside)
+            self._orders: dict[tuple[int, int], object] = {}
 
     @property
     def domains(self) -> list[str]:
@@ -309,17 +322,23 @@ class Loader:
         mine = slice(rank * grad_accum * per_micro, (rank + 1) * grad_accum * per_micro)
         return list(zip(inputs[mine].split(per_micro), targets[mine].split(per_micro))), real
 
-    def _mixture(self, mix: dict[str, float]) -> Mixture:
+    def _mixture(self, mix: dict[str, float] | list) -> Mixture | StagedMixture:
+        if isinstance(mix, dict):
+            return Mixture(self._units(mix, "data.mix"), self.seed)
+        return StagedMixture([(start, self._units(weights, f"data.mix_stages[{i}].weights"))
+                              for i, (start, weights) in enumerate(mix)], self.seed)
+
+    def _units(self, mix: dict[str, float], key: str) -> list[int]:
         unknown = sorted(set(mix) - set(self.domains))
         if unknown:
-            raise DataError(f"data.mix names domain {unknown[0]!r}, which {self.data_dir} does not have; "
+            raise DataError(f"{key} names domain {unknown[0]!r}, which {self.data_dir} does not have; "
                             f"its domains are {', '.join(self.domains)}")
         units = weight_units(mix, self.domains)
         empty = [d for d, u, n in zip(self.domains, units, self.domain_chunks) if u > 0 and n == 0]
         if empty:
-            raise DataError(f"data.mix.{empty[0]} > 0, but domain {empty[0]} has no train shard longer than "
-                            f"model.seq_len={self.seq_len}; drop it from data.mix or lower model.seq_len")
-        return Mixture(units, self.seed)
+            raise DataError(f"{key}.{empty[0]} > 0, but domain {empty[0]} has no train shard longer than "
+                            f"model.seq_len={self.seq_len}; drop it from {key} or lower model.seq_len")
+        return units
 
     def _chunk_ids(self, g: np.ndarray) -> np.ndarray:
         chunk_ids = np.empty_like(g)
@@ -327,7 +346,7 @@ class Loader:
             epochs, positions = np.divmod(g, self.n_chunks)
             for epoch in np.unique(epochs):  # a step straddles at most a few epochs
                 mask = epochs == epoch
-                chunk_ids[mask] = self._permutation(int(epoch))[positions[mask]]
+                chunk_ids[mask] = self._order(-1, int(epoch)).at(positions[mask])
             return chunk_ids
         domains, numbers = self.mixture.locate(g)
         for d in np.unique(domains):
@@ -336,7 +355,7 @@ class Loader:
             picked = np.empty_like(positions)
             for epoch in np.unique(epochs):
                 sub = epochs == epoch
-                picked[sub] = self._domain_permutation(int(d), int(epoch))[positions[sub]]
+                picked[sub] = self._order(int(d), int(epoch)).at(positions[sub])
             chunk_ids[mask] = self._domain_first[d] + picked
         return chunk_ids
 
@@ -364,31 +383,30 @@ class Loader:
             return self.mixture.count_before(position).astype(np.int64)
         epochs, rest = divmod(position, self.n_chunks)
         counts = self.domain_chunks.astype(np.int64) * epochs
-        if rest:
-            counts += np.bincount(self._domain_index(np.arange(epochs * self.n_chunks, position, dtype=np.int64)),
-                                  minlength=len(self.domains))
+        start = epochs * self.n_chunks
+        for lo in range(start, position, _COUNT_SPAN):  # in spans: memory bounded at any position
+            g = np.arange(lo, min(lo + _COUNT_SPAN, position), dtype=np.int64)
+            counts += np.bincount(self._domain_index(g), minlength=len(self.domains))
         return counts
 
     def _n_chunks(self, tokens: int) -> int:
         return max(0, (tokens - 1) // self.seq_len)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        # Only the latest epoch is cached: n_chunks int64s (80 MB per 10M chunks) is plenty to hold.
-        cached_epoch, perm = self._perm
-        if epoch != cached_epoch:
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
-            perm = rng.permutation(self.n_chunks)
-            self._perm = (epoch, perm)  # one assignment: another thread sees the old pair or the new
-        return perm
-
-    def _domain_permutation(self, domain: int, epoch: int) -> np.ndarray:
-        cached_epoch, perm = self._domain_perm.get(domain, (-1, None))
-        if epoch != cached_epoch:
-            entropy = [self.seed, epoch, domain_key(self.domains[domain])]
-            perm = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy))).permutation(
-                int(self.domain_chunks[domain]))
-            self._domain_perm[domain] = (epoch, perm)
-        return perm
+    def _order(self, domain: int, epoch: int):
+        """The order of an epoch of all chunks (domain -1) or of one domain's, seeded as dsslm
+        always seeded them: (seed, epoch) and (seed, epoch, the domain's key)."""
+        orders = self._orders
+        order = orders.get((domain, epoch))
+        if order is None:
+            n = self.n_chunks if domain < 0 else int(self.domain_chunks[domain])
+            entropy = [self.seed, epoch] if domain < 0 else [self.seed, epoch, domain_key(self.domains[domain])]
+            order = order_of(self.shuffle, n, entropy)
+            # The array kind holds n int64s an epoch: keep only the latest epoch of each. The
+            # others hold a few keys: keep a few epochs (a step may straddle two).
+            keep = {k: v for k, v in orders.items()
+                    if k[0] != domain or (order.kind != "array" and abs(k[1] - epoch) <= 2)}
+            self._orders = {**keep, (domain, epoch): order}  # one assignment: the other thread sees old or new
+        return order
 
     def _read_chunk(self, chunk_id: int) -> np.ndarray:
         shard = int(np.searchsorted(self._first_chunk, chunk_id, side="right")) - 1

@@ -47,12 +47,14 @@ def domain_key(name: str) -> int:
 class Mixture:
     """Which domain each global sequence is drawn from, and its number in that domain's stream."""
 
-    def __init__(self, units: list[int], seed: int):
+    def __init__(self, units: list[int], seed: int, stage: int = 0):
         if sum(units) <= 0 or min(units) < 0:
             raise ValueError(f"mixture weights {units} must be >= 0 with a positive total")
         if sum(u > 0 for u in units) > MAX_DOMAINS:
             raise ValueError(f"at most {MAX_DOMAINS} domains can have a positive weight")
         self.units, self.total, self.seed = list(units), sum(units), seed
+        # Stage 0's blocks are seeded as dsslm seeded a mixture before stages: its streams are unchanged.
+        self._stage_entropy = [stage] if stage else []
         self.n_domains = len(units)
         self._blocks: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._lock = threading.Lock()  # the prefetch thread and the training thread share the cache
@@ -98,7 +100,7 @@ class Mixture:
                 return self._blocks[b]
         before, after = self.before_block(b), self.before_block(b + 1)
         counts = np.array([a - c for a, c in zip(after, before)], dtype=np.int64)
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, b, _BLOCK_SALT])))
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, b, _BLOCK_SALT, *self._stage_entropy])))
         labels = rng.permutation(np.repeat(np.arange(self.n_domains), counts))
         order = np.argsort(labels, kind="stable")  # slots grouped by domain, in slot order
         ranks = np.empty_like(labels)
@@ -109,3 +111,45 @@ class Mixture:
             while len(self._blocks) > _CACHED_BLOCKS:
                 self._blocks.popitem(last=False)
         return table
+
+
+class StagedMixture:
+    """A mixture whose weights change at planned global sequences (`data.mix` as a list of stages).
+
+    Stage k holds the global sequences [S_k, S_k+1) and draws them as a `Mixture` of its own
+    weights over its own indices g - S_k (blocks seeded by (seed, block, k)): its shares are exact
+    at every block boundary counted from S_k, and it starts and ends exactly at its sequences. A
+    domain's sequence numbers run on across stages (stage k adds its count to what the earlier
+    stages drew), so a domain never restarts its permutation when its weight changes. A pure
+    function of (seed, stages, g): the same at any world size and across resumes, and a planned
+    change needs no --allow-drift (the plan is the config)."""
+
+    def __init__(self, stages: list[tuple[int, list[int]]], seed: int):
+        if not stages or stages[0][0] != 0 or any(a[0] >= b[0] for a, b in zip(stages, stages[1:])):
+            raise ValueError(f"mixture stages {[s for s, _ in stages]} must start at 0 and increase")
+        self.starts = np.array([start for start, _ in stages], dtype=np.int64)
+        self.stages = [Mixture(units, seed, stage=k) for k, (_, units) in enumerate(stages)]
+        self.n_domains = self.stages[0].n_domains
+        # A domain is drawn where any stage gives it a weight (Loader: which domains a skip list may empty).
+        self.units = [max(column) for column in zip(*(m.units for m in self.stages))]
+        self._base = [np.zeros(self.n_domains, dtype=np.int64)]  # each stage's domains' first numbers
+        for k in range(1, len(self.stages)):
+            drew = self.stages[k - 1].count_before(int(self.starts[k] - self.starts[k - 1]))
+            self._base.append(self._base[-1] + drew)
+
+    def stage_of(self, g: np.ndarray | int) -> np.ndarray:
+        return np.searchsorted(self.starts, g, side="right") - 1
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        g = np.asarray(indices, dtype=np.int64)
+        stages = self.stage_of(g)
+        domains, numbers = np.empty_like(g), np.empty_like(g)
+        for k in np.unique(stages):
+            mask = stages == k
+            d, n = self.stages[k].locate(g[mask] - self.starts[k])
+            domains[mask], numbers[mask] = d, n + self._base[k][d]
+        return domains, numbers
+
+    def count_before(self, g: int) -> np.ndarray:
+        k = int(self.stage_of(g))
+        return self._base[k] + self.stages[k].count_before(int(g - self.starts[k]))

@@ -122,3 +122,20 @@ def test_a_mix_naming_a_domain_the_data_lacks_exits_2_in_one_line(tmp_path, two_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "data.mix names domain 'web'" in err[0] and "prose, tiny" in err[0]
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_planned_mixture_changes_at_its_sequence_and_resumes_across_it_without_drift(tmp_path, two_domains):
+    """Stage 1 (tiny alone) starts at sequence 26, inside step 7 (4 sequences a step): from there
+    every sequence is tiny's; a resume from step 4 crosses it bitwise, with no --allow-drift."""
+    plan = [f"data.dir={two_domains}", "data.mix_stages=[{start: 0, weights: {prose: 1}}, "
+            "{start: 26, weights: {tiny: 1}}]", "train.total_steps=10", "ckpt.every=4"]
+    ref = tmp_path / "ref"
+    assert train(tiny_cfg(ref, *plan)) == 0
+    seq = 32  # tokens a sequence (TINY's model.seq_len): 40 sequences, the first 26 prose's
+    assert events(ref, "end")[-1]["domain_tokens"] == {"prose": 26 * seq, "tiny": 14 * seq}
+    resumed = tmp_path / "resumed"
+    copy_run_back_to(ref, resumed, 4)
+    assert main([f"run.dir={resumed}", *TINY, *plan]) == 0
+    assert losses_by_step(resumed) == losses_by_step(ref)
+    assert events(resumed, "resume")[-1]["drift"] == {}

@@ -1,6 +1,7 @@
 """File mechanics, in one place: writes that survive a crash or a power cut (fsynced files, fsynced
-folders, an atomic replace of a file, an atomic publish of a folder), the hash of a file, and
-whether the process that owns a file (a lock, a temp folder) is still running."""
+folders, an atomic replace of a file, an atomic publish of a folder), the mode a file of the run
+gets, the hash of a file, and whether the process that owns a file (a lock, a temp folder) is still
+running."""
 from __future__ import annotations
 
 import hashlib
@@ -35,6 +36,27 @@ class Moved:
 
 
 IO = Moved()
+
+
+def umask() -> int:
+    """The process's umask, read without setting it: os.umask's set-and-restore leaves a window in
+    which a file another thread creates gets mode 0666 (Linux >= 4.7 shows it in /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode open() gives a new file, 0666 less the umask: what the run's files must have so a
+    lab mate can read them on a shared filesystem. mkstemp and safetensors' save_file make 0600."""
+    return 0o666 & ~umask()
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,13 +1,19 @@
-"""Plots and a markdown summary of one run: `python -m dsslm.report RUN_DIR [--out DIR]`.
+"""Plots and a markdown summary of one run, or several side by side:
+`python -m dsslm.report RUN_DIR [RUN_DIR ...] [--out DIR]`.
 
-Reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (formats in docs/design.md) and writes
-loss.png, lr.png, gnorm.png, throughput.png, update_ratio.png (only when records carry
+One run: reads RUN_DIR/metrics.jsonl and RUN_DIR/events.jsonl (formats in docs/design.md) and
+writes overview.png (loss, lr, grad norm and throughput at a glance), loss.png (alerts and hangs
+marked), lr.png, gnorm.png, throughput.png, update_ratio.png (only when records carry
 `update_ratio`), evals.png (only with eval.tasks), phases.png (each rank's time a step in each
 phase, from the straggler report), goodput.png (where the wall time went, `observe.goodput`; the
-figures are drawn by `observe.plots`) and summary.md
-(with the nodes' check and the stragglers named) into RUN_DIR/report/ or --out. When
-RUN_DIR/spikes/ holds spike forensics, summary.md (and stdout) list every spike with its triage
-verdict and the few worst sequences of its batch, decoded (`dsslm.recovery.forensics`).
+figures are drawn by `observe.plots`) and summary.md (with the nodes' check, the stragglers named
+and the hangs under RUN_DIR/hangs/) into RUN_DIR/report/ or --out. When RUN_DIR/spikes/ holds spike
+forensics, summary.md (and stdout) list every spike with its triage verdict and the few worst
+sequences of its batch, decoded (`dsslm.recovery.forensics`).
+
+Two runs or more: compare.md (a table of each run's numbers) with the runs' loss, validation loss,
+throughput and learning rate overlaid, one figure each, and each run's overview, into the first
+run's report/compare/ or --out (`observe.compare`). Each run's own report is left as it was.
 """
 from __future__ import annotations
 
@@ -24,8 +30,11 @@ import numpy as np
 
 from dsslm.ckpt.format import inside_checkpoints
 from dsslm.ckpt.trained import OneLineParser
+from dsslm.durable import file_mode
 from dsslm.observe.audit import last_stop
+from dsslm.health.hangs import HANG_SPEC, HANGS, read_json
 from dsslm.health.nodes import read_nodes
+from dsslm.observe.compare import compare_lines, figures_for, plot_overview, run_labels, write_compare_figures
 from dsslm.observe.goodput import LABELS, read_ledger
 from dsslm.observe.plots import Run, column, is_number, load_run, plot_goodput, write_figures
 from dsslm.recovery.forensics import spike_lines
@@ -59,10 +68,26 @@ def fmt_value(v, depth: int = 0) -> str:
     if isinstance(v, (dict, list)) and depth >= MAX_NESTING:
         return "{...}" if isinstance(v, dict) else "[...]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {fmt_value(x, depth + 1)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k}: {fmt_field(k, x, depth + 1)}" for k, x in v.items()) + "}"
     if isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):  # str() would recurse unbounded
         return "[" + ", ".join(fmt_value(x, depth + 1) for x in v) + "]"
     return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+TIME_KEYS = {"time", "since", "until", "begin", "heartbeat", "beat"}
+
+
+def iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def fmt_field(key, v, depth: int = 0) -> str:
+    """A field's value; a time as a date a person reads beside the epoch seconds the record holds
+    (`1.764e+09` said nothing, and rounded away the minutes)."""
+    t = epoch_time(v) if isinstance(key, str) and (key in TIME_KEYS or key.endswith(("_time", "_at"))) else None
+    if t is not None and t >= 1e8:  # from 1973 on: a date, where a small number is a duration
+        return f"{v:.3f} ({iso(t)})" if isinstance(v, float) else f"{v} ({iso(t)})"
+    return fmt_value(v, depth)
 
 
 def count(run: Run, event: str, from_records: int = 0) -> int:
@@ -150,7 +175,7 @@ def summary_lines(run: Run) -> list[str]:
     if np.isfinite(mem).any():
         lines.append(f"- peak memory: {np.nanmax(mem) / 2**30:.2f} GiB")
     lines += final_val_lines(run) + final_eval_lines(run)
-    lines += counts_table(run) + event_table(run)
+    lines += counts_table(run) + hang_lines(run) + event_table(run)
     if run.bad_lines:
         lines += ["", "Unreadable lines skipped (a write cut short by a kill): "
                   + ", ".join(f"{k}: {v}" for k, v in run.bad_lines.items())]
@@ -169,9 +194,54 @@ def counts_table(run: Run) -> list[str]:
     counts = {"skips": skips, "rewinds": rewinds, "resumes": count(run, "resume"),
               "lr_scale changes": count(run, "lr_scale", scale_changes), "alerts": count(run, "alert"),
               "escalations": count(run, "escalation"), "passed over": count(run, "passed_over"),
-              "saves": count(run, "save"), "non-finite losses": int(np.count_nonzero(~np.isfinite(loss)))}
+              "saves": count(run, "save"), "non-finite losses": int(np.count_nonzero(~np.isfinite(loss))),
+              "hangs": count(run, "hang", len(run.hangs)), "stragglers": count(run, "straggler", len(stragglers(run)))}
     return ["", "## Counts", "", "| " + " | ".join(counts) + " |", "|---" * len(counts) + "|",
             "| " + " | ".join(map(str, counts.values())) + " |"]
+
+
+def stragglers(run: Run) -> set[tuple]:
+    """The ranks the straggler report named, each once however often."""
+    return {(v.get("rank"), v.get("host")) for record in run.phases for v in record.get("stragglers") or []
+            if isinstance(v, dict)}
+
+
+def read_hangs(run_dir: Path) -> list[dict]:
+    """Each hang under run.dir/hangs/, oldest first: its hang.json with `folder` added, or only
+    `folder` where the job ended before writing one (killed, or stopped during the wait)."""
+    try:
+        names = sorted(p.name for p in (run_dir / HANGS).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    return [(read_json(run_dir / HANGS / name / "hang.json", HANG_SPEC, "hang record") or {}) | {"folder": name}
+            for name in names]
+
+
+def first_ranks(record: dict) -> str:
+    first = [v for v in record.get("first") or [] if isinstance(v, dict)]
+    return ", ".join(f"rank {v.get('rank')} ({v.get('host')}, pid {v.get('pid')})" for v in first) or "?"
+
+
+def hang_lines(run: Run) -> list[str]:
+    """The hangs section: each hang's time, step, phase, cause, exit code and the rank(s) that
+    stopped first, from its record (or its event, where run.dir/hangs/ holds none)."""
+    events = [e for e in run.events if e.get("event") == "hang"]
+    if not run.hangs and not events:
+        return []
+    lines = ["", "## Hangs", "", f"{max(len(run.hangs), len(events))} hang(s) (run.dir/hangs/; docs/hangs.md):", ""]
+    for r in run.hangs or events:
+        t = epoch_time(r.get("time"))
+        where = f"hangs/{r['folder']}/" if "folder" in r else fmt_value(r.get("record", "?"))
+        if "folder" in r and "step" not in r:
+            lines.append(f"- {where}: no readable hang.json (the job ended before writing it, or it is damaged)")
+            continue
+        step, phase, cause, code, row = (fmt_value(r.get(k, "?")) for k in ("step", "phase", "cause", "exit_code",
+                                                                             "in_a_row"))
+        lines.append(f"- {iso(t) + ' (' + format(t, '.3f') + ')' if t is not None else 'time ?'}: step {step}, "
+                     f"{phase}, cause {cause}, exit {code}, {row} in a row"
+                     + (", interrupted" if r.get("interrupted") else "")
+                     + (f"; stopped first: {first_ranks(r)}" if "first" in r else "") + f"; {where}")
+    return lines
 
 
 def final_val_lines(run: Run) -> list[str]:
@@ -211,7 +281,7 @@ def event_table(run: Run) -> list[str]:
         if t is not None:  # then t0 is a date too
             when = dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             elapsed = fmt_duration(t - t0)
-        details = ", ".join(f"{k}={fmt_value(v)}" for k, v in e.items() if k not in ("event", "time", "step"))
+        details = ", ".join(f"{k}={fmt_field(k, v)}" for k, v in e.items() if k not in ("event", "time", "step"))
         details = details if len(details) <= 160 else details[:157] + "..."
         lines.append(f"| {when} | {elapsed} | {e.get('step', '?')} | {fmt_value(e.get('event'))} | {details} |")
     return lines
@@ -271,7 +341,20 @@ def write_report(run: Run, out: Path, spikes: list[str] | None = None, ledger: d
     out.mkdir(parents=True, exist_ok=True)
     summary = write_atomic(out / "summary.md", text)
     figure = plot_goodput(ledger, out) if ledger else None
-    return write_figures(run, out) + ([figure] if figure else []) + [summary]
+    return ([plot_overview(run, out / "overview.png")] + write_figures(run, out) + ([figure] if figure else [])
+            + [summary])
+
+
+def write_comparison(runs: list[Run], run_dirs: list[Path], out: Path) -> list[Path]:
+    """compare.md first (as the summary: a page that cannot be built changes nothing), then the figures."""
+    labels = run_labels(run_dirs)
+    extra = [{"wall time": wall_time(run).split(" (")[0], "hangs": str(count(run, "hang", len(run.hangs))),
+              "alerts": str(count(run, "alert")), "status": fmt_value(status_of(run.events))} for run in runs]
+    figures = figures_for(runs)
+    text = "\n".join(compare_lines(runs, labels, run_dirs, extra, figures))
+    out.mkdir(parents=True, exist_ok=True)
+    page = write_atomic(out / "compare.md", text)
+    return write_compare_figures(runs, labels, out) + [page]
 
 
 def write_atomic(path: Path, text: str) -> Path:
@@ -279,6 +362,7 @@ def write_atomic(path: Path, text: str) -> Path:
     (JSON's "\\udcff", which UTF-8 cannot encode) is written as its escape, not raised."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600 would keep the summary from a lab mate
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode("utf-8", "backslashreplace"))
         os.replace(tmp, path)
@@ -309,32 +393,55 @@ def unwritable(out: Path) -> str | None:
     return None
 
 
+def refusal(run_dirs: list[Path]) -> str | None:
+    """Why these folders cannot be reported on (one line naming the folder), or None."""
+    seen: dict[Path, Path] = {}
+    for run_dir in run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            return f"{run_dir / 'metrics.jsonl'} not found; pass a run.dir that has been trained in"
+        if run_dir.resolve() in seen:
+            return f"{run_dir} is given twice (as {seen[run_dir.resolve()]}); pass each run once"
+        seen[run_dir.resolve()] = run_dir
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m dsslm.report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="a run's run.dir (holds metrics.jsonl, events.jsonl)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/report)")
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
+                        help="a run's run.dir (holds metrics.jsonl, events.jsonl); two or more: compare them")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: RUN_DIR/report; with several runs the first one's report/compare)")
     args = parser.parse_args(argv)
-    if not (args.run_dir / "metrics.jsonl").is_file():
-        print(f"error: {args.run_dir / 'metrics.jsonl'} not found; pass a run.dir that has been trained in",
-              file=sys.stderr)
-        return 2
-    problem = inside_checkpoints(args.out or args.run_dir / "report")
+    run_dirs = args.run_dirs
+    problem = refusal(run_dirs)
     if problem is not None:
-        print(f"error: --out {args.out}: {problem}; choose a folder outside the run's checkpoints/", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
-    out = args.out or args.run_dir / "report"
-    run = load_run(args.run_dir)  # first: a refused run leaves no report folder behind
-    if not run.train:
-        print(f"error: {args.run_dir / 'metrics.jsonl'} has no step records (with step and loss)",
-              file=sys.stderr)
+    # A comparison is of the first run against the others: it lands beside that run's own report.
+    out = args.out or (run_dirs[0] / "report" / "compare" if len(run_dirs) > 1 else run_dirs[0] / "report")
+    problem = inside_checkpoints(out)
+    if problem is not None:
+        print(f"error: --out {out}: {problem}; choose a folder outside the run's checkpoints/", file=sys.stderr)
         return 2
+    runs = []
+    for run_dir in run_dirs:  # every run read first: a refused run leaves no report folder behind
+        run = load_run(run_dir)
+        if not run.train:
+            print(f"error: {run_dir / 'metrics.jsonl'} has no step records (with step and loss)", file=sys.stderr)
+            return 2
+        run.hangs = read_hangs(run_dir)
+        runs.append(run)
     problem = unwritable(out)
     if problem is not None:
         print(f"error: cannot write the report to {out}: {problem}; pass --out a folder that can be created "
               f"and written to", file=sys.stderr)
         return 2
-    spikes = spike_lines(args.run_dir)
-    for path in write_report(run, out, node_lines(args.run_dir, run) + spikes, read_ledger(args.run_dir)):
+    if len(runs) > 1:
+        for path in write_comparison(runs, run_dirs, out):
+            print(path)
+        return 0
+    spikes = spike_lines(run_dirs[0])
+    for path in write_report(runs[0], out, node_lines(run_dirs[0], runs[0]) + spikes, read_ledger(run_dirs[0])):
         print(path)
     if spikes:
         print("\n".join(spikes))

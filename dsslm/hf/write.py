@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dsslm.ckpt.format import inside_checkpoints
-from dsslm.durable import file_sha256, publish_folder
+from dsslm.durable import file_mode, file_sha256, publish_folder
 from dsslm.hf.convert import PROBE_TEXT, architecture_of, byte_tokenizer, export_config, to_hf
 from dsslm.ckpt.trained import ToolError, Trained, open_trained, tokenizer_of
 
@@ -62,11 +62,13 @@ def write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int
     shards = shard(tensors, max_bytes)
     if len(shards) == 1:
         save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
+        os.chmod(folder / "model.safetensors", file_mode())  # save_file makes 0600: others could not load it
         return
     weight_map = {}
     for i, part in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(part, folder / name, metadata={"format": "pt"})
+        os.chmod(folder / name, file_mode())
         weight_map.update({k: name for k in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

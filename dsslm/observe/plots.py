@@ -1,5 +1,6 @@
-"""The report's figures: loss (with validation), learning rate, grad norm, throughput, update ratio,
-downstream tasks (eval.tasks), each rank's time a step in each phase (the straggler report).
+"""The report's figures: loss (with validation, alerts and hangs marked), learning rate, grad norm,
+throughput, update ratio, downstream tasks (eval.tasks), each rank's time a step in each phase (the
+straggler report).
 
 A rewind or a resume after a crash repeats step numbers: the run went back to an older
 checkpoint and ran those steps again. Every plot is against the optimizer step; records whose
@@ -28,7 +29,10 @@ MARKER_STYLE = {  # kind -> (label, color, linestyle)
     "skip": ("skipped step", "tab:orange", ":"),
     "rewind": ("rewind (shaded: steps rerun)", "tab:red", "-"),
     "resume": ("resume from checkpoint", "tab:green", "--"),
+    "alert": ("alert (events.jsonl)", "goldenrod", ""),  # a triangle on the top edge: alerts may come often
+    "hang": ("hang (run.dir/hangs/)", "darkviolet", "-."),
 }
+LOSS_MARKERS = ("skip", "rewind", "resume", "alert", "hang")
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Run:
     evals: list[dict] = field(default_factory=list)  # records carrying eval_acc (downstream tasks)
     evals_kept: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     phases: list[dict] = field(default_factory=list)  # the straggler report's records (phase_s: per-rank times)
+    # The hang records (run.dir/hangs/*/hang.json), read by the report: observe never imports health.
+    hangs: list[dict] = field(default_factory=list)
 
 
 def kept_flags(metrics: list[dict], is_train: list[bool]) -> list[bool]:
@@ -143,13 +149,23 @@ def smooth(y: np.ndarray, window: int) -> np.ndarray:
 
 
 def draw_markers(ax, run: Run, kinds=("skip", "rewind", "resume")) -> None:
-    """Vertical lines at skips (event or verdict), rewinds (shaded back to to_step), resumes."""
+    """Vertical lines at skips (event or verdict), rewinds (shaded back to to_step), resumes and
+    hangs (event or record); alerts as triangles along the top edge."""
     for kind in kinds:
         events = [e for e in run.events if e.get("event") == kind and is_number(e.get("step"))]
         steps = {e["step"] for e in events}
         if kind == "skip":
             steps |= {r["step"] for r in run.train if r.get("verdict") == "skip_step"}
+        if kind == "hang":  # a record whose event was never written (the job was killed first) still counts
+            steps |= {r["step"] for r in run.hangs if is_number(r.get("step"))}
         label, color, style = MARKER_STYLE[kind]
+        if kind == "alert":
+            if steps:
+                x = sorted(steps)
+                # Just inside the top edge: above it they would run into a panel's title.
+                ax.plot(x, [0.975] * len(x), "v", color=color, ms=7, mec="black", mew=0.5,
+                        transform=ax.get_xaxis_transform(), label=label, zorder=5)
+            continue
         for i, step in enumerate(sorted(steps)):
             ax.axvline(step, color=color, ls=style, lw=1.0, alpha=0.8, label=None if i else label)
         for e in events if kind == "rewind" else []:
@@ -211,7 +227,7 @@ def plot_loss(run: Run, out: Path) -> Path:
         if bad.any():
             ax.plot(steps[bad], loss[bad], "x", color="tab:red", ms=6, label="step not applied (skip/rewind)")
         plot_val(ax, run)
-        draw_markers(ax, run)
+        draw_markers(ax, run, LOSS_MARKERS)
     if good.sum() >= 2:
         # A spike up to one data range above the curve stays in view; a larger one would flatten it
         # and still shows as its marker line.

@@ -50,7 +50,7 @@ from dsslm.data.loader import Loader
 from dsslm.data.skips import merge_skip_list
 from dsslm.data.stream import StepSlice
 from dsslm.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
-from dsslm.durable import publish_folder, write_json_atomic
+from dsslm.durable import file_mode, publish_folder, write_json_atomic
 from dsslm.engine.base import Engine
 from dsslm.fields import MAX_STEP, Fields, Float, Int, Json, ListOf, StateError, Str
 from dsslm.model import LAYER_GROUPS, layer_group
@@ -155,6 +155,7 @@ class Forensics:
         tmp.mkdir()
         try:
             save_file(batch, str(tmp / BATCH_FILE))
+            os.chmod(tmp / BATCH_FILE, file_mode())  # save_file makes it 0600: a lab mate could not read it
             (tmp / SPIKE_FILE).write_text(json.dumps(_jsonable(spike), indent=1))
             publish_folder(tmp, free_name(self.dir, step))
         finally:

@@ -215,7 +215,8 @@ def start(job: Job) -> str:
         print(f"dsslm: {engine.n_params:,} parameters, {engine.name} on {engine.world_size} "
               f"rank(s), {tokens_per_step:,} tokens/step, starting at step {job.state.step} "
               f"(sequence {job.state.next_sequence})", flush=True)
-        warn_at_start(cfg, engine.device.type, engine.n_params, tokens_per_step, torch.get_num_threads())
+        warn_at_start(cfg, engine.device.type, engine.n_params, tokens_per_step, torch.get_num_threads(),
+                      job.loader.n_chunks)
     job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
     job.health.first_step(job.state.step + 1)
     return how

@@ -100,7 +100,18 @@ def _explain(err: OmegaConfBaseException) -> str:
         section = key.rsplit(".", 1)[0] if "." in key else ""
         allowed = _keys_of(section)
         return f"unknown config key {key!r}; allowed here: {', '.join(allowed)}"
+    if "Incompatible value 'None'" in str(err):  # `run.dir=` with nothing after the '='
+        default = _default_of(key)
+        example = f" such as {key}={default}" if default not in (None, "") else ""
+        return f"{key} is empty (nothing after '='); give it a value{example}, or drop the override"
     return f"bad value for {key!r}: {str(err).splitlines()[0]}"
+
+
+def _default_of(dotted: str) -> Any:
+    node: Any = Config()
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+    return node
 
 
 def _keys_of(section: str) -> list[str]:

@@ -195,7 +195,8 @@ def validate_optim(cfg: Config) -> None:
         _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
     if t.total_steps >= 1:  # else named already: the bounds below follow from it
         _check(0 <= o.warmup_steps <= t.total_steps,
-               f"optim.warmup_steps={o.warmup_steps} must be in [0, train.total_steps={t.total_steps}]")
+               f"optim.warmup_steps={o.warmup_steps} must be in [0, train.total_steps={t.total_steps}]; for a run "
+               f"this short set optim.warmup_steps={t.total_steps // 10} (a tenth of it), or raise train.total_steps")
     if o.schedule == "wsd" and t.total_steps >= 1 and 0 <= o.warmup_steps <= t.total_steps:
         _check(1 <= o.decay_steps <= t.total_steps - o.warmup_steps,
                f"optim.decay_steps={o.decay_steps} must be in [1, train.total_steps - optim.warmup_steps"

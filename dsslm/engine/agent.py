@@ -36,6 +36,7 @@ LINGER_S = 15.0
 def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN: exec gives the ranks the default back
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -54,11 +55,13 @@ def main() -> int:
         # torchrun's own failure, after its ranks are gone: on the node that did not host the
         # rendezvous store, an agent still polling it when the host's agent left on its ranks'
         # failure raises RendezvousConnectionError (exit 1). The ranks' code is in the exit file.
+        # Or a signal torchrun handles (Ctrl-C at the terminal): the ranks said what they did with it.
         code = ranks_code(Path(exit_file))
         if code is None:
             raise
-        print(f"dsslm: torchrun's rendezvous failed after the ranks left with exit {code}; exiting with it",
-              file=sys.stderr, flush=True)
+        if not isinstance(sys.exc_info()[1], SignalException):
+            print(f"dsslm: torchrun's rendezvous failed after the ranks left with exit {code}; exiting with it",
+                  file=sys.stderr, flush=True)
         return code
     finally:
         Path(exit_file).unlink(missing_ok=True)

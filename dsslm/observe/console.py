@@ -62,6 +62,10 @@ def _g(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
+def _plus_one(value: Any) -> Any:
+    return value + 1 if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -205,7 +209,9 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
     "triage_phase_not_run": (logging.WARNING, lambda f: f"triage of the spike at step {f.get('spike_start')}: the "
                                                         f"{f.get('phase')} replay is not run ({f.get('reason')})"),
     "domain_emptied": (logging.WARNING, lambda f: f"step {f.get('step')}: {f.get('reason')}"),
-    "domain_epoch": (logging.INFO, lambda f: f"domain {f.get('domain')} starts pass {f.get('epoch')} at step "
+    # epoch counts from 0: epoch 1 is the second pass, the first that repeats the domain's data.
+    "domain_epoch": (logging.INFO, lambda f: f"domain {f.get('domain')} repeats its data: its pass "
+                                             f"{_plus_one(f.get('epoch'))} (epoch {f.get('epoch')}) starts at step "
                                              f"{f.get('step')}"),
     "finished": (logging.INFO, lambda f: f"this run is finished: step {f.get('step')} of train.total_steps="
                                          f"{f.get('total_steps')}; nothing to train (raise train.total_steps to "
@@ -374,10 +380,17 @@ CPU_FLOPS_PER_THREAD = 5e10
 SLOW_CPU_STEP_S = 30.0
 
 
-def warn_at_start(cfg: Any, device_type: str, n_params: int, tokens_per_step: int, threads: int) -> list[str]:
+def warn_at_start(cfg: Any, device_type: str, n_params: int, tokens_per_step: int, threads: int,
+                  corpus_sequences: int = 0) -> list[str]:
     """Warnings a person should read before a run starts (rank 0; logged and returned): a config
-    sized for a GPU started on the CPU, and a run too short for its validation or checkpoint interval."""
+    sized for a GPU started on the CPU, a run too short for its validation or checkpoint interval,
+    and a step larger than the corpus (`corpus_sequences`: every step repeats all of it)."""
     lines = []
+    step_sequences = tokens_per_step // max(1, cfg.model.seq_len)
+    if 0 < corpus_sequences < step_sequences:
+        lines.append(f"one step trains {step_sequences:,} sequences, {step_sequences / corpus_sequences:.1f}x the "
+                     f"corpus's {corpus_sequences:,} (of model.seq_len={cfg.model.seq_len} tokens): every step "
+                     f"repeats all of it; prepare more text, or lower train.micro_batch_size or model.seq_len")
     if device_type == "cpu":
         seconds = 6 * n_params * tokens_per_step / (CPU_FLOPS_PER_THREAD * max(1, threads))
         if seconds > SLOW_CPU_STEP_S:

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHELL_INFOS = {"", "sh", "bash", "shell", "console", "zsh"}
 PYTHON = re.compile(r"^(?:.*/)?python(?:3(?:\.\d+)?)?$")
 LAUNCHERS = ("torchrun", "accelerate")
+TORCHRUNS = ("dsslm.torchrun", "dsslm.engine.agent")  # torchrun with dsslm's exit codes
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # A metavariable: DATA_DIR, RUN_DIR, HF_DIR, N, F, FILE.yaml, OTHER_RUN/checkpoints/step-00008000.
 PLACEHOLDER = re.compile(r"^(?:[^/]*/)*?[A-Z][A-Z0-9_]*(?:[./].*)?$")
@@ -309,7 +310,8 @@ def walk_arguments(parser: argparse.ArgumentParser, words: list[str]):
 def dsslm_invocation(words: list[str]) -> tuple[str, list[str]] | None:
     """(cli, its arguments) if `words` run a dsslm module, else None."""
     for i, word in enumerate(words[:-1]):
-        if word == "-m" and words[i + 1].startswith("dsslm"):
+        # dsslm's torchrun takes torchrun's arguments: the module it launches is the invocation
+        if word == "-m" and words[i + 1].startswith("dsslm") and words[i + 1] not in TORCHRUNS:
             return words[i + 1].partition(".")[2], words[i + 2:]
     if words and words[0] == "sbatch":
         for i, word in enumerate(words):

@@ -303,3 +303,11 @@ def test_a_gpu_sized_config_on_the_cpu_and_a_too_short_run_are_warned_about(caps
     assert [line.split("=")[0] for line in lines] == ["ckpt.every", "run.val_every"]
     assert "ckpt.every=50" in lines[0] and "run.val_every=50" in lines[1]
     assert console_module.warn_at_start(load(None, []), "cpu", 800_000, 768, threads=2) == []
+
+
+def test_a_step_larger_than_the_corpus_is_warned_about():
+    from dsslm.config import load
+    cfg = load(None, [])  # 12 sequences of 64 tokens a step
+    lines = console_module.warn_at_start(cfg, "cuda", 800_000, 12 * 64, threads=2, corpus_sequences=3)
+    assert len(lines) == 1 and "4.0x the corpus's 3" in lines[0] and "every step repeats all of it" in lines[0]
+    assert console_module.warn_at_start(cfg, "cuda", 800_000, 12 * 64, threads=2, corpus_sequences=12) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import math
+import re
 from typing import Any
 
 MAX_STEP = 10**8 - 1  # step-XXXXXXXX has 8 digits
@@ -161,6 +162,9 @@ class Json(Spec):
 MAX_SHARD_PATH = 1000  # characters
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def shard_path_problem(value: Any) -> str | None:
     """What is wrong with `value` as a shard's path (None: nothing): it must be relative,
     "/"-separated, every part a name (no empty part, ".", ".."), with no backslash or control
@@ -172,7 +176,7 @@ def shard_path_problem(value: Any) -> str | None:
         return "it is empty or not a string"
     if len(value) > MAX_SHARD_PATH:
         return f"it is longer than {MAX_SHARD_PATH} characters"
-    if any(ord(c) < 32 or c == "\x7f" for c in value):
+    if _CONTROL.search(value):  # a regex: a start checks 10^5 shard paths
         return "it holds a control character"
     if "\\" in value:
         return "it holds a backslash"

@@ -161,9 +161,14 @@ class StopFlag:
         return self.signum is not None and not self.stepped
 
     def _handle(self, signum: int, frame: object) -> None:
+        first = not self.requested
         self.requested, self.signum = True, signum
         if not self.in_loop:
             raise Preempted(signum)
+        if first and int(os.environ.get("RANK", "0")) == 0:
+            # Said at once, as Ctrl-C is: a CPU step of a large model can take minutes to end.
+            doing = "finishing the run's last save" if self.finishing else "saving at the end of this step"
+            print(f"dsslm: {self.name}: {doing}", file=sys.stderr, flush=True)
 
 
 def note_exit(emit: Callable[..., object], step_of: Callable[[], int],

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import socket
 import sys
 import time
@@ -42,8 +43,8 @@ from dsslm.engine.compile_cache import kept_with_run
 from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit, process_started
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
-from dsslm.model import build_model
-from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes,
+from dsslm.model import build_model, count_params
+from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes, refuse_unfit,
                                fold_failures, out_of_memory_retry)
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
 from dsslm.observe.console import warn_at_start
@@ -109,6 +110,10 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     retry = out_of_memory_retry(cfg, Path(cfg.run.dir))  # after an out-of-memory error: half the micro-batch
     if retry is not None:
         print(f"dsslm: {retry}", flush=True)
+    with torch.device("meta"):  # its size, from its shapes: nothing allocated
+        size = count_params(build_model(cfg.model))
+    on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    refuse_unfit(cfg, size, "cuda" if on_gpu else "cpu", int(os.environ.get("WORLD_SIZE", "1") or 1))
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
     engine = build_engine(cfg, build_model(cfg.model))
     cleanup.callback(engine.close)

@@ -102,7 +102,8 @@ def _explain(err: OmegaConfBaseException) -> str:
         return f"unknown config key {key!r}; allowed here: {', '.join(allowed)}"
     if "Incompatible value 'None'" in str(err):  # `run.dir=` with nothing after the '='
         default = _default_of(key)
-        example = f" such as {key}={default}" if default not in (None, "") else ""
+        example = (f" such as {key}={default}" if default not in (None, "") else
+                   f" ({key}='\"\"' for an empty string, its default)" if default == "" else "")
         return f"{key} is empty (nothing after '='); give it a value{example}, or drop the override"
     return f"bad value for {key!r}: {str(err).splitlines()[0]}"
 

@@ -32,6 +32,7 @@ from dsslm.exits import note_status
 from dsslm.engine.board import StoreBoard, collective_failure, flight_record, set_collective_timeout, store_address
 from dsslm.health import oom, reaper
 from dsslm.health.hangs import fold_failures, read_learned
+from dsslm.health.fits import refuse_unfit
 from dsslm.health.nodecheck import BadNode, check_nodes
 from dsslm.health.stragglers import Stragglers, arm_slow_drill
 from dsslm.health.progress import (CHECKPOINT, CHECKPOINT_WRITE, COLLECTIVE, DATA, DOWNSTREAM, EVALUATION,
@@ -40,7 +41,7 @@ from dsslm.health.watchdog import Links, Watchdog
 from dsslm.observe.sinks import EventLog
 
 OutOfMemory = oom.OutOfMemory
-__all__ = ["Health", "BadNode", "OutOfMemory", "check_nodes", "fold_failures", "out_of_memory_retry", "Work", "LOAD",
+__all__ = ["Health", "BadNode", "OutOfMemory", "check_nodes", "refuse_unfit", "fold_failures", "out_of_memory_retry", "Work", "LOAD",
            "DATA", "FORWARD_BACKWARD", "COLLECTIVE", "OPTIMIZER", "EVALUATION", "DOWNSTREAM", "CHECKPOINT", "CHECKPOINT_WRITE"]
 
 

@@ -291,7 +291,11 @@ def test_a_stop_signal_or_ctrl_c_during_a_step_saves_at_the_end_of_that_step(tmp
     assert [(e["step"], e["signal"]) for e in saved] == [(5, signal.Signals(sig).name)]
     assert max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r) == 5
     assert invalid_reason(run_dir / "checkpoints" / "step-00000005") is None
-    assert "resume from step 5" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resume from step 5" in err
+    # Said when the signal came, before the step it waits for ended (its line precedes the save's).
+    said = f"dsslm: {signal.Signals(sig).name.replace('SIGINT', 'Ctrl-C')}: saving at the end of this step"
+    assert said in err and err.index(said) < err.index("saved step-00000005")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is the caller's again
 
 

@@ -3,6 +3,7 @@ one validation domain diverging. Pure; the loop emits what it returns as `alert`
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import deque
 
@@ -94,3 +95,28 @@ class Alerts:
             self._best[domain] = min(self._best.get(domain, math.inf), value)
             self._last[domain] = value
         return alerts
+
+
+def cpu_contention(threads: int, ranks_here: int, load: float | None = None, cores: int | None = None) -> dict:
+    """Why a CPU-bound job may have slowed: this machine's 1-minute load against its cores, and the
+    torch threads this job's ranks run here. Oversubscribed when the ranks alone ask for more
+    threads than there are cores, or the load (this job's threads included) is above the cores:
+    then `cause` says so and what to set (a busy process beside the default run made it 14x slower
+    with no word of why). {} where nothing is oversubscribed."""
+    load = os.getloadavg()[0] if load is None else load
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ours = threads * ranks_here
+    fields = {"load": round(load, 2), "cores": cores, "threads": threads, "ranks_here": ranks_here}
+    if ours > cores:
+        fix = (f"set OMP_NUM_THREADS={max(1, cores // ranks_here)} (cores / ranks), or run fewer ranks on this "
+               "machine")
+        return {**fields, "cause": f"this machine is oversubscribed: {ranks_here} rank(s) x {threads} torch threads "
+                                   f"= {ours} on {cores} cores; {fix}"}
+    if load > cores + 0.5:
+        other = max(0.0, load - ours)
+        fix = (f"another process uses ~{other:.1f} cores (see top): stop it, or give this job "
+               f"OMP_NUM_THREADS={max(1, int((cores - other) // ranks_here))}")
+        return {**fields, "cause": f"this machine is oversubscribed: load {load:.1f} on {cores} cores, this job "
+                                   f"{ranks_here} rank(s) x {threads} threads; {fix}"}
+    return {}

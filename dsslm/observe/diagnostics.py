@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import resource
 import sys
@@ -40,7 +41,7 @@ from torch import nn
 from dsslm.config import Config
 from dsslm.data.loader import Loader
 from dsslm.engine.base import Engine
-from dsslm.observe.alerts import Alerts
+from dsslm.observe.alerts import Alerts, cpu_contention
 from dsslm.observe.sinks import Sinks
 from dsslm.model import LAYER_GROUPS as GROUPS, Attention, layer_group
 from dsslm.precision import autocast
@@ -196,6 +197,10 @@ class Diagnostics:
             record.update(self.measure(before))
         for alert in self.alerts.check_step(record["loss"], record["gnorm"], record["tokens_per_s"],
                                             applied=record["verdict"] == "ok"):
+            if alert["reason"] == "slow_throughput":  # the machine's side of it: the usual cause on a CPU
+                contention = cpu_contention(torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+                if contention:
+                    alert = {**alert, **contention, "message": f"{alert['message']}: {contention['cause']}"}
             self.sinks.emit("alert", step=record["step"], **alert)
         return record
 

@@ -101,3 +101,13 @@ def test_non_finite_step_reaches_events_and_alert_command(tmp_path):
     sent = [json.loads(line) for line in received.read_text().splitlines() if line.strip()]
     assert [(s["event"], s["reason"], s["step"]) for s in sent] == [("alert", "non_finite", 3)]
     assert Path(run_dir / "events.jsonl").read_text().count('"alert"') == 1
+
+
+def test_a_slowdown_on_an_oversubscribed_machine_names_the_cause_and_what_to_set():
+    from dsslm.observe.alerts import cpu_contention
+    busy = cpu_contention(threads=2, ranks_here=1, load=5.2, cores=2)  # a busy process beside the run
+    assert "load 5.2 on 2 cores" in busy["cause"] and "another process uses ~3.2 cores" in busy["cause"]
+    assert busy["load"] == 5.2 and busy["cores"] == 2
+    crowded = cpu_contention(threads=8, ranks_here=4, load=3.0, cores=8)  # 4 ranks x 8 threads on 8 cores
+    assert "4 rank(s) x 8 torch threads = 32 on 8 cores" in crowded["cause"] and "OMP_NUM_THREADS=2" in crowded["cause"]
+    assert cpu_contention(threads=2, ranks_here=1, load=2.1, cores=2) == {}  # the job's own load alone

@@ -311,3 +311,28 @@ def test_a_step_larger_than_the_corpus_is_warned_about():
     lines = console_module.warn_at_start(cfg, "cuda", 800_000, 12 * 64, threads=2, corpus_sequences=3)
     assert len(lines) == 1 and "4.0x the corpus's 3" in lines[0] and "every step repeats all of it" in lines[0]
     assert console_module.warn_at_start(cfg, "cuda", 800_000, 12 * 64, threads=2, corpus_sequences=12) == []
+
+
+def test_the_eta_follows_a_lasting_change_of_pace(tmp_path, capsys, monkeypatch):
+    """A busy process beside the run for its first 600 steps (1 s a step), then gone (0.07 s): the
+    whole job's average said 20m59s with 55 s left. The recent window's rate takes over within ~100
+    steps; the other way round (the machine gets busy) too."""
+    for before, after in ((1.0, 0.07), (0.07, 1.0)):
+        clock = [1000.0]
+        monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+        s = sinks(tmp_path / str(before), log_every=10, total=1000)
+        for step in range(1, 1001):
+            dt = before if step <= 600 else after
+            clock[0] += dt
+            s.log_step(record(step) | {"step_time_s": dt})
+        etas = {}
+        for line in capsys.readouterr().err.splitlines():
+            found = re.search(r"step (\d+)/1000 .* eta (\d\S*)$", line)
+            if not found:  # not a step's line, or its ETA not measured yet ("?")
+                continue
+            step, eta = found.groups()
+            h, m, sec = re.fullmatch(r"(?:(\d+)h)?(\d+)m(\d+)?s?", eta).groups()
+            etas[int(step)] = int(h or 0) * 3600 + int(m) * 60 + int(sec or 0)
+        truth = {step: (1000 - step) * after for step in etas if step >= 700}
+        assert all(abs(etas[step] - truth[step]) <= max(1, 0.25 * truth[step]) for step in truth), \
+            {step: (etas[step], truth[step]) for step in truth}

@@ -17,6 +17,7 @@ from dsslm.config.validate import (join_problems, validate, validate_data, valid
 __all__ = ["HF_PREFIX", "BatchRampCfg", "CkptCfg", "Config", "ConfigError", "DataCfg", "EngineCfg", "EvalCfg",
            "FaultsCfg", "ModelCfg", "MonitorCfg", "NodesCfg", "ObserveCfg", "OptimCfg", "RunCfg", "StragglersCfg",
            "TrainCfg", "WatchdogCfg", "accumulation_for",
-           "ffn_hidden_of", "keep_global_batch", "micro_batch_for", "mix_of", "shuffle_spec", "to_dict", "CONFIG_DIR", "DEFAULT_CONFIG", "load",
+           "ffn_hidden_of", "keep_global_batch", "micro_batch_for", "mix_of", "shuffle_spec", "to_dict", "CONFIG_DIR",
+           "DEFAULT_CONFIG", "load",
            "join_problems", "validate", "validate_data", "validate_mix", "validate_model", "validate_optim",
            "validate_spike_policy"]

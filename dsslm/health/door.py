@@ -41,8 +41,9 @@ from dsslm.health.watchdog import Links, Watchdog
 from dsslm.observe.sinks import EventLog
 
 OutOfMemory = oom.OutOfMemory
-__all__ = ["Health", "BadNode", "OutOfMemory", "check_nodes", "refuse_unfit", "fold_failures", "out_of_memory_retry", "Work", "LOAD",
-           "DATA", "FORWARD_BACKWARD", "COLLECTIVE", "OPTIMIZER", "EVALUATION", "DOWNSTREAM", "CHECKPOINT", "CHECKPOINT_WRITE"]
+__all__ = ["Health", "BadNode", "OutOfMemory", "check_nodes", "refuse_unfit", "fold_failures", "out_of_memory_retry",
+           "Work", "LOAD", "DATA", "FORWARD_BACKWARD", "COLLECTIVE", "OPTIMIZER", "EVALUATION", "DOWNSTREAM", "CHECKPOINT",
+           "CHECKPOINT_WRITE"]
 
 
 def size(n: float) -> str:

@@ -319,7 +319,7 @@ def test_the_eta_follows_a_lasting_change_of_pace(tmp_path, capsys, monkeypatch)
     steps; the other way round (the machine gets busy) too."""
     for before, after in ((1.0, 0.07), (0.07, 1.0)):
         clock = [1000.0]
-        monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+        monkeypatch.setattr(console_module.time, "monotonic", lambda clock=clock: clock[0])
         s = sinks(tmp_path / str(before), log_every=10, total=1000)
         for step in range(1, 1001):
             dt = before if step <= 600 else after

@@ -79,6 +79,55 @@ class Preempted(BaseException):
 
 
 _early: list[int] = []  # stop signals that arrived during the imports, for the first StopFlag
+# (signal, time.monotonic()) of the stop the loop is waiting to answer at the end of its step: the
+# watchdog reads it, since a step that waits on a stopped peer never ends (health.watchdog).
+_waiting_stop: list[tuple[int, float]] = []
+
+
+_wakeup: list[int] = []  # (read, write) ends of the pipe signal.set_wakeup_fd writes signal numbers to
+
+
+def stop_waiting() -> tuple[int, float] | None:
+    """The stop signal the training loop has been asked for and not yet answered, and when. Read
+    from any thread: a Python handler runs in the main thread only once it is back in Python, which
+    a rank blocked in a collective on a stopped peer never is; the C handler's byte on the wakeup
+    pipe arrives at once."""
+    if _wakeup and not _waiting_stop:
+        try:
+            data = os.read(_wakeup[0], 512)
+        except (BlockingIOError, OSError):
+            data = b""
+        for signum in data:
+            if signum in (signal.SIGINT, *STOP_SIGNALS) and not _waiting_stop:
+                _waiting_stop[:] = [(signum, time.monotonic())]
+    return _waiting_stop[0] if _waiting_stop else None
+
+
+def _watch_signals() -> None:
+    """The wakeup pipe (main thread): every signal's number is written to it as it arrives."""
+    if _wakeup:
+        return
+    r, w = os.pipe()
+    for fd in (r, w):
+        os.set_blocking(fd, False)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread (train() called from another): the handlers' flag only
+        os.close(r)
+        os.close(w)
+        return
+    _wakeup[:] = [r, w]
+
+
+def _unwatch_signals() -> None:
+    if _wakeup:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+        for fd in _wakeup:
+            os.close(fd)
+        _wakeup.clear()
 
 
 def _note(signum: int, frame: object) -> None:
@@ -116,6 +165,7 @@ class StopFlag:
         self.finishing = False  # the loop is over: the end's save and alerts are being waited for
         self.signum: int | None = None
         self._sigint = None  # the SIGINT handler before the loop's, restored by close()
+        _waiting_stop.clear()  # another train() of this process answered its own
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         if _early:  # arrived during the imports
@@ -126,11 +176,14 @@ class StopFlag:
         """From here on a signal is answered at the end of the step in flight (a save, exit 0), and
         Ctrl-C too, unless SIGINT is ignored (a shell's background job: nohup, `cmd &`)."""
         self.in_loop = True
+        _watch_signals()
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN and self._sigint is None:
             self._sigint = signal.signal(signal.SIGINT, self._interrupt)
 
     def close(self) -> None:
         """Ctrl-C means KeyboardInterrupt again (train() called from a script or a notebook)."""
+        _waiting_stop.clear()
+        _unwatch_signals()
         if self._sigint is not None:
             signal.signal(signal.SIGINT, self._sigint)
             self._sigint = None
@@ -148,6 +201,7 @@ class StopFlag:
         if self.requested and self.signum == signal.SIGINT:  # the second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
+        _waiting_stop[:] = [(signum, time.monotonic())]
         if int(os.environ.get("RANK", "0")) == 0:  # a terminal's Ctrl-C reaches every rank: one line
             # After the loop no step follows: the wait is for the last save (and alert commands).
             doing = "finishing the run's last save" if self.finishing else "saving at the end of this step"
@@ -165,6 +219,8 @@ class StopFlag:
         self.requested, self.signum = True, signum
         if not self.in_loop:
             raise Preempted(signum)
+        if first:
+            _waiting_stop[:] = [(signum, time.monotonic())]
         if first and int(os.environ.get("RANK", "0")) == 0:
             # Said at once, as Ctrl-C is: a CPU step of a large model can take minutes to end.
             doing = "finishing the run's last save" if self.finishing else "saving at the end of this step"

@@ -46,6 +46,9 @@ class Verdict:
     # phase), `store_silent` or `collective_timeout` proves nobody: `first` is then merely
     # whichever rank reported a few microseconds earlier.
     proven: list[Seen] = dataclasses.field(default_factory=list)
+    # A stop signal (SIGINT, SIGTERM) the loop was waiting to answer at the end of a step that a
+    # silent peer would never let end: the hang is called at once, and the record says so.
+    interrupted: str = ""
 
     def where(self) -> tuple[int, str]:
         """Where the job stopped: the furthest (step, phase) a rank reached. A stopped rank's own
@@ -99,7 +102,9 @@ def describe(record: dict, folder: Path) -> str:
         who += " first to report, not proven stopped (no node blamed)"
     waits = "; ".join(f"rank {s['rank']} waited in {s['collective'] or s['phase']}" for s in record["waiting"][:4])
     more = f" and {len(record['waiting']) - 4} more" if len(record["waiting"]) > 4 else ""
-    if record["exit_code"] == EXIT_CRASH_LOOP:
+    if record.get("interrupted"):
+        end = f"{record['interrupted']} while the others waited: diagnosed at once, exit {record['exit_code']}"
+    elif record["exit_code"] == EXIT_CRASH_LOOP:
         end = (f"hang {record['in_a_row']} in a row at step {record['step']} in {record['phase']}: a crash loop, not "
                f"requeued (exit {EXIT_CRASH_LOOP}); fix the cause, then start the run again")
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +42,8 @@ from typing import Any, Callable
 
 from dsslm.config import WatchdogCfg
 from dsslm.durable import write_json_atomic
-from dsslm.exits import EXIT_CRASH_LOOP, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, note_status, tell_agent
+from dsslm.exits import (EXIT_CRASH_LOOP, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, note_status,
+                         stop_waiting, tell_agent)
 from dsslm.health import hangs, oom, reaper
 from dsslm.health.progress import (CHECKPOINT, CHECKPOINT_WRITE, COLLECTIVE, DATA, DOWNSTREAM, EVALUATION,  # noqa: F401
                                    FORWARD_BACKWARD, LOAD, OPTIMIZER, ORDER, PHASES, Limits, Progress, Work)
@@ -50,6 +52,7 @@ from dsslm.observe.sinks import EventLog
 from dsslm.health.verdict import Seen, Verdict, describe, judge  # noqa: F401 (re-exported: the tests' names)
 
 GAP_BEATS = 4  # the watchdog's own loop late by this many beats: this process was stopped or starved
+SILENT_SAY = 0.25  # a peer silent this share of floor_s is named on the console (the verdict comes at 1)
 
 
 class LocalBoard:
@@ -104,6 +107,7 @@ class Watchdog:
         self._work_value: Any = None
         self._work_at = self.started
         self._said_at = 0.0                     # the phase's age when this rank last said it is slow, not stopped
+        self._said_silent: set[int] = set()     # peers named as silent (_say_silent), until they beat again
         self.closed, self.leaving = False, False
         self._leave_lock = threading.Lock()
         self._stop = threading.Event()
@@ -138,6 +142,8 @@ class Watchdog:
             self._join(verdict)
             return
         seen = self._seen(now, at, beats)  # every tick: it also tracks when each rank's beats last moved
+        if self.cfg.enabled and self._interrupted(now, at, seen):
+            return
         if self.cfg.enabled or self.broken:
             found = judge(seen, self.cfg.floor_s, now - max(at, self.rebased), self.links.store, self.broken,
                           self.grace_s, 4 * self.cfg.beat_s)
@@ -145,7 +151,43 @@ class Watchdog:
                 self.call(found)
                 return
             self._say_slow(now, seen)
+            self._say_silent(seen)
         self._reset_failures(step)
+
+    def _interrupted(self, now: float, at: float, seen: list[Seen]) -> bool:
+        """A Ctrl-C or SIGTERM the loop waits to answer at the end of its step, while a peer has
+        stopped beating: that step never ends, and a person at the terminal would wait floor_s for
+        nothing (then press Ctrl-C again and lose the diagnosis). Called at once, as `grace_s` of
+        silence after a broken collective is: the record written, marked interrupted, every
+        process ended, the lock released. Only a silent peer (its beat thread stopped with it)
+        counts: a step that is merely long ends, and the stop is answered there as always."""
+        stop = stop_waiting()
+        if stop is None or now - stop[1] < self.grace_s:
+            return False
+        found = judge(seen, self.grace_s, now - max(at, self.rebased), self.links.store, None, self.grace_s,
+                      4 * self.cfg.beat_s)
+        if found is None or found.cause != "stopped_beating":
+            return False
+        found.interrupted = "Ctrl-C" if stop[0] == signal.SIGINT else signal.Signals(stop[0]).name
+        self.call(found)
+        return True
+
+    def _say_silent(self, seen: list[Seen]) -> None:
+        """One console line when a peer has been silent for SILENT_SAY of floor_s, said by the
+        lowest rank still beating: the wait for a hang's verdict is not a minute of nothing."""
+        limit = self.cfg.floor_s
+        quiet = {s.rank: s for s in seen if not s.exited and s.silent_s >= SILENT_SAY * limit}
+        self._said_silent &= set(quiet)  # one that beat again may be named again
+        speaker = min((s.rank for s in seen if not s.exited and s.rank not in quiet), default=None)
+        if speaker != self.rank:
+            return
+        for rank in sorted(set(quiet) - self._said_silent):
+            s = quiet[rank]
+            who = f"rank {rank} ({s.host}, pid {s.pid})" if s.host != "?" else f"rank {rank} (never heard from)"
+            where = f" in {s.phase} at step {s.step}" if s.phase in ORDER else ""
+            print(f"dsslm: {who} silent for {s.silent_s:.0f} s{where}; calling a hang at {limit:.0f} s (Ctrl-C "
+                  f"calls it now, with its record)", file=sys.stderr, flush=True)
+            self._said_silent.add(rank)
 
     def _track(self, now: float) -> None:
         """When the current phase's work last advanced (its Work's value changed)."""
@@ -282,6 +324,8 @@ class Watchdog:
             return
         row = hangs.in_a_row(self.run_dir, *verdict.where())
         code = EXIT_CRASH_LOOP if self.cfg.crash_loop and row >= self.cfg.crash_loop else EXIT_REQUEUE
+        if verdict.interrupted == "Ctrl-C":  # the person asked to stop: not a requeue
+            code = EXIT_INTERRUPTED
         folder, code, won = hangs.claim(self.run_dir, self.token, code)
         if folder is not None:
             self.links.board.announce(f"{folder.name} {code}")
@@ -348,7 +392,9 @@ class Watchdog:
                   # the only hosts a node's exclusion counts (health/exclude.py): proven stopped
                   "blamed": [{"rank": s.rank, "host": s.host, "pid": s.pid} for s in verdict.proven],
                   "called_by": {"rank": self.rank, "host": self.host}, "store": self.links.store,
-                  "in_a_row": row, "exit_code": code, "time": time.time()}
+                  "in_a_row": row, "exit_code": code, "time": time.time(),
+                  "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  **({"interrupted": verdict.interrupted} if verdict.interrupted else {})}
         try:
             hangs.write_record(folder, record)
         except OSError:

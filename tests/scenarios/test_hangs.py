@@ -153,3 +153,31 @@ def test_writes_and_evaluations_past_every_limit_wait_while_they_work_and_the_ru
     assert "still writing" in log and "still scoring" in log, log
     learned = json.loads((run_dir / "watchdog.json").read_text())["longest"]
     assert learned["checkpoint_write"] > 4 > learned["checkpoint"], learned  # the write apart from the snapshot
+
+
+def test_a_silent_rank_is_named_while_the_watchdog_waits_and_ctrl_c_calls_the_hang_at_once(tmp_path):
+    """A rank stopped with a floor of 30 s: the wait is named at a quarter of it; Ctrl-C 0.5 s later
+    (a person at the terminal) writes the record, marked interrupted, ends every process (the
+    stopped one too) and releases the lock well before the floor, exit 130. It was 60 s of
+    silence, and a Ctrl-C in it lost the diagnosis and left ranks and a LOCK behind."""
+    import signal
+    import time
+
+    from nodes import wait_for
+    run_dir = tmp_path / "run"
+    job = launch([HOST], run_dir, *RUN, "observe.watchdog.floor_s=30", "observe.watchdog.beat_s=0.25",
+                 "observe.watchdog.ceiling_s=60", "observe.watchdog.first_s=120", "faults.hang_step=8",
+                 "faults.hang_rank=1", nproc=2)
+    wait_for(lambda: "silent for" in job.output(), 60, "the silent rank's line", job)
+    assert "rank 1 (" in job.output() and "calling a hang at 30 s" in job.output(), job.output()
+    time.sleep(0.5)
+    pressed = time.monotonic()
+    os.killpg(job.procs[HOST.name].pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
+    assert job.wait(timeout_s=60) == {HOST.name: 130}, job.output()
+    assert job.ended[HOST.name] - pressed < 20, job.output()  # not the floor's 30 s
+    record = the_record(run_dir)
+    assert record["interrupted"] == "Ctrl-C" and record["exit_code"] == 130 and record["cause"] == "stopped_beating"
+    assert [s["rank"] for s in record["first"]] == [1] and record["time_utc"].endswith("Z")
+    assert gone([s["pid"] for s in record["first"] + record["waiting"]]), job.output()
+    assert not (run_dir / "LOCK").exists()
+    assert "Ctrl-C while the others waited: diagnosed at once, exit 130" in job.output()

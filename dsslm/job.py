@@ -183,6 +183,8 @@ def start(job: Job) -> str:
     job.health.starting(job.state.step)  # the watchdog allows observe.watchdog.first_s until the first step
     hf_dir = hf_dir_of(cfg.run.init_from)
     how = job.checkpointer.resume_or_init(HFWeights(hf_dir, cfg.model, engine.param_shapes) if hf_dir else None)
+    if how == "resume" and (hang := job.health.last_hang()) is not None:
+        job.sinks.say(hang)  # rank 0's line, beside the resume's
     job.state.shuffle = epoch_order(cfg, how, job.state)
     job.loader.set_shuffle(job.state.shuffle)  # before the first read: the prefetcher starts with step 1
     if how == "resume" and job.state.step >= cfg.train.total_steps:

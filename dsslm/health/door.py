@@ -91,6 +91,15 @@ class Health:
         health.job = (cfg, engine.world_size)
         return health
 
+    def last_hang(self) -> str | None:
+        """A sentence for a start that follows a hang (its count in a row not yet reset), or None."""
+        f = self.watchdog.failures if self.watchdog is not None else None
+        if not f or f.get("in_a_row", 0) < 1:
+            return None
+        row = f", {f['in_a_row']} in a row there" if f["in_a_row"] > 1 else ""
+        return (f"the job before this one ended in a hang at step {f['step']} in {f['phase']} "
+                f"(run.dir/hangs/{f['record']}{row}): this one starts from the newest checkpoint before it")
+
     def watch_stragglers(self, cfg: Any, engine: Any, sinks: Any, run_dir: Path, nodes: Any, feed: Any) -> None:
         """The straggler report every observe.stragglers.every steps (and its drill)."""
         arm_slow_drill(cfg.faults, engine.rank, feed, engine)

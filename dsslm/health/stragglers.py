@@ -135,7 +135,7 @@ def verdicts(times: list[dict[str, float]], blamed: tuple[str, ...], factor: flo
             if ratio >= factor and excess >= max(min_share * step_s, floor_s) and (best is None or excess > best["excess_s"]):
                 best = {"rank": rank, "phase": phase, "factor": round(min(ratio, 1e6), 2),
                         "excess_s": round(excess, 6), "own_s": round(mine[phase], 6),
-                        "median_s": round(others, 6)}
+                        "median_s": round(others, 6), "step_s": round(step_s, 6)}
         if best is not None:
             found.append(best)
     return found
@@ -282,10 +282,17 @@ class Stragglers:
 
 
 def describe(v: dict) -> str:
+    """The line: what the straggler costs each step, as a share of the step (a ratio alone read
+    '468.03x the other ranks' median (20.2 ms against 0.0 ms a step)')."""
     persists = f" for {v['reports']} reports in a row" if v.get("reports", 1) > 1 else ""
     phase = f"{v['phase']} (its process stopped or starved of a CPU)" if v["phase"] == STALLED else v["phase"]
-    return (f"rank {v['rank']} ({v.get('host', '?')}) is a straggler in {phase}{persists}: {v['factor']:g}x the "
-            f"other ranks' median ({1e3 * v['own_s']:.1f} ms against {1e3 * v['median_s']:.1f} ms a step)")
+    ratio = (f"{v['factor']:g}x the other ranks' median" if v["median_s"] >= 1e-4 else
+             "where the other ranks spend none")
+    excess = v.get("excess_s", v["own_s"] - v["median_s"])
+    share = f", {excess / v['step_s']:.0%} of a {1e3 * v['step_s']:.1f} ms step" if v.get("step_s") else ""
+    return (f"rank {v['rank']} ({v.get('host', '?')}) is a straggler in {phase}{persists}: {1e3 * v['own_s']:.1f} ms "
+            f"a step against {1e3 * v['median_s']:.1f} ms ({ratio}): it holds every rank back "
+            f"{1e3 * excess:.1f} ms a step{share}")
 
 
 def arm_slow_drill(f: FaultsCfg, rank: int, feed: Any, engine: Any) -> None:

@@ -97,7 +97,7 @@ def judge(seen: list[Seen], floor_s: float, store_silent_s: float, store: str, b
 
 def describe(record: dict, folder: Path) -> str:
     """The console line: where it stopped, who, who waited in what, the record, the exit."""
-    who = ", ".join(f"rank {s['rank']} ({s['host']}, pid {s['pid']})" for s in record["first"]) or "no rank"
+    who = ", ".join(_named(s, record["step"]) for s in record["first"]) or "no rank"
     if record["first"] and not record.get("blamed"):  # nothing proves this rank stopped: no node is blamed
         who += " first to report, not proven stopped (no node blamed)"
     waits = "; ".join(f"rank {s['rank']} waited in {s['collective'] or s['phase']}" for s in record["waiting"][:4])
@@ -111,3 +111,11 @@ def describe(record: dict, folder: Path) -> str:
         end = f"exit {record['exit_code']} (requeue)"
     return (f"hang at step {record['step']} in {record['phase']} ({record['cause']}: {record['why']}): {who}"
             f"{'; ' + waits + more if waits else ''}; record in {folder}; {end}")
+
+
+def _named(s: dict, step: int) -> str:
+    """A rank the hang names. A stopped rank's last beat may be older than the step the job stopped
+    at (hang.json keeps both: the job's step, and each rank's last beat): said, so the two agree."""
+    own = s.get("step")
+    beat = f", its last beat at step {own}" if isinstance(own, int) and 0 <= own != step else ""
+    return f"rank {s['rank']} ({s['host']}, pid {s['pid']}{beat})"

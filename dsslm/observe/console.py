@@ -276,6 +276,7 @@ class Console:
         self.best_val: dict[str, float] = {}
         self.spikes: list[str] = []
         self.surges = 0  # grad-norm surges applied (not spikes: the summary counts them apart)
+        self.stragglers: dict = {}  # rank -> its latest `straggler` event (the summary names them)
         self.saved: str | None = None
         self.evaluation: dict | None = None  # the last eval.tasks record, for the summary
         if enabled:
@@ -328,6 +329,8 @@ class Console:
             self.spikes.append(f"step {fields.get('step')}: rewound")
         elif event == "gnorm_surge":
             self.surges += 1
+        elif event == "straggler":  # the latest report of each rank, for the run's summary
+            self.stragglers[fields.get("rank")] = fields
         if event == "preempt_save":
             self._preempt_save(fields)
         elif event == "end":
@@ -355,6 +358,9 @@ class Console:
         spikes = (f"{len(self.spikes)} spike event(s){job}: " + "; ".join(self.spikes[-10:]) if self.spikes
                   else f"no spikes{job}") + (f", {self.surges} grad-norm surge(s) applied" if self.surges else "")
         loss = f", final loss {self.last['loss']:.4f}" if self.last else ""
+        slow = "; ".join(f"rank {r} ({v.get('host')}) in {v.get('phase')}, {v.get('factor')}x, reported {v.get('reports')} "
+                         f"time(s) in a row" for r, v in sorted(self.stragglers.items(), key=lambda kv: str(kv[0])))
+        spikes += f"; stragglers{job}: {slow} (run.dir/nodes.json)" if slow else ""
         evals = (f"last evaluation (step {self.evaluation['step']}): {_evaluation(self.evaluation)}; "
                  if self.evaluation else "")
         took = (f"in all; this job trained steps {self.first_step}-{f.get('step')} in {_duration(seconds)}" if resumed

@@ -74,6 +74,7 @@ def test_a_rank_stopped_in_a_step_is_named_and_the_job_resumes_to_the_bit(tmp_pa
 
     job = launch([HOST], run_dir, *RUN, *QUICK, nproc=2)  # the requeue
     assert job.wait() == {HOST.name: 0}, job.output()
+    assert "the job before this one ended in a hang at step 12 in forward_backward" in job.output(), job.output()
     resumes = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
     assert len(resumes) == 1 and newest in json.dumps(resumes[0]), (newest, resumes)
     assert losses_by_step(run_dir) == reference

@@ -336,3 +336,14 @@ def test_the_eta_follows_a_lasting_change_of_pace(tmp_path, capsys, monkeypatch)
         truth = {step: (1000 - step) * after for step in etas if step >= 700}
         assert all(abs(etas[step] - truth[step]) <= max(1, 0.25 * truth[step]) for step in truth), \
             {step: (etas[step], truth[step]) for step in truth}
+
+
+def test_the_summary_names_the_stragglers_reported_in_the_run(tmp_path, capsys):
+    s = sinks(tmp_path, total=10)
+    s.log_step(record(1))
+    for reports in (3, 4):
+        s.emit("straggler", step=5 * reports, rank=1, host="vm", phase="data", factor=3.2, reports=reports,
+               own_s=0.02, median_s=0.006, line="rank 1 (vm) is a straggler in data")
+    s.emit("end", step=10, tokens=1280, skipped_steps=0)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stragglers: rank 1 (vm) in data, 3.2x, reported 4 time(s) in a row (run.dir/nodes.json)" in last, last

@@ -133,6 +133,7 @@ RESUME_MUTABLE_KEYS = (
     "monitor.max_rewinds", "engine",
     "observe", "monitor.triage", "monitor.triage_max_replay_steps", "monitor.max_backoffs", "monitor.forensics",
     "monitor.rewind_every", "monitor.rewind_points", "monitor.loss_trend", "monitor.loss_trend_z",
+    "monitor.max_skip_share",
     # How the same math is scheduled: rounding-level differences only, like a change of engine.
     "train.compile", "train.activation_checkpointing", "train.activation_checkpointing_every", "train.tf32",
     "optim.impl", "eval",

@@ -205,6 +205,10 @@ class MonitorCfg:
     forensics: bool = True      # write run.dir/spikes/step-XXXXXXXX/ for every spike
     rewind_every: int = 50      # steps between in-memory rewind points (0 = off: rewinds load checkpoints)
     rewind_points: int = 2      # rewind points kept (host memory: ~12 B x params / world size per rank each)
+    # The most of a domain's train chunks the skip list may name before the run asks a person
+    # (escalation, exit 3) instead of dropping more: data that widely bad, or a verdict naming clean
+    # text, is a person's call. 1 = never asks.
+    max_skip_share: float = 0.25
 
 
 @dataclass

@@ -255,6 +255,7 @@ def validate_spike_policy(cfg: Config) -> None:
     _check(m.rewind_every >= 0 and m.rewind_points >= 1, f"monitor.rewind_every={m.rewind_every} must be >= 0 "
            f"(0 = off) and monitor.rewind_points={m.rewind_points} >= 1")
     _check(m.max_backoffs >= 1, f"monitor.max_backoffs={m.max_backoffs} must be >= 1")
+    _check(0 < m.max_skip_share <= 1, f"monitor.max_skip_share={m.max_skip_share} must be in (0, 1] (1: never ask)")
     _check(m.lr_recover_steps >= 0, f"monitor.lr_recover_steps={m.lr_recover_steps} must be >= 0 (0: a backoff stays)")
     _check(0 < o.zclip_alpha < 1, f"optim.zclip_alpha={o.zclip_alpha} must be in (0, 1)")
     _check(o.zclip_z > 0 and o.zclip_warmup_steps >= 2,

@@ -195,6 +195,14 @@ class Loader:
         self._skipped = (entries, key, chunks)  # one assignment: another thread sees the old triple or the new
         return chunks
 
+    def skipped_share(self, skip_list: list) -> dict[str, float]:
+        """Each domain's share of its train chunks that the skip list's data entries name (windows
+        of positions are a pass's, not text: not counted)."""
+        chunks = self.skipped_chunks(skip_list)
+        per_domain = np.bincount(np.searchsorted(self._domain_first, chunks, side="right") - 1,
+                                 minlength=len(self.domains))
+        return {name: float(k) / int(n) for name, k, n in zip(self.domains, per_domain, self.domain_chunks) if n > 0}
+
     def emptied_domains(self, skip_list: list) -> list[str]:
         """The domains training draws from whose every chunk the skip list names (with the others
         left: else skipped_chunks raises). Their draws go to the next sequences of the stream, so

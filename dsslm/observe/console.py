@@ -209,6 +209,9 @@ LINES: dict[str, tuple[int, Callable[[dict], str | None]]] = {
                                                     f"{f.get('reason')}"),
     "triage_phase_not_run": (logging.WARNING, lambda f: f"triage of the spike at step {f.get('spike_start')}: the "
                                                         f"{f.get('phase')} replay is not run ({f.get('reason')})"),
+    "skip_share": (logging.INFO, lambda f: f"step {f.get('step')}: the skip list names " + ", ".join(
+        f"{v:.2%} of {d}" for d, v in sorted((f.get('shares') or {}).items())) +
+        f" (a person is asked past {f.get('max_skip_share', 1):.0%} of a domain: monitor.max_skip_share)"),
     "domain_emptied": (logging.WARNING, lambda f: f"step {f.get('step')}: {f.get('reason')}"),
     # epoch counts from 0: epoch 1 is the second pass, the first that repeats the domain's data.
     "domain_epoch": (logging.INFO, lambda f: f"domain {f.get('domain')} repeats its data: its pass "

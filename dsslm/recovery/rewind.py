@@ -204,6 +204,7 @@ class Rewinder:
         self.cfg, self.engine, self.checkpointer, self.monitor = cfg, engine, checkpointer, monitor
         self.batch_size, self.run_dir, self.emit, self.loader = batch_size, run_dir, emit, loader
         self._emptied: set[str] = set()  # domains whose every chunk the skip list names (said once)
+        self._shares: dict[str, float] = {}  # each domain's share the committed skip list names (skip_share)
         # step -> [first, end) sequences it was fed, for the few steps a spike can span.
         self._fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
         self.ring = RewindRing(engine, checkpointer, cfg.monitor.rewind_every if cfg.monitor.enabled else 0,
@@ -277,9 +278,33 @@ class Rewinder:
                     self.emit("domain_emptied", step=step, domain=name, reason=f"every chunk of domain {name} is in "
                               f"the skip list: training goes on without it, and data.mix's weights no longer hold")
                 self._emptied.update(emptied if committed else ())
+                if committed:
+                    problem = self._share_problem(skip_list, step)
         if problem is not None:
             self.emit("escalation", step=step, reason=problem)
             raise Escalation(problem)
+
+    def _share_problem(self, skip_list: list, step: int) -> str | None:
+        """The committed list's share of each domain, said when it changes (a `skip_share` event);
+        past monitor.max_skip_share of a domain, why the run asks a person instead (None: it may
+        go on). A domain emptied on purpose by an earlier verdict has its own event; the cap is
+        for the policy naming more and more of a corpus, clean text included, unseen."""
+        shares = {d: round(v, 6) for d, v in self.loader.skipped_share(skip_list).items()}
+        if shares == self._shares:
+            return None
+        self._shares = shares
+        named = {d: v for d, v in shares.items() if v > 0}
+        cap = self.cfg.monitor.max_skip_share
+        if named:
+            self.emit("skip_share", step=step, shares=named, max_skip_share=cap)
+        over = sorted((d for d, v in named.items() if v > cap and d not in self._emptied), key=lambda d: -named[d])
+        if not over or cap >= 1:
+            return None
+        d = over[0]
+        return (f"the skip list would name {named[d]:.1%} of domain {d}'s text, past monitor.max_skip_share={cap:g}: "
+                f"data this widely bad, or verdicts naming clean text, need a person; see the triage events in "
+                f"{self.run_dir / 'events.jsonl'} and the spikes in {self.run_dir / 'spikes'}; resume with a higher "
+                f"monitor.max_skip_share to let it go on")
 
     def fed_of(self, step: int) -> tuple[int, int]:
         """The [first, end) global sequences step `step` was fed (the oldest step noted when

@@ -539,7 +539,9 @@ def test_a_skip_list_naming_every_chunk_escalates_and_one_emptying_a_domain_is_s
     # One domain's data, all of it: the run goes on with the other, and says so once.
     rewinder.write_run_file(TrainState(step=9, skip_list=everything[1:]))
     rewinder.write_run_file(TrainState(step=10, skip_list=everything[1:]))
-    assert [(e, f.get("domain")) for e, f in emitted[1:]] == [("domain_emptied", loader.domains[1])]
+    assert [(e, f.get("domain")) for e, f in emitted[1:] if e != "skip_share"] == [("domain_emptied", loader.domains[1])]
+    # The share named is said once too (the domain emptied on purpose is no reason to ask a person).
+    assert [f["shares"] for e, f in emitted if e == "skip_share"] == [{loader.domains[1]: 1.0}]
     assert read_recovery(tmp_path, 16)["skip_list"] == everything[1:]
 
 
@@ -617,3 +619,31 @@ def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
     assert not_run["phase"] == "skip_window" and why in not_run["not_run"] and not not_run["steps"]
     assert r.evidence[3]["phase"] == "backoff" and [c[0] for c in calls] == ["restore"]
     assert [e for e, _ in emitted] == ["triage_phase_not_run", "rewind"]
+
+
+def test_a_skip_list_naming_more_than_its_share_of_a_domain_asks_a_person(tmp_path):
+    """Clean text named by the hundred thousand tokens went on silently (30.2% of a corpus in a long
+    run). Past monitor.max_skip_share of a domain, the commit is an escalation naming the share."""
+    import torch
+
+    from dsslm.ckpt.store import CheckpointStore
+    from dsslm.config import load
+    from dsslm.data.corpus import default_data_dir
+    from dsslm.data.loader import Loader
+    from dsslm.recovery.rewind import Escalation, Rewinder, read_recovery
+    store = CheckpointStore(tmp_path, keep_last=5)
+    store.save(4, {"model": {"w": torch.ones(4)}}, {"step": 4})
+    checkpointer = type("Checkpointer", (), {"store": store})()
+    loader = Loader(default_data_dir(), 32, 1337)
+    emitted = []
+    rewinder = Rewinder(load(None, ["monitor.max_skip_share=0.01"]), _Engine(), checkpointer, None, 16, tmp_path,
+                        lambda e, **f: emitted.append((e, f)), loader=loader)
+    path, tokens = loader._train[0]  # the first domain's first shard
+    few = [{"shard": path, "tokens": [0, 33 * 3]}]  # 3 chunks: well under 1%
+    rewinder.write_run_file(TrainState(step=5, skip_list=few))
+    share = emitted[-1][1]["shares"][loader.domains[0]]
+    assert emitted[-1][0] == "skip_share" and 0 < share < 0.01
+    much = [{"shard": path, "tokens": [0, tokens // 50]}]  # 2% of it
+    with pytest.raises(Escalation, match=r"would name \d+\.\d% of domain .* past monitor.max_skip_share=0.01"):
+        rewinder.write_run_file(TrainState(step=9, skip_list=much))
+    assert read_recovery(tmp_path, 16)["skip_list"] == few  # nothing more was written

@@ -13,6 +13,12 @@ Validation split: the token stream is cut into contiguous blocks and block k goe
 floor((k+1)*f) > floor(k*f): every 1/f-th block, spread through the stream, deterministically.
 A domain is written into a temporary folder and renamed into place; manifest.json is written
 last, so a DATA_DIR without it, or a domain missing from it, does not exist for any reader.
+
+In parts (parts.py, vocab.py): the tokenizer is made once; each run of input files (a unit) is
+tokenized on its own into DATA_DIR/.parts-DOMAIN (by this process, `workers` processes, or `--part
+I/N` tasks on any number of nodes); the merge streams those units in input order through one split
+and one shard writer. The split and the shards depend only on the token stream and the inputs'
+total size, so the DATA_DIR is the same bytes whatever the worker or task count.
 """
 
 from __future__ import annotations
@@ -29,16 +35,17 @@ from pathlib import Path
 import numpy as np
 
 from dsslm.config import join_problems
-from dsslm.durable import file_sha256, pid_running, publish_folder, write_json_atomic
-from dsslm.data.sources import DataError, Source, find_sources, input_bytes, iter_pieces, iter_token_arrays
+from dsslm.durable import pid_running, publish_folder, write_json_atomic
+from dsslm.data.sources import DataError, Source, find_sources, input_bytes, quiet_datasets  # noqa: F401 (theirs)
 from dsslm.data.manifest import FORMAT, MANIFEST_FILE, load_manifest
-from dsslm.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, eos_token_of,
-                                  find_tokenizer_file, load_tokenizer, token_byte_lengths, train_bpe)
+from dsslm.data.parts import Part, WorkerLost, make_units, merge_records, parts_dir, plan_units, unit_tokens
+from dsslm.data.tokenizer import TOKENIZER_FILE, token_byte_lengths
+from dsslm.data.vocab import (DEFAULT_VOCAB_SIZE, RECIPE_FILE, TOKENIZER_SAMPLE_BYTES,  # noqa: F401
+                              get_tokenizer, remove_recipe)
 
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard file
 MAX_BLOCK_TOKENS = 8192
 MIN_BLOCK_TOKENS = 64
-DEFAULT_VOCAB_SIZE = 8192
 DOMAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -156,46 +163,160 @@ def _block_tokens(sources: list[Source], kind: str) -> int:
 
 def prepare(inputs: list[str | Path], out: str | Path, domain: str = "default", tokenizer: str | None = None,
             vocab_size: int | None = None, val_fraction: float = 0.01, text_field: str = "text",
-            shard_tokens: int = SHARD_TOKENS) -> dict:
-    """Tokenize `inputs` into DATA_DIR `out` as `domain`; returns the new manifest.
+            shard_tokens: int = SHARD_TOKENS, workers: int = 1,
+            tokenizer_sample: int = TOKENIZER_SAMPLE_BYTES) -> dict:
+    """Tokenize `inputs` into DATA_DIR `out` as `domain`, in `workers` processes; returns the new
+    manifest. Every step in this call: the tokenizer, the units (those a killed prepare finished
+    are reused), the merge.
 
-    `tokenizer`/`vocab_size` None: those of an existing DATA_DIR, else byte / 8192. On any
-    failure everything this call created is removed and an existing manifest is untouched."""
-    _check_args(domain, tokenizer, vocab_size, val_fraction)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file, not a folder; name a new folder or an existing DATA_DIR")
+    `tokenizer`/`vocab_size` None: those of an existing DATA_DIR (its manifest's, or its tokenizer
+    step's: vocab.py), else byte / 8192. On an error everything this call created is removed and an
+    existing manifest is untouched; interrupted (Ctrl-C) or a worker killed, it keeps the tokenizer
+    and the finished units for the next call."""
+    _check_args(domain, tokenizer, vocab_size, val_fraction, workers, tokenizer_sample)
+    out = _out_folder(out)
     sources = find_sources(inputs)
     undo: list[Path] = []  # what this call created, removed if it fails
     if not out.exists():
         out.mkdir(parents=True)
         undo.append(out)
+    folder = parts_dir(out, domain)
     try:
         manifest = _existing_manifest(out, domain)
-        tok = _get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, undo)
-        remove_leftovers(out)  # once `out` is accepted: a folder refused is left as it was
-        dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-        entry = _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, shard_tokens, undo)
-        entry["sources"] = [str(Path(p).resolve()) for p in inputs]
-        if manifest is None:
-            spec = {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok.sha256}
-            manifest = {"format": FORMAT, "tokenizer": spec, "dtype": dtype, "domains": {}}
-            if tok.kind == "file":
-                # Outside the tokenizer spec, which manifest_hash covers: the same file
-                # brought from another path is the same tokenizer.
-                spec["eos_token"] = tok.eos_token
-                manifest["tokenizer_source"] = str(find_tokenizer_file(tokenizer).resolve())
-        manifest["domains"] = dict(sorted({**manifest["domains"], domain: entry}.items()))
-        write_json_atomic(out / MANIFEST_FILE, manifest, indent=1)
-        return manifest
-    except BaseException:
-        for path in reversed(undo):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        tok, given = get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, undo, tokenizer_sample)
+        remove_leftovers(out, manifest)  # once `out` is accepted: a folder refused is left as it was
+        dtype = _dtype(tok)
+        if not folder.exists():
+            undo.append(folder)
+        units = plan_units(sources)
+        done = make_units(folder, list(range(len(units))), units, tok, dtype, text_field, workers)
+        if done.reused:
+            print(f"dsslm.data: reused {len(done.reused)} of {len(units)} units finished before in {folder}",
+                  file=sys.stderr)
+        return _merge(out, domain, inputs, sources, tok, given, dtype, manifest, val_fraction, text_field,
+                      shard_tokens, undo)
+    except BaseException as e:
+        # Bad input: nothing of this call's stays. Interrupted, or a worker killed: the tokenizer
+        # and the finished units stay, for the next run to reuse.
+        resumable = not isinstance(e, Exception) or isinstance(e, WorkerLost)
+        _undo(undo, keep={folder, out / TOKENIZER_FILE, out / RECIPE_FILE} if resumable else set())
         raise
 
 
-def _check_args(domain: str, tokenizer: str | None, vocab_size: int | None, val_fraction: float) -> None:
-    problems = arg_problems(domain, tokenizer, vocab_size, val_fraction)
+def prepare_tokenizer(inputs: list[str | Path], out: str | Path, domain: str = "default",
+                      tokenizer: str | None = None, vocab_size: int | None = None, text_field: str = "text",
+                      tokenizer_sample: int = TOKENIZER_SAMPLE_BYTES):
+    """The tokenizer step alone (`--tokenizer-only`): the tokenizer the --part tasks will use."""
+    _check_args(domain, tokenizer, vocab_size, 0.0, 1, tokenizer_sample)
+    out = _out_folder(out)
+    sources = find_sources(inputs)
+    undo: list[Path] = []
+    if not out.exists():
+        out.mkdir(parents=True)
+        undo.append(out)
+    try:
+        manifest = _existing_manifest(out, domain)
+        return get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, undo, tokenizer_sample)[0]
+    except BaseException:
+        _undo(undo)
+        raise
+
+
+def prepare_part(inputs: list[str | Path], out: str | Path, part: Part, domain: str = "default",
+                 tokenizer: str | None = None, vocab_size: int | None = None, text_field: str = "text",
+                 workers: int = 1):
+    """One task's units (`--part I/N`), nothing else: never a trained tokenizer, never the manifest.
+    Tasks share `out`, so a failure removes only the unit it was writing."""
+    _check_args(domain, tokenizer, vocab_size, 0.0, workers, 1)
+    out = _out_folder(out)
+    sources = find_sources(inputs)
+    manifest = _existing_manifest(out, domain) if out.is_dir() else None
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)  # another task may make it at the same moment
+    try:
+        tok, _ = get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, [], make=False)
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()  # refused: no empty folder left behind for the next run to wonder about
+        raise
+    units = plan_units(sources)
+    which = part.units(len(units))
+    return make_units(parts_dir(out, domain), which, units, tok, _dtype(tok), text_field, workers), len(units)
+
+
+def merge(inputs: list[str | Path], out: str | Path, domain: str = "default", tokenizer: str | None = None,
+          vocab_size: int | None = None, val_fraction: float = 0.01, text_field: str = "text",
+          shard_tokens: int = SHARD_TOKENS) -> dict:
+    """The last step (`--merge`): the units every --part task made, into the domain and the
+    manifest. Refused, with nothing written, while any unit is not finished."""
+    _check_args(domain, tokenizer, vocab_size, val_fraction, 1, 1)
+    out = _out_folder(out)
+    if not out.is_dir():
+        raise DataError(f"--out {out} does not exist: --merge reads the units the --part tasks make there; "
+                        "run them first")
+    sources = find_sources(inputs)
+    undo: list[Path] = []
+    try:
+        manifest = _existing_manifest(out, domain)
+        tok, given = get_tokenizer(out, manifest, tokenizer, vocab_size, sources, text_field, undo, make=False)
+        dtype = _dtype(tok)
+        records = merge_records(parts_dir(out, domain), plan_units(sources), tok.sha256, dtype, text_field)
+        remove_leftovers(out, manifest)
+        return _merge(out, domain, inputs, sources, tok, given, dtype, manifest, val_fraction, text_field,
+                      shard_tokens, undo, records)
+    except BaseException:
+        _undo(undo)
+        raise
+
+
+def _merge(out, domain, inputs, sources, tok, given, dtype, manifest, val_fraction, text_field, shard_tokens,
+           undo, records=None) -> dict:
+    folder = parts_dir(out, domain)
+    records = records or merge_records(folder, plan_units(sources), tok.sha256, dtype, text_field)
+    entry = _write_domain(out, domain, sources, tok, dtype, val_fraction, shard_tokens, folder, records, undo)
+    entry["sources"] = [str(Path(p).resolve()) for p in inputs]
+    if manifest is None:
+        spec = {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok.sha256}
+        manifest = {"format": FORMAT, "tokenizer": spec, "dtype": dtype, "domains": {}}
+        if tok.kind == "file":
+            # Outside the tokenizer spec, which manifest_hash covers: the same file
+            # brought from another path is the same tokenizer.
+            spec["eos_token"] = tok.eos_token
+            manifest["tokenizer_source"] = str(Path(given).resolve())
+    manifest["domains"] = dict(sorted({**manifest["domains"], domain: entry}.items()))
+    write_json_atomic(out / MANIFEST_FILE, manifest, indent=1)
+    # The manifest is written: what follows only tidies up, and must not undo the domain.
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        remove_recipe(out)
+    except OSError:
+        pass
+    return manifest
+
+
+def _out_folder(out: str | Path) -> Path:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a folder; name a new folder or an existing DATA_DIR")
+    return out
+
+
+def _dtype(tok) -> str:
+    return "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+
+
+def _undo(undo: list[Path], keep: set[Path] = frozenset()) -> None:
+    """Remove what a failed call created, newest first, except `keep` and the folders holding it."""
+    kept = {k for k in keep if k.exists()}
+    for path in reversed(undo):
+        if path in kept or any(path in k.parents for k in kept):
+            continue
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _check_args(domain: str, tokenizer: str | None, vocab_size: int | None, val_fraction: float, workers: int,
+                tokenizer_sample: int) -> None:
+    problems = arg_problems(domain, tokenizer, vocab_size, val_fraction) + step_problems(workers, tokenizer_sample)
     if problems:
         raise DataError(join_problems(problems))
 
@@ -229,70 +350,29 @@ def _existing_manifest(out: Path, domain: str) -> dict | None:
         raise DataError(f"{out / domain} exists but is no domain of {out}; remove it or choose another --domain")
     return manifest
 
-
-def _get_tokenizer(out, manifest, kind, vocab_size, sources, text_field, undo):
-    given = None if kind in (None, "byte", "bpe") else _tokenizer_file(kind)
-    if manifest is not None:
-        have = manifest["tokenizer"]["kind"]
-        if vocab_size is not None and vocab_size != manifest["tokenizer"]["vocab_size"]:  # never retrained
-            # Said, not refused: the command that made the first domain, repeated for the next,
-            # names the size it asked for, and BPE may have stopped short of it.
-            print(f"dsslm.data: --vocab-size {vocab_size} is not used: {out}'s tokenizer "
-                  f"({manifest['tokenizer']['vocab_size']} ids) is reused for every domain", file=sys.stderr)
-        if given is not None and (have != "file" or file_sha256(given) != manifest["tokenizer"]["sha256"]):
-            raise DataError(f"{out} holds data of another tokenizer than {given}; omit --tokenizer or use a new --out")
-        if given is None and kind is not None and kind != have:
-            raise DataError(f"{out} holds --tokenizer {have} data; pass --tokenizer {have} (or omit it), "
-                            "or use a new --out")
-        try:
-            return load_tokenizer(out, manifest)  # reused as is, never retrained
-        except ValueError as e:
-            raise DataError(str(e)) from e
-    if given is not None:
-        return _copy_tokenizer(given, out / TOKENIZER_FILE, undo)
-    if (kind or "byte") == "byte":
-        return ByteTokenizer()
-    path = out / TOKENIZER_FILE
-    undo += [path, path.with_name(path.name + ".tmp")]
-    texts = (p for p in iter_pieces(sources, text_field) if p)
-    return train_bpe(texts, vocab_size or DEFAULT_VOCAB_SIZE, path)
-
-
-def _tokenizer_file(given: str) -> Path:
-    try:
-        return find_tokenizer_file(given)
-    except ValueError as e:
-        raise DataError(str(e)) from None
-
-
-def _copy_tokenizer(src: Path, dst: Path, undo: list[Path]) -> BPETokenizer:
-    """A user's tokenizer.json, copied into DATA_DIR (so the data never depends on where it came
-    from) and read back from the copy, whose hash the manifest pins."""
-    from tokenizers import Tokenizer
-
-    try:
-        eos = eos_token_of(src, Tokenizer.from_file(str(src)))
-    except ValueError as e:
-        raise DataError(str(e)) from None
-    except Exception as e:  # the Rust parser's errors are plain Exceptions
-        raise DataError(f"--tokenizer {src}: not a tokenizer.json `tokenizers` can read ({e})") from None
-    tmp = dst.with_name(dst.name + ".tmp")
-    undo += [dst, tmp]
-    shutil.copyfile(src, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(dst)
-    return BPETokenizer.from_file(dst, "file", eos)
+def step_problems(workers: int, tokenizer_sample: int) -> list[str]:
+    """What is wrong with the arguments that say how prepare runs (not what it makes)."""
+    problems = []
+    if workers < 1:
+        problems.append(f"--workers {workers} must be at least 1 (1: tokenize in this process)")
+    if tokenizer_sample < 1:
+        problems.append(f"--tokenizer-sample {tokenizer_sample} must be at least 1 byte (default {TOKENIZER_SAMPLE_BYTES})")
+    return problems
 
 
 OWNER_FILE = ".owner"
 _LEFTOVER = re.compile(r"\.tmp-.+-(\d+)")
 
 
-def remove_leftovers(out: Path) -> None:
+def remove_leftovers(out: Path, manifest: dict | None = None) -> None:
     """The temp folders of prepares killed mid-write (`.tmp-DOMAIN-PID`, PID no longer running):
     each can be a corpus-sized partial shard, and nothing else ever removed them. A folder of
-    a live process, or of another host (its owner file says), is left alone."""
+    a live process, or of another host (its owner file says), is left alone. And the units of a
+    domain the manifest already has (`.parts-DOMAIN`: a merge killed after its manifest)."""
+    for domain in (manifest or {}).get("domains", {}):
+        if parts_dir(out, domain).is_dir():
+            shutil.rmtree(parts_dir(out, domain), ignore_errors=True)
+            print(f"dsslm.data: removed {parts_dir(out, domain)}, the units of a finished domain", file=sys.stderr)
     host = socket.gethostname()
     for path in sorted(out.glob(".tmp-*")):
         m = _LEFTOVER.fullmatch(path.name)
@@ -308,7 +388,7 @@ def remove_leftovers(out: Path) -> None:
         print(f"dsslm.data: removed {path}, left by a prepare that was killed", file=sys.stderr)
 
 
-def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, shard_tokens, undo) -> dict:
+def _write_domain(out, domain, sources, tok, dtype, val_fraction, shard_tokens, folder, records, undo) -> dict:
     tmp = out / f".tmp-{domain}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed run with our pid
     tmp.mkdir()
@@ -317,26 +397,19 @@ def _write_domain(out, domain, sources, tok, dtype, val_fraction, text_field, sh
     byte_lengths = token_byte_lengths(tok)
     train = ShardWriter(tmp, domain, "train", dtype, shard_tokens, byte_lengths)
     val = ShardWriter(tmp, domain, "val", dtype, shard_tokens, byte_lengths)
+    # The block size comes from the inputs' total size alone, never from how the units were made.
     router = SplitRouter(train, val, val_fraction, _block_tokens(sources, tok.kind), tok.eos_id)
-    text_bytes = [0]
-    for tokens in iter_token_arrays(sources, tok, text_field, text_bytes):
+    for tokens in unit_tokens(folder, records, dtype):
         router.write(tokens)
     train_entries, val_entries = router.close()
     if not train_entries:
         inputs = " ".join(str(s.path) for s in sources)
         raise DataError(f"--input {inputs} holds no text; give files with text in them")
-    if byte_lengths is None or train.bytes + val.bytes != text_bytes[0]:
+    text_bytes = sum(r["text_bytes"] for r in records)
+    if byte_lengths is None or train.bytes + val.bytes != text_bytes:
         for entry in train_entries + val_entries:  # not countable exactly: record no byte count
             del entry["bytes"]
     (tmp / OWNER_FILE).unlink()  # the domain's folder holds its shards and nothing else
     publish_folder(tmp, out / domain)
     undo.append(out / domain)
-    return {"train": train_entries, "val": val_entries, "text_bytes": text_bytes[0]}
-
-
-def quiet_datasets() -> None:
-    import datasets
-
-    datasets.disable_progress_bars()
-    # We report a bad file ourselves, in one line; datasets would log it again at ERROR.
-    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    return {"train": train_entries, "val": val_entries, "text_bytes": text_bytes}

@@ -90,6 +90,25 @@ def _looks_binary(path: Path) -> bool:
         return b"\0" in f.read(8192)
 
 
+def quiet_datasets() -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    # We report a bad file ourselves, in one line; datasets would log it again at ERROR.
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+
+
+def _datasets():
+    """The `datasets` module, told not to count downloads: each load_dataset call otherwise pings
+    the Hub's download counter for its packaged reader ("text", "json"), 0.15-3 s a call where the
+    network is down, for local files that need no network. prepare opens each input file on its
+    own (parts.py): 100 small files took 15 s that way, 0.2 s without the ping."""
+    import datasets
+
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    return datasets
+
+
 def input_bytes(sources: list[Source]) -> int:
     total = 0
     for s in sources:
@@ -115,8 +134,8 @@ def iter_pieces(sources: list[Source], text_field: str) -> Iterator[str | None]:
 
 
 def _group(sources: list[Source]) -> list[tuple[str, list[Source]]]:
-    # One `datasets` call per run of same-kind files: each call costs 0.2-3 s where the network
-    # is down (it pings the Hub's download counter), which per file would dominate a code corpus.
+    # One `datasets` call per run of same-kind files: each call costs a few ms (and 0.2-3 s where
+    # the network is down, unless _datasets() turned the Hub's download counter off).
     groups: list[tuple[str, list[Source]]] = []
     for source in sources:
         kind = source.kind
@@ -134,8 +153,7 @@ def _names(group: list[Source]) -> str:
 
 
 def _document_pieces(group: list[Source]) -> Iterator[str | None]:
-    import datasets
-
+    datasets = _datasets()
     ds = datasets.load_dataset("text", data_files=[str(s.path) for s in group], split="train", streaming=True,
                                sample_by="document", encoding_errors="replace")
     for table in ds.with_format("arrow").iter(batch_size=1):
@@ -147,8 +165,7 @@ def _document_pieces(group: list[Source]) -> Iterator[str | None]:
 
 def _line_pieces(path: Path) -> Iterator[str | None]:
     # A big file is read in 1 MB chunks of whole lines, so one huge file cannot exhaust memory.
-    import datasets
-
+    datasets = _datasets()
     ds = datasets.load_dataset("text", data_files=[str(path)], split="train", streaming=True, keep_linebreaks=True,
                                chunksize=READ_CHUNK_BYTES, encoding_errors="replace")
     has_text = False
@@ -186,7 +203,7 @@ def _json_takes_mixed_types() -> bool:
 
 
 def _open_records(kind: str, group: list[Source]) -> list:
-    import datasets
+    datasets = _datasets()
 
     if kind == "saved":
         ds = datasets.load_from_disk(str(group[0].path))
@@ -235,10 +252,13 @@ def encode_in_flight(tok) -> int:
     """Batches encoded at once: two keep the cores busy through a batch's tail on a small machine;
     a batch holds ~2 MB of text in a few to thousands of documents, so wide machines take more.
     The byte tokenizer is a copy under the GIL (~1 GB/s): threads would only contend for it
-    (prepare measured 55 MB/s inline, 45 MB/s with two in flight), so it encodes inline."""
+    (prepare measured 55 MB/s inline, 45 MB/s with two in flight), so it encodes inline. A prepare
+    worker (parts.py) has RAYON_NUM_THREADS, its share of the cores: the cores its batches can use."""
     if tok.kind == "byte":
         return 1
-    return min(16, 2 + len(os.sched_getaffinity(0)) // 4)
+    threads = os.environ.get("RAYON_NUM_THREADS", "")
+    cores = int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0))
+    return min(16, 2 + cores // 4)
 
 
 def _in_order(fn: Callable, items: Iterable, in_flight: int) -> Iterator:

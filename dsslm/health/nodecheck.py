@@ -181,9 +181,16 @@ def check_data(data_dir: Path, paths: list[str]) -> dict:
         except OSError as exc:
             return f"cannot read {data_dir / rel}: {exc.strerror or exc}"
         return None
+    def read_all(part: list[str]) -> list[str]:
+        return [p for p in map(read, part) if p]
+
     started = time.perf_counter()
+    # A slice of the shards a task, not one each: a future per shard cost 100 us of the pool's own
+    # locking, 10.7 s of a start over 10^5 shards where the reads themselves take about one.
+    size = max(1, -(-len(paths) // (4 * READERS)))
     with ThreadPoolExecutor(READERS) as pool:
-        problems = [p for p in pool.map(read, paths) if p]
+        problems = [p for part in pool.map(read_all, [paths[i:i + size] for i in range(0, len(paths), size)])
+                    for p in part]
     out: dict[str, Any] = {"ok": not problems, "path": str(data_dir), "shards": len(paths),
                            "seconds": round(time.perf_counter() - started, 3),
                            "writable": os.access(data_dir, os.W_OK), "fs": fs_type(data_dir)}

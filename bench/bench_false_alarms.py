@@ -31,6 +31,11 @@ not ok, or a skip / rewind / triage event) within [drill step - 2, drill step + 
 last triage decision touching those steps (window scope first), else `skip` / `rewind`; delay:
 steps from the drill's first step (for poisoned batches, the first step fed them) to that alarm.
 
+`--geometry` (issue 49): the riskiest recipe on the embedded corpus at a global batch of 64 split as real runs split it
+(micro-batches x accumulation x ranks: 8 x 8 x 1, 4 x 8 x 2, 1 x 32 x 2; 2 ranks through `python -m
+dsslm.torchrun`), clean at `--seeds` seeds, then the poison and LR-burst drills on each split;
+`--drill-step` puts the drills early (10-100, in the initial descent) instead of at `--steps` / 2.
+
 Goal (issue 36): 0 escalations, 0 rewinds, 0 LR cuts, 0 tokens named, skipped steps at most 0.5%,
 in every cell; every drill caught with the right verdict where today's monitor catches it.
 
@@ -80,6 +85,11 @@ DRILL_CELLS = [
     {"data": "plays/bpe", "lr": 3e-3, "warmup": 20, "batch": 8, "d_model": 64},
 ]
 CELL_KEYS = ("data", "lr", "warmup", "batch", "d_model")
+# Real geometry (issue 49): the riskiest recipe on the embedded corpus at a global batch of 64 split as real runs split it,
+# accumulation 8-32 and 2 ranks (`--geometry`); `batch` is then the global batch. On the embedded
+# corpus: it needs nothing outside the checkout.
+GEOMETRY_CELLS = [dict(RISKY, data="code/byte", batch=64, accum=accum, ranks=ranks)
+                  for accum, ranks in ((8, 1), (8, 2), (32, 2))]
 
 
 def cell_of(data: str, lr: float, warmup: int, batch: int, d_model: int) -> dict:
@@ -101,6 +111,9 @@ def matrix(args) -> list[tuple[dict, int, str]]:
         others = [(dict(RISKY, data="code/byte"), 1, ""), (dict(RISKY, data="plays/bpe"), 1, ""),
                   (cell_of("code/byte", 1e-3, 100, 8, 64), 1, ""), (cell_of("plays/bpe", 1e-3, 100, 32, 128), 1, "")]
         return risky + hot + others
+    if args.geometry:
+        clean = [(cell, s, "") for s in seeds for cell in GEOMETRY_CELLS]
+        return clean + [(cell, 1, drill) for drill in ("poison", "lr_burst") for cell in GEOMETRY_CELLS]
     if args.drills:
         cells = DRILL_CELLS if not args.drill_cells else [DRILL_CELLS[int(i)] for i in args.drill_cells.split(",")]
         return [(cell, seed, drill) for drill in DRILLS for cell in cells for seed in range(1, args.drill_seeds + 1)]
@@ -113,12 +126,21 @@ def matrix(args) -> list[tuple[dict, int, str]]:
     return risky + hot + rest
 
 
+def split_of(cell: dict) -> tuple[int, int]:
+    """(accumulation, ranks): 1 and 1 for the cells of the matrix."""
+    return cell.get("accum", 1), cell.get("ranks", 1)
+
+
 def label(cell: dict) -> str:
-    return f"{cell['data']} lr {cell['lr']:g} wu {cell['warmup']} b {cell['batch']} d {cell['d_model']}"
+    accum, ranks = split_of(cell)
+    split = f" = {cell['batch'] // (accum * ranks)} x {accum} x {ranks}" if (accum, ranks) != (1, 1) else ""
+    return f"{cell['data']} lr {cell['lr']:g} wu {cell['warmup']} b {cell['batch']}{split} d {cell['d_model']}"
 
 
 def run_name(cell: dict, seed: int, drill: str) -> str:
     name = f"{cell['data'].replace('/', '-')}-lr{cell['lr']:g}-wu{cell['warmup']}-b{cell['batch']}-d{cell['d_model']}"
+    accum, ranks = split_of(cell)
+    name += f"-a{accum}-r{ranks}" if (accum, ranks) != (1, 1) else ""
     return (f"{drill}-" if drill else "") + f"{name}-s{seed}"
 
 
@@ -153,30 +175,41 @@ def prepare_data(tree: Path, root: Path, plays: Path, bpe_vocab: int, wanted: se
     return dirs
 
 
-def overrides(cell: dict, seed: int, steps: int, data_dir: str, run_dir: Path, drill: str) -> list[str]:
+def overrides(cell: dict, seed: int, steps: int, data_dir: str, run_dir: Path, drill: str,
+              drill_step: int | None = None) -> list[str]:
+    accum, ranks = split_of(cell)
     out = [*RECIPE, f"run.dir={run_dir}", f"run.seed={seed}", f"train.total_steps={steps}",
-           f"model.d_model={cell['d_model']}", f"train.micro_batch_size={cell['batch']}",
-           f"optim.peak_lr={cell['lr']:g}", f"optim.warmup_steps={cell['warmup']}"]
+           f"model.d_model={cell['d_model']}", f"train.micro_batch_size={cell['batch'] // (accum * ranks)}",
+           f"train.grad_accum={accum}", f"optim.peak_lr={cell['lr']:g}", f"optim.warmup_steps={cell['warmup']}"]
     if data_dir:
         out.append(f"data.dir={data_dir}")
     if drill:
-        out += DRILLS[drill][1](steps // 2)
+        out += DRILLS[drill][1](drill_step or steps // 2)
     return out
 
 
-def run_one(tree: Path, root: Path, dirs: dict, cell: dict, seed: int, drill: str, steps: int) -> dict:
+def command(cell: dict) -> list[str]:
+    """The launcher: one process, or `--ranks` gloo processes through dsslm's torchrun."""
+    ranks = split_of(cell)[1]
+    if ranks == 1:
+        return [sys.executable, "-m", "dsslm.train"]
+    return [sys.executable, "-m", "dsslm.torchrun", "--standalone", "--nproc_per_node", str(ranks), "-m", "dsslm.train"]
+
+
+def run_one(tree: Path, root: Path, dirs: dict, cell: dict, seed: int, drill: str, steps: int,
+            drill_step: int | None = None) -> dict:
     run_dir = root / run_name(cell, seed, drill)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     started = time.perf_counter()
     with open(root / f"{run_dir.name}.log", "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "dsslm.train",
-                             *overrides(cell, seed, steps, dirs[cell["data"]], run_dir, drill)],
+        rc = subprocess.run([*command(cell),
+                             *overrides(cell, seed, steps, dirs[cell["data"]], run_dir, drill, drill_step)],
                             cwd=tree, env=tree_env(tree), stdout=log, stderr=subprocess.STDOUT).returncode
     result = {"cell": cell, "seed": seed, "drill": drill, "run_dir": str(run_dir), "rc": rc,
               "wall_s": round(time.perf_counter() - started, 1), **measure(run_dir, steps)}
     if drill:
-        result["drill_result"] = judge_drill(run_dir, drill, steps, cell["batch"])
+        result["drill_result"] = judge_drill(run_dir, drill, steps, cell["batch"], drill_step)
     return result
 
 
@@ -248,9 +281,9 @@ def gnorm_ratio(records: list[dict], final: dict[int, dict], step: int) -> float
     return round(at / statistics.median(before), 2)
 
 
-def judge_drill(run_dir: Path, drill: str, steps: int, batch: int) -> dict:
-    """Caught / verdict / delay of the drill at step steps // 2 (module doc)."""
-    s = steps // 2
+def judge_drill(run_dir: Path, drill: str, steps: int, batch: int, drill_step: int | None = None) -> dict:
+    """Caught / verdict / delay of the drill at `drill_step` (default steps // 2; module doc)."""
+    s = drill_step or steps // 2
     metrics, events = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "events.jsonl")
     records = [r for r in metrics if "loss" in r]
     start = s if drill != "poison" else next(  # the first step fed a poisoned batch (skips move it)
@@ -373,6 +406,11 @@ def main() -> None:
     parser.add_argument("--drills", action="store_true", help="the drills on DRILL_CELLS instead of clean runs")
     parser.add_argument("--drill-cells", default="", help="indices into DRILL_CELLS, e.g. 0,1 (default all)")
     parser.add_argument("--drill-seeds", type=int, default=1)
+    parser.add_argument("--geometry", action="store_true",
+                        help="the riskiest recipe at a global batch of 64 split 8x8x1, 4x8x2, 1x32x2: clean, and poison "
+                             "and LR-burst drills")
+    parser.add_argument("--drill-step", type=int, default=None, help="the drills' step (default --steps / 2): 10-100 "
+                                                                       "for the early faults")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--risky-seeds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=300)
@@ -388,14 +426,17 @@ def main() -> None:
             for r in saved["runs"]:
                 r.update(measure(Path(r["run_dir"]), steps))
                 if r.get("drill"):
-                    r["drill_result"] = judge_drill(Path(r["run_dir"]), r["drill"], steps, r["cell"]["batch"])
+                    r["drill_result"] = judge_drill(Path(r["run_dir"]), r["drill"], steps, r["cell"]["batch"],
+                                                    saved["meta"].get("drill_step"))
         print(report(saved))
         return
     tree = args.tree.resolve()
     check_tree(tree)
     plan = matrix(args)
-    mode = "drills" if args.drills else "quick" if args.quick else "full" if args.full else "fraction"
+    mode = ("geometry" if args.geometry else "drills" if args.drills else "quick" if args.quick else
+            "full" if args.full else "fraction")
     meta = {"tree": str(tree), "mode": mode, "steps": args.steps, "jobs": args.jobs, "planned": len(plan),
+            "drill_step": args.drill_step,
             "plays": str(args.plays), "bpe_vocab": args.bpe_vocab, "load_start": load_avg(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     print(f"{len(plan)} runs planned ({mode}), tree {tree}, load {meta['load_start']}", flush=True)
@@ -407,7 +448,7 @@ def main() -> None:
 
         def one(item):
             cell, seed, drill = item
-            result = run_one(tree, root, dirs, cell, seed, drill, args.steps)
+            result = run_one(tree, root, dirs, cell, seed, drill, args.steps, args.drill_step)
             with lock:
                 runs.append(result)
                 meta.update(elapsed_s=round(time.perf_counter() - started), load_end=load_avg(), done=len(runs))

@@ -44,6 +44,7 @@ from dsslm.evals.loop import TaskEvals
 from dsslm.exits import note_exit, process_started
 from dsslm.hf.folder import HFWeights, apply_shape, hf_dir_of
 from dsslm.model import build_model, count_params
+from dsslm.optim import role_table
 from dsslm.health.door import (CHECKPOINT, DOWNSTREAM, FORWARD_BACKWARD, Health, OutOfMemory, check_nodes, refuse_unfit,
                                fold_failures, out_of_memory_retry)
 from dsslm.observe.audit import ResumeAudit, last_start, run_env
@@ -213,7 +214,7 @@ def start(job: Job) -> str:
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg),
-                   process_started=job.began, shuffle=job.state.shuffle)
+                   process_started=job.began, shuffle=job.state.shuffle, roles=optimizer_roles(cfg))
     if job.verified is not None:
         job.sinks.emit("data_verified", **job.verified)
     job.started.append(True)
@@ -227,6 +228,13 @@ def start(job: Job) -> str:
     job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
     job.health.first_step(job.state.step + 1)
     return how
+
+
+def optimizer_roles(cfg: Config) -> dict:
+    """Each role's parameters, rate multiplier, decay and optimizer (optim.role_table), from the
+    model's shapes alone (built on the meta device: nothing allocated)."""
+    with torch.device("meta"):
+        return role_table(build_model(cfg.model), cfg.optim)
 
 
 def save(job: Job, sync: bool = False) -> None:

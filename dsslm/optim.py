@@ -12,29 +12,72 @@ from dsslm.config import Config, OptimCfg
 from dsslm.muon import MuonAdamW, ns_dtype
 
 
-def param_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
-    """Two groups: matrices decay; norm gains, biases and (unless configured) embeddings do not.
+ROLES = ("embedding", "hidden", "head", "scalars")
 
-    Decaying a norm gain pulls it towards 0, which fights the normalisation it exists for; the
-    embedding is a lookup table whose rows see few updates, so decay mostly erases rare tokens.
-    """
-    decay, no_decay, decay_names, no_decay_names = [], [], [], []
-    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+def role_of(name: str, param: torch.Tensor, embeddings: set[int]) -> str:
+    """A parameter's role: the token embedding (the head too, when tied: one tensor), an untied
+    output head, a hidden matrix (attention, MLP), or a vector (norm gains, biases)."""
+    if id(param) in embeddings:
+        return "embedding"
+    if param.dim() < 2:
+        return "scalars"
+    return "head" if name.split(".")[0] == "lm_head" else "hidden"
+
+
+def role_rates(cfg: OptimCfg) -> dict[str, float]:
+    """Each role's multiplier of the scheduled learning rate (optim.lr_embedding, ...)."""
+    return {"embedding": cfg.lr_embedding, "hidden": cfg.lr_hidden, "head": cfg.lr_head, "scalars": cfg.lr_scalars}
+
+
+def param_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
+    """One group per (weight decay, rate multiplier) the roles ask for, decayed groups first: at the
+    default multipliers (all 1) the two groups dsslm always had, in the same order, so every
+    existing run resumes to the bit. Matrices decay; norm gains, biases and (unless configured)
+    embeddings do not: decaying a norm gain pulls it towards 0, which fights the normalisation it
+    exists for; the embedding is a lookup table whose rows see few updates, so decay mostly erases
+    rare tokens. Each group names its `roles`; a multiplier other than 1 is its `lr_ratio`."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    rates = role_rates(cfg)
+    groups: dict[tuple[float, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        is_embedding = id(param) in embedding_params
-        if param.dim() < 2 or (is_embedding and not cfg.decay_embeddings):
-            no_decay.append(param)
-            no_decay_names.append(name)
-        else:
-            decay.append(param)
-            decay_names.append(name)
-    assert_partition(model, [decay, no_decay])
-    return [
-        {"params": decay, "weight_decay": cfg.weight_decay, "names": decay_names},
-        {"params": no_decay, "weight_decay": 0.0, "names": no_decay_names},
-    ]
+        role = role_of(name, param, embeddings)
+        key = (cfg.weight_decay if decays(role, cfg) else 0.0, rates[role])
+        group = groups.setdefault(key, {"params": [], "weight_decay": key[0], "names": [], "roles": []})
+        group["params"].append(param)
+        group["names"].append(name)
+        if role not in group["roles"]:
+            group["roles"].append(role)
+    ordered = sorted(groups.items(), key=lambda item: item[0][0] == 0.0)  # stable: decayed first, then the rest
+    out = []
+    for (_, ratio), group in ordered:
+        if ratio != 1.0:
+            group["lr_ratio"] = ratio
+        out.append(group)
+    assert_partition(model, [g["params"] for g in out])
+    return out
+
+
+def role_table(model: nn.Module, cfg: OptimCfg) -> dict[str, dict]:
+    """{role: {"params": elements, "lr_mult", "weight_decay", "optimizer"}}: what the `start` event
+    records of each role (a Muon run's hidden matrices are Muon's, at optim.muon_lr times lr_mult)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    rates, table = role_rates(cfg), {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            role = role_of(name, param, embeddings)
+            muon = cfg.name == "muon" and role == "hidden"
+            entry = table.setdefault(role, {"params": 0, "lr_mult": rates[role], "optimizer": "muon" if muon else "adamw",
+                                            "weight_decay": muon_weight_decay(cfg) if muon else
+                                            cfg.weight_decay if decays(role, cfg) else 0.0})
+            entry["params"] += param.numel()
+    return table
+
+
+def decays(role: str, cfg: OptimCfg) -> bool:
+    return role in ("hidden", "head") or (role == "embedding" and cfg.decay_embeddings)
 
 
 def assert_partition(model: nn.Module, groups: list[list[torch.Tensor]]) -> None:
@@ -66,7 +109,7 @@ def build_adamw(model: nn.Module, cfg: OptimCfg, device: torch.device) -> torch.
     """AdamW over the two groups. Every kernel is elementwise per tensor, so its result does not
     depend on how tensors are grouped or flattened (DDP, ZeRO's flat partitions, FSDP's shards):
     a resume with the same kernel continues to the bit; another kernel, within rounding."""
-    groups = [{k: v for k, v in g.items() if k != "names"} for g in param_groups(model, cfg)]
+    groups = [{k: v for k, v in g.items() if k not in ("names", "roles")} for g in param_groups(model, cfg)]
     impl = adamw_impl(cfg.impl, device)
     kernel = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -128,8 +171,8 @@ def muon_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
     blocks = [stacked.get(id(p), ()) if cfg.muon_split else () for p in hidden]
     muon = {"params": hidden, "names": hidden_names, "blocks": blocks, "muon": True,
             "weight_decay": muon_weight_decay(cfg), "momentum": cfg.muon_momentum,
-            "lr_ratio": cfg.muon_lr / cfg.peak_lr}
-    return [muon] + [g for g in adamw if g["params"]]
+            "lr_ratio": cfg.muon_lr / cfg.peak_lr * cfg.lr_hidden}
+    return [muon] + [{k: v for k, v in g.items() if k != "roles"} for g in adamw if g["params"]]
 
 
 def muon_weight_decay(cfg: OptimCfg) -> float:

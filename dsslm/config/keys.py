@@ -133,6 +133,13 @@ class OptimCfg:
     zclip_z: float = 2.5        # zclip: z-score above which the norm is clipped
     zclip_warmup_steps: int = 25  # zclip: steps of norms averaged before it clips
     decay_embeddings: bool = False
+    # Each role's multiplier of the scheduled rate (docs/configuration.md#learning-rate-by-role): the
+    # token embedding (and the head when tied), attention and MLP matrices (Muon's too), an untied
+    # output head, norm gains and biases. All 1: one rate, as dsslm always had.
+    lr_embedding: float = 1.0
+    lr_hidden: float = 1.0
+    lr_head: float = 1.0
+    lr_scalars: float = 1.0
     impl: str = "auto"          # auto | single | foreach | fused: torch AdamW's kernel (auto: fused)
     name: str = "adamw"         # adamw | muon (Muon for the hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02       # muon: Muon's peak rate (scheduled like peak_lr), before torch's shape scaling

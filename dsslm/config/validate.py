@@ -191,6 +191,9 @@ def validate_optim(cfg: Config) -> None:
            f"optim.muon_weight_decay={o.muon_weight_decay} must be >= 0, or null for AdamW's decay per step")
     _check(o.muon_lr > 0 and 0 <= o.muon_momentum < 1,
            f"optim.muon_lr={o.muon_lr} must be > 0 and optim.muon_momentum={o.muon_momentum} in [0, 1)")
+    for role in ("embedding", "hidden", "head", "scalars"):
+        mult = getattr(o, f"lr_{role}")
+        _check(mult >= 0, f"optim.lr_{role}={mult} must be >= 0 (a multiplier of the scheduled rate; 0 freezes the role)")
     if _check(o.peak_lr > 0, f"optim.peak_lr={o.peak_lr} must be > 0"):
         _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr={o.min_lr} must be in [0, optim.peak_lr={o.peak_lr}]")
     if t.total_steps >= 1:  # else named already: the bounds below follow from it

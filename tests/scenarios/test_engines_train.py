@@ -157,3 +157,21 @@ def test_accelerate_launch_of_2_processes_on_a_cpu_stops_at_once_with_the_comman
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert events(run_dir, "start")[0]["world_size"] == 2
+
+
+ROLES = ("optim.lr_embedding=0.3", "optim.lr_scalars=3.0", "optim.lr_head=0.5", "model.tie_embeddings=false")
+
+
+@pytest.mark.parametrize("name", ["zero2", "fsdp"])
+def test_per_role_rates_train_the_one_process_curve_on_sharded_engines(tmp_path, name):
+    """Each role's group at its own rate (4 AdamW groups) on 2 ranks whose engines flatten or shard
+    the groups: the one process's curve to rounding, and the roles in the start event."""
+    ref, run = tmp_path / "one", tmp_path / name
+    run_train(ref, *COMMON, *ONE_PROCESS, *ROLES)
+    run_train(run, *COMMON, *LAYOUT[name], *ROLES, nproc=2)
+    assert_curve(losses_by_step(run), losses_by_step(ref), range(1, STEPS + 1))
+    roles = events(run, "start")[0]["roles"]
+    assert {r: roles[r]["lr_mult"] for r in roles} == {"embedding": 0.3, "hidden": 1.0, "head": 0.5, "scalars": 3.0}
+    one_rate = tmp_path / "one-rate"  # the multipliers change the run: they reached the optimizer
+    run_train(one_rate, *COMMON, *ONE_PROCESS, "model.tie_embeddings=false")
+    assert losses_by_step(one_rate)[STEPS] != losses_by_step(ref)[STEPS]

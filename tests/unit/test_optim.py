@@ -83,3 +83,60 @@ def test_lr_is_pure_in_any_call_order():
     random.Random(0).shuffle(steps)
     shuffled = {s: lr_at(s, cfg) for s in steps}
     assert forward == [shuffled[s] for s in range(1000)]
+
+
+def test_one_rate_by_default_keeps_the_two_groups_dsslm_always_had():
+    """The groups a run saved before roles existed: same params, same order, no lr_ratio."""
+    model, cfg = tiny_model(tie_embeddings="false")
+    groups = param_groups(model, cfg.optim)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and not any("lr_ratio" in g for g in groups)
+    named = dict(model.named_parameters())
+    decayed = [n for n, p in named.items() if p.dim() >= 2 and n != "tok_emb.weight"]
+    assert groups[0]["names"] == decayed and groups[1]["names"] == [n for n in named if n not in decayed]
+    assert groups[0]["roles"] == ["hidden", "head"] and groups[1]["roles"] == ["embedding", "scalars"]
+
+
+def test_each_role_runs_at_its_own_multiple_of_the_scheduled_rate():
+    from dsslm.optim import role_table, set_lr
+    model, cfg = tiny_model(tie_embeddings="false")
+    for key, value in (("lr_embedding", 0.5), ("lr_head", 0.25), ("lr_scalars", 2.0)):
+        setattr(cfg.optim, key, value)
+    groups = param_groups(model, cfg.optim)
+    by_role = {g["roles"][0]: g for g in groups}
+    assert sorted(by_role) == ["embedding", "head", "hidden", "scalars"] and all(len(g["roles"]) == 1 for g in groups)
+    assert by_role["embedding"]["names"] == ["tok_emb.weight"] and by_role["head"]["names"] == ["lm_head.weight"]
+    assert by_role["hidden"]["weight_decay"] == 0.1 and by_role["head"]["weight_decay"] == 0.1
+    assert by_role["embedding"]["weight_decay"] == 0.0 and by_role["scalars"]["weight_decay"] == 0.0
+    optimizer = build_adamw(model, cfg.optim, torch.device("cpu"))
+    set_lr(optimizer, 1e-3)
+    rates = sorted(g["lr"] for g in optimizer.param_groups)
+    assert rates == pytest.approx([2.5e-4, 5e-4, 1e-3, 2e-3])
+    table = role_table(model, cfg.optim)
+    # 50 ids padded to 64 rows (model.vocab_pad_to) x d_model 128
+    assert table["head"] == {"params": 64 * 128, "lr_mult": 0.25, "optimizer": "adamw", "weight_decay": 0.1}
+    assert sum(e["params"] for e in table.values()) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_role_at_rate_0_does_not_move():
+    model, cfg = tiny_model()
+    cfg.optim.lr_embedding = 0.0
+    optimizer = build_adamw(model, cfg.optim, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    from dsslm.optim import set_lr
+    set_lr(optimizer, 1e-2)
+    ids = torch.randint(0, 50, (2, 16))
+    model(ids).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    after = dict(model.named_parameters())
+    assert torch.equal(after["tok_emb.weight"], before["tok_emb.weight"])
+    assert not torch.equal(after["blocks.0.attn.qkv.weight"], before["blocks.0.attn.qkv.weight"])
+
+
+def test_muons_hidden_matrices_take_the_hidden_roles_multiplier():
+    from dsslm.optim import muon_groups
+    model, cfg = tiny_model()
+    cfg.optim.name, cfg.optim.lr_hidden, cfg.optim.lr_embedding = "muon", 0.5, 0.25
+    groups = muon_groups(model, cfg.optim)
+    assert groups[0]["muon"] and groups[0]["lr_ratio"] == cfg.optim.muon_lr / cfg.optim.peak_lr * 0.5
+    assert [g.get("lr_ratio", 1.0) for g in groups[1:]] == [0.25, 1.0]  # the embedding's, the scalars'
+    assert all("roles" not in g for g in groups)

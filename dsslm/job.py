@@ -82,6 +82,7 @@ class Job:
     started: list = dataclasses.field(default_factory=list)  # [True] once start() began the job: its goodput is said
     began: float = 0.0           # when this job's process started (or, called in-process, its setup)
     health: Health = dataclasses.field(default_factory=Health)  # the one door to the watchdog and the straggler report
+    roles: dict = dataclasses.field(default_factory=dict)  # each parameter role's count, rate and decay (optim.role_table)
 
 
 def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitStack) -> Job:
@@ -111,8 +112,9 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     retry = out_of_memory_retry(cfg, Path(cfg.run.dir))  # after an out-of-memory error: half the micro-batch
     if retry is not None:
         print(f"dsslm: {retry}", flush=True)
-    with torch.device("meta"):  # its size, from its shapes: nothing allocated
-        size = count_params(build_model(cfg.model))
+    with torch.device("meta"):  # its size and its roles, from its shapes: nothing allocated
+        shapes = build_model(cfg.model)
+        size, roles = count_params(shapes), role_table(shapes, cfg.optim)
     on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     refuse_unfit(cfg, size, "cuda" if on_gpu else "cpu", int(os.environ.get("WORLD_SIZE", "1") or 1))
     seed_everything(cfg.run.seed)  # identical initial weights on every rank
@@ -166,7 +168,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     job = Job(cfg, run_dir, engine, loader, feed, store, checkpointer, state, spikes,
               clipper, drills, sinks, ByteCounter(data_dir, manifest), lock, verified,
               evals=TaskEvals.for_job(cfg, engine, sinks, lambda: load_tokenizer(data_dir, manifest)),
-              health=health, started=started, began=began)
+              health=health, started=started, began=began, roles=roles)
     # An escalating triage's base, held only in memory, is saved before exit 3.
     spikes.bind(checkpointer, global_batch, save_base=lambda: save(job, sync=True))
     health.watch_stragglers(cfg, engine, sinks, run_dir, nodes, feed)  # faults.slow_*: the straggler drill
@@ -214,7 +216,7 @@ def start(job: Job) -> str:
     job.sinks.emit("start", step=job.state.step, world_size=engine.world_size, engine=engine.name,
                    config_hash=job.checkpointer.fingerprint["config_hash"], n_params=engine.n_params,
                    optim_impl=engine.optim_impl, clip=cfg.optim.clip, env=env, config=to_dict(cfg),
-                   process_started=job.began, shuffle=job.state.shuffle, roles=optimizer_roles(cfg))
+                   process_started=job.began, shuffle=job.state.shuffle, roles=job.roles)
     if job.verified is not None:
         job.sinks.emit("data_verified", **job.verified)
     job.started.append(True)
@@ -228,13 +230,6 @@ def start(job: Job) -> str:
     job.evals.at_start(job.state.step)  # the starting weights' downstream accuracy (eval.at_start)
     job.health.first_step(job.state.step + 1)
     return how
-
-
-def optimizer_roles(cfg: Config) -> dict:
-    """Each role's parameters, rate multiplier, decay and optimizer (optim.role_table), from the
-    model's shapes alone (built on the meta device: nothing allocated)."""
-    with torch.device("meta"):
-        return role_table(build_model(cfg.model), cfg.optim)
 
 
 def save(job: Job, sync: bool = False) -> None:

@@ -189,3 +189,22 @@ def copy_run_back_to(run_dir: Path, dest: Path, step: int) -> Path:
         if int(folder.name.split("-")[1]) > step:
             shutil.rmtree(folder)
     return dest / "checkpoints" / f"step-{step:08d}"
+
+
+def capture_a_spike(run_dir: Path) -> list:
+    """One spike captured by rank 0's forensics into run_dir/spikes/step-00000051/ (a batch of 4
+    sequences of 8 byte tokens, loss 5.0, grad norm 9.0); returns the events it emitted."""
+    import types
+
+    import numpy as np
+
+    from dsslm.data.stream import StepSlice
+    from dsslm.recovery.forensics import Forensics
+    engine = types.SimpleNamespace(is_main=True, all_gather=lambda obj: [obj], grad_norms=lambda: {"norm.weight": 1.0})
+    emitted: list = []
+    forensics = Forensics(Config(), engine, run_dir, {"kind": "bytes"}, lambda e, **f: emitted.append((e, f)))
+    inputs, targets = torch.randint(0, 256, (4, 8)), torch.randint(0, 256, (4, 8))
+    result = types.SimpleNamespace(loss=5.0, gnorm=9.0, sequence_ce=[torch.full((4,), 40.0)])
+    fed = StepSlice(first=800, end=804, batch_size=4, indices=np.arange(800, 804))
+    forensics.capture(51, fed, [(inputs, targets)], result, "skip_step", "loss z=9", {"losses": []})
+    return emitted

@@ -125,6 +125,7 @@ class BlockShuffle:
         self.padded = self.n_blocks * self.block  # the last block is short: cycle-walked past
         self.entropy = list(entropy)
         self.blocks = Feistel(self.n_blocks, round_keys(self.entropy))
+        self._windows: dict[int, Feistel] = {}  # a few windows' orders (the prefetch thread reads beside)
 
     def at(self, positions: np.ndarray) -> np.ndarray:
         x = np.asarray(positions, dtype=np.int64)
@@ -135,6 +136,16 @@ class BlockShuffle:
             out = y >= self.n
         return y
 
+    def _window(self, w: int, size: int) -> Feistel:
+        """Window w's order, its keys derived once: a step maps its positions more than once (its
+        read, the skip list's test, a replay's), and SeedSequence's derivation of a window's keys
+        costs more than mapping a step's positions in it."""
+        order = self._windows.get(w)
+        if order is None:
+            order = Feistel(size, round_keys([*self.entropy, 1 + w]))
+            self._windows = {**dict(list(self._windows.items())[-7:]), w: order}  # the last few, replaced whole
+        return order
+
     def _forward(self, x: np.ndarray) -> np.ndarray:
         span = self.window * self.block
         windows, offsets = np.divmod(x, span)
@@ -142,7 +153,7 @@ class BlockShuffle:
         for w in np.unique(windows):  # a step's positions lie in one window or two
             mask = windows == w
             size = min(span, self.padded - int(w) * span)  # the last window holds fewer blocks
-            inner = Feistel(size, round_keys([*self.entropy, 1 + int(w)])).at(offsets[mask])
+            inner = self._window(int(w), size).at(offsets[mask])
             slot = int(w) * self.window + inner // self.block
             y[mask] = self.blocks.at(slot) * self.block + inner % self.block
         return y

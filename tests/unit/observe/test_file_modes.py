@@ -5,18 +5,14 @@ import contextlib
 import json
 import os
 import stat
-import types
 
-import numpy as np
 import pytest
 import torch
 
 from dsslm import report
-from dsslm.config import Config
-from dsslm.data.stream import StepSlice
 from dsslm.durable import file_mode, umask
 from dsslm.hf.write import write_weights
-from dsslm.recovery.forensics import Forensics
+from helpers import capture_a_spike
 
 MODES = [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)]
 
@@ -72,14 +68,8 @@ def test_the_report_files_follow_the_umask(tmp_path, mask, want):
 
 @pytest.mark.parametrize("mask, want", MODES[:2])
 def test_a_spike_folder_follows_the_umask(tmp_path, mask, want):
-    engine = types.SimpleNamespace(is_main=True, all_gather=lambda obj: [obj], grad_norms=lambda: {"norm.weight": 1.0})
-    emitted = []
-    forensics = Forensics(Config(), engine, tmp_path, {"kind": "bytes"}, lambda e, **f: emitted.append((e, f)))
-    inputs, targets = torch.randint(0, 256, (4, 8)), torch.randint(0, 256, (4, 8))
-    result = types.SimpleNamespace(loss=5.0, gnorm=9.0, sequence_ce=[torch.full((4,), 40.0)])
-    fed = StepSlice(first=800, end=804, batch_size=4, indices=np.arange(800, 804))
     with umask_of(mask):
-        forensics.capture(51, fed, [(inputs, targets)], result, "skip_step", "loss z=9", {"losses": []})
+        emitted = capture_a_spike(tmp_path)
     assert emitted == []
     folder = tmp_path / "spikes" / "step-00000051"
     assert {p.name: mode_of(p) for p in folder.iterdir()} == {"batch.safetensors": want, "spike.json": want}

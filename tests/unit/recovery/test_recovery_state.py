@@ -444,26 +444,16 @@ def test_a_spike_folder_that_cannot_be_written_is_an_event_not_a_crash(tmp_path,
     """safetensors reports an I/O error (a full disk) as SafetensorError, not OSError: rank 0,
     the only writer, raised out of the step while the other ranks went on into the verdict's
     collectives. Now any failed write is a `forensics_failed` event, as the module promises."""
-    import types
-
-    import torch
     from safetensors import SafetensorError
 
     import dsslm.recovery.forensics as forensics_module
-    from dsslm.data.stream import StepSlice
-    from dsslm.recovery.forensics import Forensics
+    from helpers import capture_a_spike
 
     def full_disk(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(forensics_module, "save_file", full_disk)
-    engine = types.SimpleNamespace(is_main=True, all_gather=lambda obj: [obj], grad_norms=lambda: {"norm.weight": 1.0})
-    emitted = []
-    forensics = Forensics(Config(), engine, tmp_path, {"kind": "bytes"}, lambda e, **f: emitted.append((e, f)))
-    inputs, targets = torch.randint(0, 256, (4, 8)), torch.randint(0, 256, (4, 8))
-    result = types.SimpleNamespace(loss=5.0, gnorm=9.0, sequence_ce=[torch.full((4,), 40.0)])
-    fed = StepSlice(first=800, end=804, batch_size=4, indices=np.arange(800, 804))
-    forensics.capture(51, fed, [(inputs, targets)], result, "skip_step", "loss z=9", {"losses": []})
+    emitted = capture_a_spike(tmp_path)
     assert [e for e, _ in emitted] == ["forensics_failed"] and "No space left" in emitted[0][1]["reason"]
     assert not list((tmp_path / "spikes").glob(".tmp-*"))  # the half-made folder is gone
 

@@ -2,7 +2,9 @@
 
 A pure nn.Module: it imports nothing distributed and never learns that an engine shards it
 (compilation and activation checkpointing are applied from outside, by the engines).
-`forward` returns fp32 logits; the loss lives in `dsslm.loss`.
+`forward` returns fp32 logits; the loss lives in `dsslm.loss`. With model.mup_base_width /
+mup_base_depth set, muP's init, attention scale, output and branch multipliers (dsslm.config.mup;
+off, not one operation differs from the standard parametrisation).
 
 Shapes (the rule a checkpoint reader or exporter relies on):
 - `tok_emb.weight` and `lm_head.weight` have `padded_vocab(vocab_size, vocab_pad_to)` rows: the
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsslm.config import ModelCfg, ffn_hidden_of
+from dsslm.config import mup
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -154,6 +157,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
+        # muP's 1/d_head (config.mup.attention_scale); None: SDPA's own 1/sqrt(d_head), as always.
+        self.scale = mup.attention_scale(cfg)
 
     def split_heads(self, qkv: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [batch, heads, seq, head_dim] from the qkv projection's output: QK-norm
@@ -175,11 +180,11 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(self.qkv(x), rope)
         dropout = self.dropout if self.training else 0.0
         if mask is None:  # SDPA computes its softmax in fp32 internally, whatever the input dtype.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.scale)
         elif isinstance(mask, torch.Tensor):  # the dense [batch, 1, seq, seq] causal-and-same-document mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.scale)
         else:  # a FlexAttention BlockMask (CUDA): the masked-out blocks are skipped, not computed
-            out = _flex_attention()(q, k, v, block_mask=mask)
+            out = _flex_attention()(q, k, v, block_mask=mask, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
 
 
@@ -266,8 +271,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.branch_mult = mup.branch_mult(cfg)  # depth-muP's 1/sqrt(n_layers / mup_base_depth); None: off
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask=None) -> torch.Tensor:
+        if self.branch_mult is not None:  # x + a * branch in one pass (add's alpha)
+            x = torch.add(x, self.drop(self.attn(self.attn_norm(x), rope, mask)), alpha=self.branch_mult)
+            return torch.add(x, self.drop(self.mlp(self.mlp_norm(x))), alpha=self.branch_mult)
         x = x + self.drop(self.attn(self.attn_norm(x), rope, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
@@ -288,6 +297,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, rows, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.output_mult = mup.output_mult(cfg)  # muP's 1/m on the logits (tied or not); None: off
         # Not persistent: recomputed from the config, so checkpoints hold only learned tensors.
         # Complex, so no engine's cast of floating-point buffers to bf16 can coarsen the angles.
         self.register_buffer("rope", rope_table(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta),
@@ -297,13 +307,17 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
         # Residual projections scaled by 1/sqrt(2 * n_layers) (GPT-2) so the residual stream's
-        # variance does not grow with depth.
-        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        # variance does not grow with depth (under depth-muP: the base depth's, the branch
+        # multiplier doing the rest).
+        resid_std = std / math.sqrt(2 * mup.residual_init_layers(self.cfg))
+        hidden = mup.hidden_init_scale(self.cfg)  # muP: fan-in variance, today's std at the base width
         for name, param in self.named_parameters():
             if param.dim() < 2:
                 nn.init.ones_(param)
             elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
-                nn.init.normal_(param, 0.0, resid_std)
+                nn.init.normal_(param, 0.0, resid_std if hidden == 1.0 else resid_std * hidden)
+            elif name.startswith("blocks."):
+                nn.init.normal_(param, 0.0, std if hidden == 1.0 else std * hidden)
             else:
                 nn.init.normal_(param, 0.0, std)
         # Padded rows are never looked up and never scored, so their gradient is 0 and AdamW
@@ -338,6 +352,8 @@ class Transformer(nn.Module):
         # Logits in fp32: the softmax over a large vocabulary is where bf16 hurts most. The
         # padded rows are cut off here, so nothing downstream can score or sample them.
         x = self.norm(x)
+        if self.output_mult is not None:  # on the d_model-wide input, not the vocabulary-wide logits
+            x = x * self.output_mult
         if x.is_cuda:  # the aligned width is what the padding is for: matmul, then drop columns
             return self.lm_head(x)[..., : self.vocab_size].float()
         # A CPU gains nothing from the alignment: multiply by the real rows only (fewer FLOPs,

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsslm.config import Config, OptimCfg
+from dsslm.config import Config, ModelCfg, OptimCfg
+from dsslm.config import mup
 from dsslm.muon import MuonAdamW, ns_dtype
 
 
@@ -30,6 +31,22 @@ def role_rates(cfg: OptimCfg) -> dict[str, float]:
     return {"embedding": cfg.lr_embedding, "hidden": cfg.lr_hidden, "head": cfg.lr_head, "scalars": cfg.lr_scalars}
 
 
+def mup_mults(model: nn.Module, cfg: OptimCfg) -> dict[str, float] | None:
+    """Each role's muP multiplier of its rate for `model` (dsslm.config.mup.lr_mults), or None under
+    the standard parametrisation (then nothing below multiplies anything). Muon's hidden matrices
+    take no width factor: Muon's update is already shaped for width (see dsslm.config.mup)."""
+    model_cfg = next((m.cfg for m in model.modules() if isinstance(getattr(m, "cfg", None), ModelCfg)), None)
+    if model_cfg is None or not mup.enabled(model_cfg):
+        return None
+    return mup.lr_mults(model_cfg, muon=cfg.name == "muon")
+
+
+def scaled(rate: float, decay: float, mult: float) -> tuple[float, float]:
+    """A rate and its decoupled decay under a muP multiplier: the rate x mult, the decay / mult, so
+    the fraction of a weight decayed per step (rate x decay, torch's AdamW and Muon) stays the base's."""
+    return (rate, decay) if mult == 1.0 else (rate * mult, decay / mult)
+
+
 def param_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
     """One group per (weight decay, rate multiplier) the roles ask for, decayed groups first: at the
     default multipliers (all 1) the two groups dsslm always had, in the same order, so every
@@ -38,13 +55,16 @@ def param_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
     exists for; the embedding is a lookup table whose rows see few updates, so decay mostly erases
     rare tokens. Each group names its `roles`; a multiplier other than 1 is its `lr_ratio`."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    rates = role_rates(cfg)
+    rates, mults = role_rates(cfg), mup_mults(model, cfg)
     groups: dict[tuple[float, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         role = role_of(name, param, embeddings)
         key = (cfg.weight_decay if decays(role, cfg) else 0.0, rates[role])
+        if mults is not None:  # muP (model.mup_base_width): the role's rate times its muP multiplier
+            rate, decay = scaled(rates[role], key[0], mults[role])
+            key = (decay, rate)
         group = groups.setdefault(key, {"params": [], "weight_decay": key[0], "names": [], "roles": []})
         group["params"].append(param)
         group["names"].append(name)
@@ -62,16 +82,22 @@ def param_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
 
 def role_table(model: nn.Module, cfg: OptimCfg) -> dict[str, dict]:
     """{role: {"params": elements, "lr_mult", "weight_decay", "optimizer"}}: what the `start` event
-    records of each role (a Muon run's hidden matrices are Muon's, at optim.muon_lr times lr_mult)."""
+    records of each role (a Muon run's hidden matrices are Muon's, at optim.muon_lr times lr_mult).
+    Under muP each role also has its `mup_mult`: its rate is lr_mult x mup_mult times the scheduled
+    one, and weight_decay is the one it runs with (divided by mup_mult)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    rates, table = role_rates(cfg), {}
+    rates, mults, table = role_rates(cfg), mup_mults(model, cfg), {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             role = role_of(name, param, embeddings)
             muon = cfg.name == "muon" and role == "hidden"
-            entry = table.setdefault(role, {"params": 0, "lr_mult": rates[role], "optimizer": "muon" if muon else "adamw",
-                                            "weight_decay": muon_weight_decay(cfg) if muon else
-                                            cfg.weight_decay if decays(role, cfg) else 0.0})
+            entry = table.get(role)
+            if entry is None:
+                decay = muon_weight_decay(cfg) if muon else cfg.weight_decay if decays(role, cfg) else 0.0
+                entry = table[role] = {"params": 0, "lr_mult": rates[role], "optimizer": "muon" if muon else "adamw",
+                                       "weight_decay": decay}
+                if mults is not None:
+                    entry["mup_mult"], entry["weight_decay"] = mults[role], scaled(1.0, decay, mults[role])[1]
             entry["params"] += param.numel()
     return table
 
@@ -169,9 +195,11 @@ def muon_groups(model: nn.Module, cfg: OptimCfg) -> list[dict]:
     assert not bad and hidden, f"Muon's group must be the hidden 2-D matrices only: {bad or 'none found'}"
     stacked = {id(m.weight): tuple(m.stacked) for m in model.modules() if getattr(m, "stacked", None)}
     blocks = [stacked.get(id(p), ()) if cfg.muon_split else () for p in hidden]
+    # muP: the depth factor only (mup_mults' hidden for Muon); the width's is in Muon's own update.
+    ratio, decay = scaled(cfg.muon_lr / cfg.peak_lr * cfg.lr_hidden, muon_weight_decay(cfg),
+                          (mup_mults(model, cfg) or {"hidden": 1.0})["hidden"])
     muon = {"params": hidden, "names": hidden_names, "blocks": blocks, "muon": True,
-            "weight_decay": muon_weight_decay(cfg), "momentum": cfg.muon_momentum,
-            "lr_ratio": cfg.muon_lr / cfg.peak_lr * cfg.lr_hidden}
+            "weight_decay": decay, "momentum": cfg.muon_momentum, "lr_ratio": ratio}
     return [muon] + [{k: v for k, v in g.items() if k != "roles"} for g in adamw if g["params"]]
 
 

@@ -22,8 +22,12 @@ from dsslm.optim import lr_at
 
 # Keys that set a tensor's shape or what a data position means (a sequence of seq_len tokens):
 # a checkpoint made under another value cannot continue as this run.
+# muP's keys do not change a tensor's shape but what the weights compute (multipliers on the logits,
+# the scores and the branches) and their rates: weights trained under one parametrisation are another
+# function under the other, so these never drift either.
+PARAMETRISATION_KEYS = ("model.mup_base_width", "model.mup_base_depth")
 SHAPE_KEYS = ("model.d_model", "model.n_layers", "model.n_heads", "model.seq_len", "model.vocab_size",
-              "model.vocab_pad_to", "model.ffn_hidden", "model.qk_norm", "model.tie_embeddings")
+              "model.vocab_pad_to", "model.ffn_hidden", "model.qk_norm", "model.tie_embeddings") + PARAMETRISATION_KEYS
 # The fingerprint's parts that are not config keys.
 FINGERPRINT_NAMES = ("data", "tokenizer", "global_batch_size")
 
@@ -59,22 +63,28 @@ def check_allow_drift(keys: tuple[str, ...] | list[str]) -> tuple[str, ...]:
                               f"section (e.g. optim), or one of {', '.join(FINGERPRINT_NAMES)}")
         shape = [k for k in SHAPE_KEYS if _covers(key, k)]
         if shape:
-            raise ConfigError(f"--allow-drift {key}: {shape[0]} sets the model's shape, and a checkpoint of "
-                              f"another shape cannot continue this run; train the new shape in a new run.dir "
+            what = _what(shape[0])
+            raise ConfigError(f"--allow-drift {key}: {shape[0]} sets the model's {what}, and a checkpoint of "
+                              f"another {what} cannot continue this run; train the new {what} in a new run.dir "
                               f"(or restore {shape[0]})")
     return tuple(keys)
 
 
+def _what(key: str) -> str:
+    return "parametrisation" if key in PARAMETRISATION_KEYS else "shape"
+
+
 def shape_refusal(key: str, old: Any, new: Any, where: str, more: str = "") -> str:
-    """The refusal of a resume (or a branch: `where` names a parent) whose model shape changed, with
-    advice that works."""
+    """The refusal of a resume (or a branch: `where` names a parent) whose model shape (or muP
+    parametrisation) changed, with advice that works."""
+    what = _what(key)
     if where.startswith("parent"):
         return (f"branch refused: {where} was made with {key}={old!r}, now {new!r}{more}: a branch continues "
-                f"its parent's weights in their shape; set {key}={old!r}, or train the new shape without "
+                f"its parent's weights in their {what}; set {key}={old!r}, or train the new {what} without "
                 f"run.init_from")
-    return (f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}: a model of another shape "
+    return (f"resume refused: {where} was made with {key}={old!r}, now {new!r}{more}: a model of another {what} "
             f"cannot continue this run, and --allow-drift cannot change that; restore {key}={old!r}, or "
-            f"train the new shape in a new run.dir")
+            f"train the new {what} in a new run.dir")
 
 
 def describe(drifted: dict[str, Any], saved_config: Any, cfg: Config, step: int, next_sequence: int) -> list[str]:

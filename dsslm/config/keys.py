@@ -83,6 +83,10 @@ class ModelCfg:
     document_mask: bool = False  # attention within each document of a packed sequence (EOS-delimited)
     document_positions: bool = False  # with document_mask: RoPE positions restart at 0 in each document
     eos_id: int = -1            # the EOS id documents end with: taken from the data manifest with document_mask
+    # muP (docs/mup.md): the width whose init and rates the model reproduces (0 = off: the standard
+    # parametrisation); hidden-matrix rates x mup_base_width/d_model, logits x the same, attention 1/d_head.
+    mup_base_width: int = 0
+    mup_base_depth: int = 0     # depth-muP: residual branches and hidden rates x sqrt(mup_base_depth/n_layers) (0 = off)
 
 
 @dataclass

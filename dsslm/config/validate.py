@@ -174,9 +174,16 @@ def validate_model(cfg: Config) -> None:
     _check(m.document_mask or not m.document_positions, "model.document_positions=true needs model.document_mask=true")
     _check(m.vocab_size >= 0 and m.ffn_hidden >= 0,
            f"model.vocab_size={m.vocab_size} and model.ffn_hidden={m.ffn_hidden} must be >= 0 (0 = derived)")
+    _check(m.mup_base_width >= 0 and m.mup_base_depth >= 0, f"model.mup_base_width={m.mup_base_width} and "
+           f"model.mup_base_depth={m.mup_base_depth} must be >= 0 (0 = off: the standard parametrisation)")
     if cfg.run.init_from.startswith(HF_PREFIX):
         _check(len(cfg.run.init_from) > len(HF_PREFIX),
                f"run.init_from={cfg.run.init_from!r} names no folder; write run.init_from=hf:PATH/TO/HF_DIR")
+        # An export folds muP's multipliers into the weights; read back under muP they would apply twice.
+        _check(not (m.mup_base_width or m.mup_base_depth),
+               f"model.mup_base_width={m.mup_base_width} / mup_base_depth={m.mup_base_depth} cannot start from "
+               f"run.init_from={cfg.run.init_from}: a Hugging Face folder holds standard-parametrisation weights; "
+               "drop model.mup_base_width and model.mup_base_depth")
 
 
 def validate_optim(cfg: Config) -> None:

@@ -19,15 +19,28 @@ i + head_dim/2) with the same frequency. Reordering each head's q and k rows so 
 at i and row 2i+1 at i + head_dim/2 hands HF the same rotation of the same numbers, and since q
 and k move alike every q.k is unchanged (transformers' convert_llama_weights_to_hf does this to
 Meta's interleaved layout, which is dsslm's). A reorder is exact: a round trip returns every bit.
+
+muP (model.mup_base_width / mup_base_depth, dsslm.config.mup) has multipliers Llama and Qwen3 have
+no place for; the export folds each into the weight it follows, which is exact up to one rounding
+of each product (the parity check holds it to its tolerance), and import refuses such folders'
+reverse (run.init_from=hf: under muP, see config.validate):
+- the logits' 1/m into lm_head, which is then written untied (tie_word_embeddings false) where the
+  model ties it: a tied matrix cannot carry a factor its input embedding does not have;
+- the attention scale's ratio to HF's 1/sqrt(head_dim), sqrt(base / d_model), into q_proj's rows,
+  or with QK-norm into q_norm's gain (the norm would remove a factor on q_proj); a scalar on q
+  commutes with RoPE;
+- depth-muP's branch multiplier into o_proj and down_proj.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
 
 from dsslm.config import ConfigError, ModelCfg, ffn_hidden_of
+from dsslm.config import mup
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MODEL_TYPES = {"llama": LLAMA, "qwen3": QWEN3}
@@ -48,6 +61,7 @@ EXPORTED_KEYS = {
     # 4-D mask and position_ids (the export warns: hf.write.DOCUMENT_MASK_NOTE).
     "document_mask": "nothing on one document a row (export warns)", "document_positions": "position_ids",
     "eos_id": "eos_token_id",
+    "mup_base_width": "folded into lm_head (untied) and q_proj / q_norm", "mup_base_depth": "folded into o_proj, down_proj",
 }
 
 
@@ -64,6 +78,23 @@ def _reorder_heads(w: torch.Tensor, n_heads: int, order: torch.Tensor) -> torch.
     return w.reshape(n_heads, order.numel(), *w.shape[1:])[:, order].reshape(w.shape)
 
 
+def tied_in_hf(cfg: ModelCfg) -> bool:
+    """Whether the export ties lm_head to the embedding: where dsslm does and no muP output
+    multiplier has to be folded into the head."""
+    return cfg.tie_embeddings and mup.output_mult(cfg) is None
+
+
+def _folds(cfg: ModelCfg) -> tuple[float | None, float | None, float | None]:
+    """(the logits' multiplier, q's factor to HF's 1/sqrt(head_dim), the branch multiplier), None where 1."""
+    scale = mup.attention_scale(cfg)
+    q_factor = None if scale is None else math.sqrt(cfg.mup_base_width / cfg.d_model)  # = scale x sqrt(head_dim)
+    return mup.output_mult(cfg), q_factor, mup.branch_mult(cfg)
+
+
+def _times(t: torch.Tensor, factor: float | None) -> torch.Tensor:
+    return t if factor is None else t * factor
+
+
 def architecture_of(cfg: ModelCfg) -> str:
     """Llama, or Qwen3 for per-head RMSNorm on q and k before RoPE; HFError if neither fits."""
     defaults = type(cfg)()
@@ -78,25 +109,26 @@ def to_hf(sd: dict[str, torch.Tensor], cfg: ModelCfg) -> dict[str, torch.Tensor]
     """dsslm's parameters (by name) as HF Llama/Qwen3 tensors, contiguous, in their own dtype."""
     heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
     order, vocab = rope_order(head_dim), cfg.vocab_size
+    logits, q_factor, branch = _folds(cfg)  # muP's multipliers (all None under SP: nothing is multiplied)
     out = {"model.embed_tokens.weight": sd["tok_emb.weight"][:vocab], "model.norm.weight": sd["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"][:vocab]
+    if not tied_in_hf(cfg):
+        out["lm_head.weight"] = _times(sd["tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"][:vocab], logits)
     for n in range(cfg.n_layers):
         src, dst = f"blocks.{n}.", f"model.layers.{n}."
         q, k, v = sd[src + "attn.qkv.weight"].chunk(3, dim=0)
         gate, up = sd[src + "mlp.gate_up.weight"].chunk(2, dim=0)
         out.update({
             dst + "input_layernorm.weight": sd[src + "attn_norm.weight"],
-            dst + "self_attn.q_proj.weight": _reorder_heads(q, heads, order),
+            dst + "self_attn.q_proj.weight": _reorder_heads(_times(q, None if cfg.qk_norm else q_factor), heads, order),
             dst + "self_attn.k_proj.weight": _reorder_heads(k, heads, order),
             dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": sd[src + "attn.proj.weight"],
+            dst + "self_attn.o_proj.weight": _times(sd[src + "attn.proj.weight"], branch),
             dst + "post_attention_layernorm.weight": sd[src + "mlp_norm.weight"],
             dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": sd[src + "mlp.down.weight"],
+            dst + "mlp.down_proj.weight": _times(sd[src + "mlp.down.weight"], branch),
         })
-        if cfg.qk_norm:
-            out[dst + "self_attn.q_norm.weight"] = sd[src + "attn.q_norm.weight"][order]
+        if cfg.qk_norm:  # the norm would undo a factor on q_proj: it goes on the gain
+            out[dst + "self_attn.q_norm.weight"] = _times(sd[src + "attn.q_norm.weight"], q_factor)[order]
             out[dst + "self_attn.k_norm.weight"] = sd[src + "attn.k_norm.weight"][order]
     return {name: t.contiguous() for name, t in out.items()}
 
@@ -106,7 +138,7 @@ def hf_shapes(cfg: ModelCfg) -> dict[str, tuple[int, ...]]:
     d, head_dim, vocab = cfg.d_model, cfg.d_model // cfg.n_heads, cfg.vocab_size
     hidden = ffn_hidden_of(cfg.d_model, cfg.ffn_hidden)  # as model.SwiGLU builds it
     shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
-    if not cfg.tie_embeddings:
+    if not tied_in_hf(cfg):
         shapes["lm_head.weight"] = (vocab, d)
     for n in range(cfg.n_layers):
         p = f"model.layers.{n}."
@@ -160,7 +192,7 @@ def export_config(cfg: ModelCfg, eos_id: int, dtype: torch.dtype):
                   intermediate_size=ffn_hidden_of(cfg.d_model, cfg.ffn_hidden), num_hidden_layers=cfg.n_layers,
                   num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
                   head_dim=cfg.d_model // cfg.n_heads, hidden_act="silu", max_position_embeddings=cfg.seq_len,
-                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=tied_in_hf(cfg), attention_bias=False,
                   attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                   bos_token_id=eos_id, eos_token_id=eos_id, use_cache=True)
     if arch == LLAMA:

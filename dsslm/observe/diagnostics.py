@@ -8,7 +8,7 @@ metrics record:
   embeddings, attention, mlp, norms and head (head only when untied). The update is the change
   made by this step's optimizer step: a `full_state()` snapshot before it, one after. Both
   norms are of the weights before the update, so update_ratio = ||delta theta|| / ||theta||.
-- `max_attn_logit` (and `max_attn_logit_by_layer`): the largest pre-softmax score q.k/sqrt(d)
+- `max_attn_logit` (and `max_attn_logit_by_layer`): the largest pre-softmax score q.k/sqrt(d) (muP: x its scale)
   over the causal positions of a fixed probe batch (the first val sequences), recomputed from
   each attention module's qkv output (a forward hook) with the module's own `split_heads`
   (QK-norm and RoPE as the model applies them). The probe runs eager under `train.compile`, so
@@ -104,14 +104,16 @@ def update_stats(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
 
 
 # --- attention logits ----------------------------------------------------------------------------
-def causal_max_score(q: torch.Tensor, k: torch.Tensor) -> float:
-    """max over batch, heads and causal (key <= query) positions of q.k / sqrt(head_dim)."""
+def causal_max_score(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> float:
+    """max over batch, heads and causal (key <= query) positions of q.k / sqrt(head_dim), or q.k x
+    `scale` where the attention has its own (muP's, model.Attention.scale)."""
     q, k = q.float(), k.float()
     seq = q.shape[-2]
     keys = torch.arange(seq, device=q.device)
     best = -math.inf
     for start in range(0, seq, SCORE_ROWS):
-        scores = q[..., start:start + SCORE_ROWS, :] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = q[..., start:start + SCORE_ROWS, :] @ k.transpose(-1, -2)
+        scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
         queries = torch.arange(start, start + scores.shape[-2], device=q.device)
         scores.masked_fill_(keys[None, :] > queries[:, None], -math.inf)
         best = max(best, float(scores.max()))
@@ -138,7 +140,7 @@ class _LayerProbe:
 
     def _done(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         q, k, _ = self.attn.split_heads(self.seen["qkv"], self.seen["rope"])
-        self.max_score = max(self.max_score, causal_max_score(q, k))
+        self.max_score = max(self.max_score, causal_max_score(q, k, self.attn.scale))
         self.seen.clear()
 
     def remove(self) -> None:

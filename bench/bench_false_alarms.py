@@ -36,6 +36,11 @@ steps from the drill's first step (for poisoned batches, the first step fed them
 dsslm.torchrun`), clean at `--seeds` seeds, then the poison and LR-burst drills on each split;
 `--drill-step` puts the drills early (10-100, in the initial descent) instead of at `--steps` / 2.
 
+`--long` (issue 49): two runs of the riskiest recipe over many passes of a ~1.2M-token corpus of
+prose and code (pydoc's topics and stdlib source, one document per file; `--steps 30000` is 14
+passes): clean, and with two poison windows (3 batches of random tokens at `--drill-step`, default
+`--steps` / 6, and 3x it). Reports what the policy did and the share of the corpus it named.
+
 Goal (issue 36): 0 escalations, 0 rewinds, 0 LR cuts, 0 tokens named, skipped steps at most 0.5%,
 in every cell; every drill caught with the right verdict where today's monitor catches it.
 
@@ -77,6 +82,8 @@ DRILLS = {  # name -> (expected verdict, overrides at drill step s)
     "lr_burst": ("state", lambda s: [f"faults.lr_burst=[[{s},{s + 6},12.0]]"]),
     "grad_fault": ("transient", lambda s: [f"faults.grad_fault_steps=[{s}]"]),
     "nan": ("transient", lambda s: [f"faults.nan_steps=[{s}]"]),
+    # --long: two poison windows, at s and 3s (each 3 batches of random tokens)
+    "poison2": ("data", lambda s: [f"faults.poison_batches=[[{s},{s + 3}],[{3 * s},{3 * s + 3}]]"]),
 }
 DRILL_CELLS = [
     {"data": "plays/byte", "lr": 3e-3, "warmup": 20, "batch": 8, "d_model": 64},
@@ -90,6 +97,10 @@ CELL_KEYS = ("data", "lr", "warmup", "batch", "d_model")
 # corpus: it needs nothing outside the checkout.
 GEOMETRY_CELLS = [dict(RISKY, data="code/byte", batch=64, accum=accum, ranks=ranks)
                   for accum, ranks in ((8, 1), (8, 2), (32, 2))]
+# Long runs (issue 49, `--long`): the riskiest recipe over many passes of a ~1.2M-token corpus of
+# prose and code (mixed/byte: Python's pydoc topics and stdlib source, one document per file).
+LONG = dict(RISKY, data="mixed/byte")
+MIXED_BYTES = 1_200_000
 
 
 def cell_of(data: str, lr: float, warmup: int, batch: int, d_model: int) -> dict:
@@ -111,6 +122,8 @@ def matrix(args) -> list[tuple[dict, int, str]]:
         others = [(dict(RISKY, data="code/byte"), 1, ""), (dict(RISKY, data="plays/bpe"), 1, ""),
                   (cell_of("code/byte", 1e-3, 100, 8, 64), 1, ""), (cell_of("plays/bpe", 1e-3, 100, 32, 128), 1, "")]
         return risky + hot + others
+    if args.long:
+        return [(LONG, 1, ""), (LONG, 1, "poison2")]
     if args.geometry:
         clean = [(cell, s, "") for s in seeds for cell in GEOMETRY_CELLS]
         return clean + [(cell, 1, drill) for drill in ("poison", "lr_burst") for cell in GEOMETRY_CELLS]
@@ -159,6 +172,13 @@ def check_tree(tree: Path) -> None:
 def prepare_data(tree: Path, root: Path, plays: Path, bpe_vocab: int, wanted: set[str]) -> dict[str, str]:
     """data set -> data.dir ("" = the embedded corpus), prepared by the tree's own CLI."""
     dirs = {"code/byte": ""}
+    if "mixed/byte" in wanted:
+        out = root / "data" / "mixed-byte"
+        if not (out / "manifest.json").is_file():
+            subprocess.run([sys.executable, "-m", "dsslm.data", "prepare", "--input", str(mixed_sources(root)),
+                            "--out", str(out), "--domain", "mixed", "--tokenizer", "byte"], cwd=tree,
+                           env=tree_env(tree), check=True, stdout=subprocess.DEVNULL)
+        dirs["mixed/byte"] = str(out)
     for name, extra in (("plays/byte", ["--tokenizer", "byte"]),
                         ("plays/bpe", ["--tokenizer", "bpe", "--vocab-size", str(bpe_vocab)])):
         if name not in wanted:
@@ -173,6 +193,33 @@ def prepare_data(tree: Path, root: Path, plays: Path, bpe_vocab: int, wanted: se
                            stdout=subprocess.DEVNULL)
         dirs[name] = str(out)
     return dirs
+
+
+def mixed_sources(root: Path) -> Path:
+    """~MIXED_BYTES of prose (pydoc's topics) and code (stdlib modules), one document per file,
+    alternating, in a fixed order: a corpus nothing here was tuned on."""
+    from pydoc_data.topics import topics
+    src = root / "src-mixed"
+    if src.is_dir():
+        return src
+    src.mkdir(parents=True)
+    prose = [topics[k] for k in sorted(topics) if len(topics[k]) > 500]
+    code = [p.read_text(errors="replace") for p in sorted(Path(os.__file__).parent.glob("*.py"))]
+    size = 0
+    for i, text in enumerate(itertools.chain.from_iterable(itertools.zip_longest(prose, code))):
+        if text and size < MIXED_BYTES:
+            text = text.encode("ascii", "ignore").decode()[:MIXED_BYTES - size]
+            (src / f"doc-{i:05d}.txt").write_text(text)
+            size += len(text)
+    return src
+
+
+def corpus_tokens(data_dir: str) -> int | None:
+    """Train tokens of a prepared DATA_DIR (its manifest), None for the embedded corpus."""
+    if not data_dir:
+        return None
+    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    return sum(int(s["tokens"]) for d in manifest["domains"].values() for s in d["train"])
 
 
 def overrides(cell: dict, seed: int, steps: int, data_dir: str, run_dir: Path, drill: str,
@@ -207,7 +254,8 @@ def run_one(tree: Path, root: Path, dirs: dict, cell: dict, seed: int, drill: st
                              *overrides(cell, seed, steps, dirs[cell["data"]], run_dir, drill, drill_step)],
                             cwd=tree, env=tree_env(tree), stdout=log, stderr=subprocess.STDOUT).returncode
     result = {"cell": cell, "seed": seed, "drill": drill, "run_dir": str(run_dir), "rc": rc,
-              "wall_s": round(time.perf_counter() - started, 1), **measure(run_dir, steps)}
+              "wall_s": round(time.perf_counter() - started, 1), **measure(run_dir, steps),
+              "corpus_tokens": corpus_tokens(dirs[cell["data"]])}
     if drill:
         result["drill_result"] = judge_drill(run_dir, drill, steps, cell["batch"], drill_step)
     return result
@@ -381,11 +429,28 @@ def drill_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def long_table(runs: list[dict], steps: int) -> str:
+    """--long: what the policy did over many passes, and how much of the corpus it named."""
+    lines = ["| run | passes | triages (verdicts) | rewinds | LR cuts | skipped steps | tokens named | "
+             "share of the corpus | final loss |", "|" + "---|" * 9]
+    for r in runs:
+        corpus = r.get("corpus_tokens") or 0
+        passes = steps * r["cell"]["batch"] * 64 / corpus if corpus else float("nan")
+        verdicts = ", ".join(f"{v} {r['verdicts'].count(v)}" for v in sorted(set(r["verdicts"]))) or "-"
+        share = f"{100 * r['tokens_named'] / corpus:.3f}%" if corpus else "-"
+        lines.append(f"| {r['drill'] or 'clean'} | {passes:.1f} | {r['triages']} ({verdicts}) | {r['rewinds']} "
+                     f"| {r['lr_cuts']} | {pct(r['skipped_steps'], steps)} | {r['tokens_named']:,} | {share} "
+                     f"| {r['final_loss']} |")
+    return "\n".join(lines)
+
+
 def report(saved: dict) -> str:
     runs, steps = saved["runs"], saved["meta"]["steps"]
     meta = saved["meta"]
     head = (f"{len(runs)} runs x {steps} steps, tree {meta['tree']}, {meta['mode']}, jobs {meta['jobs']}, "
             f"{meta.get('elapsed_s', 0):.0f} s, load {meta.get('load_start')} -> {meta.get('load_end')}")
+    if meta["mode"] == "long":
+        return f"{head}\n\n{long_table(runs, steps)}\n\nRuns with an alarm:\n{alarm_lines(runs)}"
     if meta["mode"] == "drills":
         return f"{head}\n\n{drill_table(runs)}\n\nRuns with an alarm (the drill's included):\n{alarm_lines(runs)}"
     return f"{head}\n\n{clean_table(runs, steps)}\n\nRuns with an alarm:\n{alarm_lines(runs)}"
@@ -409,6 +474,9 @@ def main() -> None:
     parser.add_argument("--geometry", action="store_true",
                         help="the riskiest recipe at a global batch of 64 split 8x8x1, 4x8x2, 1x32x2: clean, and poison "
                              "and LR-burst drills")
+    parser.add_argument("--long", action="store_true",
+                        help="two long runs (use --steps 30000) of the riskiest recipe over a ~1.2M-token corpus of "
+                             "prose and code: clean, and two poison windows at --drill-step and 3x it")
     parser.add_argument("--drill-step", type=int, default=None, help="the drills' step (default --steps / 2): 10-100 "
                                                                        "for the early faults")
     parser.add_argument("--seeds", type=int, default=3)
@@ -433,7 +501,9 @@ def main() -> None:
     tree = args.tree.resolve()
     check_tree(tree)
     plan = matrix(args)
-    mode = ("geometry" if args.geometry else "drills" if args.drills else "quick" if args.quick else
+    if args.long and args.drill_step is None:
+        args.drill_step = args.steps // 6  # the poison at 1/6 and 1/2 of the run
+    mode = ("long" if args.long else "geometry" if args.geometry else "drills" if args.drills else "quick" if args.quick else
             "full" if args.full else "fraction")
     meta = {"tree": str(tree), "mode": mode, "steps": args.steps, "jobs": args.jobs, "planned": len(plan),
             "drill_step": args.drill_step,

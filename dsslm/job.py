@@ -158,6 +158,7 @@ def setup(cfg: Config, allow_drift: tuple[str, ...], cleanup: contextlib.ExitSta
     drills.arm(store)
     clipper = build_clipper(cfg.optim)
     spikes = SpikePolicy(cfg, engine, run_dir, sinks.emit, loader, {**manifest["tokenizer"], "data_dir": str(data_dir)})
+    spikes.forensics.read_chunks = drills.read_chunks  # a document's other chunks, as training would read them
     parts: dict[str, Stateful] = {"train": state, **spikes.parts(), "rng": RngStreams(engine, cfg.run.seed, state)}
     if engine.scaler is not None:
         parts["scaler"] = engine.scaler

@@ -241,6 +241,29 @@ class Loader:
                 entries += self._document_beyond(shard, tokens, a, b, eos)
         return entries_of(entries)
 
+    def document_chunks(self, chunk_id: int, limit: int) -> np.ndarray:
+        """Up to `limit` other chunks of the document chunk `chunk_id` reads (its shard's part of
+        it, DOCUMENT_TOKENS either side at most), evenly spaced through it: what a verdict reads to
+        ask whether the document's own text stands out (`recovery.reach`). Empty without an EOS."""
+        eos = self.manifest.get("tokenizer", {}).get("eos_id")
+        if eos is None:
+            return np.empty(0, dtype=np.int64)
+        shard = int(np.searchsorted(self._first_chunk, int(chunk_id), side="right")) - 1
+        path, tokens = self._train[shard][0], self._train[shard][1]
+        start = (int(chunk_id) - int(self._first_chunk[shard])) * self.seq_len
+        a, b = document_bounds(self._shard(path), start + 1, start + self.seq_len + 1, eos, DOCUMENT_TOKENS)
+        lo, hi = chunk_range(a, b, self.seq_len, self._n_chunks(tokens))
+        # Chunks inside the document: not the ones that straddle its edges into its neighbours.
+        inner = [c for c in range(lo, hi) if c * self.seq_len >= a - 1 and c * self.seq_len + self.seq_len < b]
+        others = np.asarray([c for c in inner if c + int(self._first_chunk[shard]) != int(chunk_id)], dtype=np.int64)
+        if len(others) > limit:
+            others = others[np.linspace(0, len(others) - 1, limit).round().astype(np.int64)]
+        return others + int(self._first_chunk[shard])
+
+    def read_chunks(self, chunk_ids: np.ndarray) -> Batch:
+        """The chunks with these ids as a batch (inputs, targets), in that order."""
+        return _as_batch(np.stack([self._read_chunk(int(c)) for c in chunk_ids]))
+
     def _document_beyond(self, shard: int, tokens: np.ndarray, a: int, b: int, eos: int | None) -> list[dict]:
         """The parts of a document [a, b) of train shard `shard` in the shards before and after it:
         `prepare` cuts shards at token counts, so a document that reaches a shard's edge with no

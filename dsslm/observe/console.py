@@ -94,7 +94,9 @@ def _triage(f: dict) -> str:
     verdict, scope = f.get("verdict"), f.get("scope")
     what = {"data": "caused by the data", "state": "caused by the model's state: the learning rate is lowered",
             "transient": "caused by a transient fault: training continues unchanged",
-            "unknown": "cause unknown (the replays told neither data nor state)"}.get(verdict, f"caused by {verdict}")
+            "unknown": "cause unknown (the replays told neither data nor state)",
+            "batch": "caused by this batch, whose text does not stand out: left out of this pass, named nowhere"
+            }.get(verdict, f"caused by {verdict}")
     line = f"triage of the spike at step {f.get('spike_start', f.get('step'))}: {what}"
     if scope == "step":  # decided within the spike's step: this is the first line to say there was one
         first = (f.get("evidence") or [{}])[0]

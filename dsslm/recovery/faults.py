@@ -149,6 +149,46 @@ class Drills:
             noisy[inside] = mine[inside]
         return self._replace(self._replace(micro_batches, firsts, self._chunk_ngram), noisy, self._chunk_noise)
 
+    def read_chunks(self, chunk_ids: np.ndarray) -> Batch:
+        """Chunks by id as a batch, as the data drills would feed them wherever they are fed (a
+        verdict reading a document's other chunks reads what training would read): a chunk a
+        poison or repeat window fed is replaced as there, so are faults.*_chunks ranges."""
+        ids = np.asarray(chunk_ids, dtype=np.int64)
+        batch = [self.loader.read_chunks(ids)]
+        cfg = self.cfg
+        for windows, fill in ((cfg.poison_batches, self._noise_at), (cfg.repeat_batches, None)):
+            if not windows or self.loader is None:
+                continue
+            where = self._first_fed(windows, ids)
+            if fill is None:  # repeat: every chunk the window fed repeats the window's n-gram
+                starts = np.full(len(where), -1)
+                for start, end in windows:
+                    starts[(where >= start * self.batch_size) & (where < end * self.batch_size)] = start
+                batch = self._replace(batch, starts, self._repeated_tokens)
+            elif cfg.poison_rank in (-1, self.rank):
+                batch = self._replace(batch, where, fill)
+        firsts, noisy = np.full(len(ids), -1), np.full(len(ids), -1)
+        for first, end in cfg.repeat_chunks:
+            firsts[(ids >= first) & (ids < end)] = first
+        for first, end in cfg.poison_chunks:
+            inside = (ids >= first) & (ids < end)
+            noisy[inside] = ids[inside]
+        return self._replace(self._replace(batch, firsts, self._chunk_ngram), noisy, self._chunk_noise)[0]
+
+    def _first_fed(self, windows: list, ids: np.ndarray) -> np.ndarray:
+        """Each chunk's first position in `windows` (data batches), or -1: `_where` by chunk id."""
+        self._where(windows, np.empty(0, dtype=np.int64))  # builds the table for these windows
+        chunks, first = self._drilled[tuple(tuple(w) for w in windows)]
+        if len(chunks) == 0:
+            return np.full(len(ids), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(chunks, ids), len(chunks) - 1)
+        return np.where(chunks[at] == ids, first[at], -1)
+
+    def _noise_at(self, position: int, length: int) -> torch.Tensor:
+        """poison_batches' random tokens for the chunk first fed at `position` (as `poison`)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + position)
+        return torch.randint(0, self.vocab_size, (length,), generator=gen)
+
     @staticmethod
     def _replace(micro_batches: list[Batch], keys: np.ndarray, tokens_of) -> list[Batch]:
         """Sequence i (across the micro-batches, in order) becomes tokens_of(keys[i], seq_len + 1)

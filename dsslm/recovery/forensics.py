@@ -54,12 +54,14 @@ from dsslm.durable import file_mode, publish_folder, write_json_atomic
 from dsslm.engine.base import Engine
 from dsslm.fields import MAX_STEP, Fields, Float, Int, Json, ListOf, StateError, Str
 from dsslm.model import LAYER_GROUPS, layer_group
+from dsslm.recovery.reach import DOCUMENT_SAMPLES, candidates, document_losses, repeated, stands_out, step_repeated
 
 SPIKES_DIR = "spikes"
 BATCH_FILE, SPIKE_FILE, TRIAGE_FILE = "batch.safetensors", "spike.json", "triage.json"
 FORMAT = 1
 MAX_FOLDERS = 200
 WORST = 8  # sequences listed in spike.json, by loss
+MAX_DOCUMENTS = 16  # candidates whose documents a verdict reads (`data_entries`)
 REMEMBERED = 64  # spike steps whose sequence losses stay in memory (a streak is a few steps)
 
 
@@ -68,25 +70,32 @@ class Forensics:
                  loader: Loader | None = None):
         self.enabled = cfg.monitor.enabled and cfg.monitor.forensics
         self.engine, self.dir, self.tokenizer, self.emit = engine, Path(run_dir) / SPIKES_DIR, tokenizer, emit
-        self.loader = loader
+        self.loader, self.precision = loader, cfg.train.precision
+        # Chunks by id as training reads them (job.setup: through the fault drills).
+        self.read_chunks: Callable[[np.ndarray], tuple] | None = loader.read_chunks if loader is not None else None
         self.written = 0  # the same count on every rank: every rank captures the same steps
-        # step -> (global sequence indices, mean loss per token of each), the whole step's, every rank.
-        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+        # step -> (global sequence indices, mean loss per token of each, which are a repeated
+        # n-gram), the whole step's, every rank.
+        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, ...]] = collections.OrderedDict()
 
     def capture(self, step: int, fed: StepSlice, micro_batches: list, result: Any, verdict: str, reason: str,
-                window: dict) -> None:
+                window: dict, folder: bool = True) -> None:
         """Every rank: gather the step's sequences, their losses and the gradient norms (before
-        the gradients are dropped); rank 0 writes the folder. `window` is rank 0's monitor window."""
+        the gradients are dropped); rank 0 writes the folder (unless not `folder`: a replay's
+        step, whose sequences alone are kept). `window` is rank 0's monitor window."""
         # The same condition on every rank: the collectives below match.
-        write = self.enabled and self.written < MAX_FOLDERS
+        write = self.enabled and self.written < MAX_FOLDERS and folder
         inputs = torch.cat([x for x, _ in micro_batches])
         targets = torch.cat([y for _, y in micro_batches])
         sequence_ce = torch.cat(result.sequence_ce).double().cpu()
         real = (targets != -100).sum(-1).clamp(min=1)
-        share = (np.asarray(fed.indices), (sequence_ce / real).numpy()) + ((inputs.cpu(), targets.cpu()) if write else ())
+        rows = torch.cat([inputs.cpu(), targets.cpu()[:, -1:]], dim=1)
+        share = (np.asarray(fed.indices), (sequence_ce / real).numpy(), repeated(rows)) + \
+            ((inputs.cpu(), targets.cpu()) if write else ())
         shares = self.engine.all_gather(share)
         indices = np.concatenate([s[0] for s in shares]).astype(np.int64)
-        self.sequences[step] = (indices, np.concatenate([s[1] for s in shares]).astype(np.float64))
+        self.sequences[step] = (indices, np.concatenate([s[1] for s in shares]).astype(np.float64),
+                                step_repeated(np.concatenate([s[2] for s in shares])))
         self.sequences.move_to_end(step)
         while len(self.sequences) > REMEMBERED:
             self.sequences.popitem(last=False)
@@ -97,8 +106,8 @@ class Forensics:
         if not self.engine.is_main:
             return
         batch = {"indices": torch.from_numpy(indices),
-                 "inputs": torch.cat([s[2] for s in shares]).long(),
-                 "targets": torch.cat([s[3] for s in shares]).long(),
+                 "inputs": torch.cat([s[3] for s in shares]).long(),
+                 "targets": torch.cat([s[4] for s in shares]).long(),
                  "sequence_loss": torch.from_numpy(self.sequences[step][1])}
         losses = batch["sequence_loss"]
         worst = torch.argsort(torch.nan_to_num(losses, nan=float("inf")), descending=True)[:WORST]
@@ -115,24 +124,28 @@ class Forensics:
             # different places (they are already in the re-run's or the verdict's collectives).
             self.emit("forensics_failed", step=step, reason=repr(exc))
 
-    def data_entries(self, steps: Any, fed_of: Callable[[int], tuple[int, int]], blame: Callable[[Any], np.ndarray],
-                     skip_list: list) -> list[dict]:
-        """The skip entries naming the data of the spike steps `steps`: in each step whose sequence
-        losses were captured, the blamed sequences' chunks and documents (`blame`: the monitor's
-        `SpikeMonitor.blame`, against the run's history of sequence losses), or,
-        where the test singles none out, every sequence's chunk; a step not captured (before a
-        resume) names the chunks of every sequence it was fed, `fed_of(step)` = [first, end)."""
-        entries: list = []
-        for step in steps:
-            if step in self.sequences:
-                indices, losses = self.sequences[step]
-                hit = np.asarray(blame(losses), dtype=bool)
-                entries += (self.loader.data_entries(indices[hit], np.ones(int(hit.sum()), dtype=bool)) if hit.any()
-                            else self.loader.data_entries(indices))
-            else:
-                first, end = fed_of(step)
-                entries += self.loader.window_entries(first, end, skip_list)
-        return merge_skip_list(entries)
+    def data_entries(self, steps: Any, monitor: Any) -> list:
+        """Every rank, together: the skip entries a data verdict on the spike steps `steps` commits
+        (`recovery.reach`): the candidates' chunks, or their documents where those stand out, for
+        good; a lone candidate of ordinary text as its position only (this pass). Nothing for a
+        step whose sequences do not stand out, or that was not captured (before a resume)."""
+        found = self.engine.decide(lambda: candidates(self.sequences, steps, monitor.blame, self.loader))
+        if not found:
+            return []
+        asked = found[:MAX_DOCUMENTS]  # the rest: by their chunks (a poisoned batch of 512 needs no 4,096 reads)
+        docs = [self.loader.document_chunks(c.chunk, DOCUMENT_SAMPLES) for c in asked]
+        losses = document_losses(self.engine, self.read_chunks, docs, self.precision)
+
+        def reach() -> list:
+            entries: list = []
+            for i, c in enumerate(found):
+                whole = i < len(asked) and stands_out(losses[i], c.side, monitor.z_of)
+                if c.strong or whole:
+                    entries += self.loader.data_entries(np.asarray([c.index]), np.asarray([whole]))
+                else:  # ordinary text that stood out once: left out of this pass, named nowhere
+                    entries.append([c.index, c.index + 1])
+            return merge_skip_list(entries)
+        return self.engine.decide(reach)
 
     def record_decision(self, steps: list[int], decision: dict) -> None:
         """Add a triage decision to the folder of every step it covers that has one (rank 0)."""

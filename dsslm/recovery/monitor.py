@@ -194,10 +194,7 @@ class SpikeMonitor:
             return np.zeros(len(x), dtype=bool)
         if len(self._sequences) < MIN_REFERENCE:
             return offending(x) if concentrated(x, self.loss_outlier) else np.zeros(len(x), dtype=bool)
-        history = np.asarray(self._sequences)
-        median = float(np.median(history))
-        scale = max(MAD_TO_STD * float(np.median(np.abs(history - median))), SCALE_FLOOR_REL * abs(median),
-                    SCALE_FLOOR_NATS)
+        median, scale = self._reference()
         z = np.where(np.isfinite(x), np.abs(x - median) / scale, np.inf)
         hit = np.zeros(len(x), dtype=bool)
         for i in np.argsort(-z, kind="stable")[:max(1, len(x) // 2)]:
@@ -207,6 +204,21 @@ class SpikeMonitor:
             if hit.all() or not self.loss_outlier(float(np.mean(x[~hit]))):
                 return hit if not hit.all() else np.zeros(len(x), dtype=bool)
         return np.zeros(len(x), dtype=bool)
+
+    def _reference(self) -> tuple[float, float]:
+        """The history of sequence losses as (median, robust scale): what `blame` measures from."""
+        history = np.asarray(self._sequences)
+        median = float(np.median(history))
+        return median, max(MAD_TO_STD * float(np.median(np.abs(history - median))), SCALE_FLOOR_REL * abs(median),
+                           SCALE_FLOOR_NATS)
+
+    def z_of(self, loss: float) -> float | None:
+        """How many robust standard deviations a mean loss per token stands from the history of
+        sequence losses (signed), or None until the history holds MIN_REFERENCE sequences."""
+        if len(self._sequences) < MIN_REFERENCE:
+            return None
+        median, scale = self._reference()
+        return (float(loss) - median) / scale
 
     def forgive(self) -> None:
         """Take back the last verdict's place in the streak (a replayed step within the noise)."""

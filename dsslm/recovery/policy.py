@@ -112,9 +112,12 @@ class SpikePolicy:
         if verdict is Verdict.SURGE:
             verdict, reason, result, done = self._surge(state, step, fed, batches, result, reason, again, probe)
         spike = verdict is not Verdict.OK and not reason.startswith(FP16_OVERFLOW)
-        if spike and not done and not self.triage.replaying(step):  # a replay's evidence goes to its decision
+        if spike and not done:
+            # A replay's evidence goes to its decision, not to a folder; its sequences are kept: a
+            # wide replay names what stood out where the narrow one came back (`_widened`).
             with self.busy(step):
-                self.forensics.capture(step, fed, batches, result, verdict.value, reason, self.monitor.window())
+                self.forensics.capture(step, fed, batches, result, verdict.value, reason, self.monitor.window(),
+                                       folder=not self.triage.replaying(step))
         if spike and not done and verdict is Verdict.SKIP and self.triage.may_rerun(step):
             verdict, reason, result = self._rerun_in_place(state, step, result, reason, again)
         verdict, reason = self.triage.review(state, step, verdict, reason, result.loss, result.gnorm, spike)
@@ -172,9 +175,9 @@ class SpikePolicy:
         if verdict is Verdict.SURGE and held_out is not None and held_out * PROBE_SHARE < second.gnorm:
             why = f"{reason}; a held-out batch's grad norm {held_out:.3g}: this batch's alone"
             verdict = self.engine.decide(lambda: self.monitor.outlier(step, why))
-            if not self.triage.replaying(step):
-                with self.busy(step):
-                    self.forensics.capture(step, fed, batches, second, verdict.value, why, self.monitor.window())
+            with self.busy(step):  # in a replay, its sequences only (as `decide` does)
+                self.forensics.capture(step, fed, batches, second, verdict.value, why, self.monitor.window(),
+                                       folder=not self.triage.replaying(step))
             if rerun and verdict is Verdict.SKIP:  # reproduced in place: data, or unknown (Triage.note_rerun)
                 self.triage.note_rerun(state, step, (first.loss, first.gnorm, why), (second.loss, second.gnorm),
                                        verdict)

@@ -83,7 +83,7 @@ class ReplayProgress:
         self.state_spec = _TriageState()
         self.fed: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
         self.recent: collections.deque = collections.deque()
-        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+        self.sequences: collections.OrderedDict[int, tuple[np.ndarray, ...]] = collections.OrderedDict()
         self.streak: tuple[int, list] | None = None
 
     def bind(self, fed: collections.OrderedDict, recent: collections.deque,
@@ -93,12 +93,17 @@ class ReplayProgress:
             self.sequences = sequences
 
     def state_dict(self) -> dict:
+        # The repeated-n-gram sequences of the steps kept (`recovery.reach.repeated`), by index:
+        # written only where there are some, so the part reads as before on a run without them.
+        repeated = [[step, [int(i) for i in seq[0][seq[2]]]] for step, seq in self.sequences.items()
+                    if step in self.fed and len(seq) > 2 and seq[2].any()]
         return {"format": STATE_FORMAT, "replay": dataclasses.asdict(self.replay) if self.replay else None,
                 "fed": [[step, first, end] for step, (first, end) in self.fed.items()],
                 "recent": [list(row) for row in self.recent],
-                "sequences": [[step, [int(i) for i in indices], [num(x) for x in losses]]
-                              for step, (indices, losses) in self.sequences.items() if step in self.fed],
-                "streak": {"start": self.streak[0], "skip_list": list(self.streak[1])} if self.streak else None}
+                "sequences": [[step, [int(i) for i in seq[0]], [num(x) for x in seq[1]]]
+                              for step, seq in self.sequences.items() if step in self.fed],
+                "streak": {"start": self.streak[0], "skip_list": list(self.streak[1])} if self.streak else None,
+                **({"repeated": repeated} if repeated else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.replay = Replay(**state["replay"]) if state["replay"] else None
@@ -109,9 +114,12 @@ class ReplayProgress:
         # Replaced, not merged: the uninterrupted run (restoring a rewind's base) and a resume
         # then hold the same losses. float("nan") reads the strings non-finite losses are saved as.
         self.sequences.clear()
+        repeated = {int(step): set(indices) for step, indices in state.get("repeated", [])}
         for step, indices, losses in state.get("sequences", []):
+            rep = repeated.get(int(step), set())
             self.sequences[int(step)] = (np.asarray(indices, dtype=np.int64),
-                                         np.asarray([float(x) for x in losses], dtype=np.float64))
+                                         np.asarray([float(x) for x in losses], dtype=np.float64),
+                                         np.asarray([int(i) in rep for i in indices], dtype=bool))
         streak = state.get("streak")
         self.streak = (int(streak["start"]), list(streak["skip_list"])) if streak else None
 
@@ -129,7 +137,7 @@ def num(x: float) -> float | str:
 
 class _TriageState(Spec):
     """The triage part of state.json: {"format": 1, "replay": null or a Replay, "fed", "recent",
-    "sequences", "streak"} (the last four optional: older checkpoints lack them)."""
+    "sequences", "streak", "repeated"} (the last five optional: older checkpoints lack them)."""
 
     replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
                     window=Window(), skip_list=SkipList(), lr_scale=Float(1e-12, 1.0),
@@ -142,14 +150,19 @@ class _TriageState(Spec):
     recent = ListOf(ListOf(Json(), length=4), max_len=1000)
     # [step, [global sequence index, ...], [loss, ...]] per spike step; "nan"/"inf" for non-finite.
     sequences = ListOf(ListOf(Json(), length=3), max_len=1000)
+    # [step, [global sequence index, ...]]: which of a step's sequences are a repeated n-gram.
+    repeated = ListOf(ListOf(Json(), length=2), max_len=1000)
     steps, indices = Int(1, MAX_STEP), ListOf(Int(0, MAX_COUNT), max_len=10_000_000)
     losses = ListOf(Float(finite=False), max_len=10_000_000)
     streak = Optional(Fields(start=Int(1, MAX_STEP), skip_list=SkipList()))
 
     def validate(self, value: Any, path: str) -> None:
-        Fields(optional=("fed", "recent", "sequences", "streak"), format=Int(STATE_FORMAT, STATE_FORMAT),
+        Fields(optional=("fed", "recent", "sequences", "streak", "repeated"), format=Int(STATE_FORMAT, STATE_FORMAT),
                replay=Json(), fed=self.fed, recent=self.recent, sequences=self.sequences,
-               streak=self.streak).validate(value, path)
+               streak=self.streak, repeated=self.repeated).validate(value, path)
+        for i, (step, indices) in enumerate(value.get("repeated", [])):
+            self.steps.validate(step, f"{path}.repeated[{i}][0]")
+            self.indices.validate(indices, f"{path}.repeated[{i}][1]")
         for i, (step, indices, losses) in enumerate(value.get("sequences", [])):
             where = f"{path}.sequences[{i}]"
             self.steps.validate(step, f"{where}[0]")

@@ -18,9 +18,8 @@ class Opening:
     def _start(self, state: TrainState, target: int) -> None:
         spike_start, reason = self.engine.decide(lambda: (self.monitor.spike_start or target, self.monitor.last_reason))
         plan = self.rewinder.plan(state, spike_start, target)
-        entries = self.engine.decide(lambda: self.forensics.data_entries(range(spike_start, target + 1),
-                                                                         self.rewinder.fed_of, self.monitor.blame,
-                                                                         state.skip_list))
+        # Every rank: a lone candidate's document is read by a forward all ranks take part in.
+        entries = self.forensics.data_entries(range(spike_start, target + 1), self.monitor)
         if plan.escalate:
             self.rewinder.escalate(target, len(state.rewinds), f"{self.cfg.monitor.max_rewinds} rewinds in this region")
         base = self._planned_base(state, plan.to_step)

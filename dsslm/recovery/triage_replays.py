@@ -15,8 +15,8 @@ from dsslm.recovery.replay import Phase, Replay
 
 
 class Replays:
-    """For a class holding `cfg`, `engine`, `rewinder`, `emit`, `replay`, `save_base` and the other
-    phases (`triage.Triage`)."""
+    """For a class holding `cfg`, `engine`, `rewinder`, `monitor`, `forensics`, `emit`, `replay`,
+    `save_base` and the other phases (`triage.Triage`)."""
 
     def _next_phase(self, state: TrainState, step: int) -> None:
         r = self.replay
@@ -66,18 +66,20 @@ class Replays:
         self._replay_from(state, ckpt, r, window, r.lr_scale, retry=True)
 
     def _widened(self, r: Replay, step: int) -> tuple[list, int | None] | None:
-        """The entries with all of the planned window added, and the end of what is named as data
-        (`fed_end`); None when they add nothing (the narrowed entries already name all of it).
-        Named as data: what the spike steps read, and what the narrow replay read up to `step`,
-        where it came back: the sequences that took the skipped ones' slots are what brought the
-        spike back, not random text. The rest of the window by position (`Rewinder.data_of`)."""
-        def widen() -> tuple[list, int | None]:
-            fed_end = r.fed_end
-            if fed_end is not None:
-                fed_end = min(max(fed_end, self.rewinder.fed_of(step)[1]), r.window[1])
-            return merge_skip_list(r.entries + self.rewinder.data_of(r.window, r.skip_list, fed_end)), fed_end
-        wider, fed_end = self.engine.decide(widen)
-        return (wider, fed_end) if wider != merge_skip_list(r.entries) else None
+        """The entries with all of the planned window added by position, and `fed_end` (the
+        window's start: none of it named as text for standing in the window); None when they add
+        nothing. The narrow replay came back without the spike's standing-out text: what else
+        brought it back is in the window. The wide replay leaves the window out of this pass only,
+        and names as text only what stood out (`recovery.reach`), in the spike steps or in the
+        narrow replay's steps where it came back. Before, every sequence of the spike steps was
+        named as data here, and a clean replay put text that stood out nowhere on the skip list."""
+        # What stood out in the narrow replay's spike steps, where it came back (their sequences
+        # took the left-out ones' slots: a bad document's other chunks, a poisoned run's next
+        # batch) is named as the original spike's is; every rank (a document read is collective).
+        came_back = [] if self.forensics is None else \
+            self.forensics.data_entries(range(r.spike_start, step + 1), self.monitor)
+        wider = merge_skip_list(r.entries + came_back + [list(r.window)])
+        return (wider, r.window[0]) if wider != merge_skip_list(r.entries) else None
 
     def _replay_from(self, state: TrainState, ckpt: Checkpoint, r: Replay, window: list | None,
                      lr_scale: float, retry: bool = False) -> None:

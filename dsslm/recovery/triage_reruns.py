@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from dsslm.ckpt.train_state import TrainState
-from dsslm.data.skips import merge_skip_list, stamp
+from dsslm.data.skips import is_window, merge_skip_list, stamp
 from dsslm.recovery.monitor import Verdict
 from dsslm.recovery.replay import num as _num, relative as _relative
 
@@ -45,13 +45,16 @@ class Reruns:
                 if self._streak is None or self._streak[0] != start:
                     self._streak = (start, list(state.skip_list))
                 if is_data:  # the documents read: only here, where they are committed (reading shards)
-                    skip = self.engine.decide(lambda: self.forensics.data_entries(
-                        [step], self.rewinder.fed_of, self.monitor.blame, state.skip_list))
+                    # Text named for good only (`recovery.reach`): a lone sequence of ordinary text
+                    # is this step's, skipped already; its position, fed, is no entry to keep.
+                    skip = [e for e in self.forensics.data_entries([step], self.monitor) if not is_window(e)]
+                    name = "data" if skip else "batch"
+                if skip:
                     # From the next step: this one and every step before it fed that data.
                     skip = stamp(skip, step + 1)
                     state.skip_list = merge_skip_list(state.skip_list + skip)
                     self.engine.decide(lambda: self.rewinder.write_run_file(state))
-                else:
+                elif not is_data:
                     name = "unknown"
         evidence = [{"phase": "original", "steps": [[step, _num(first[0]), _num(first[1]), first_verdict]],
                      "reason": first[2]},
@@ -64,7 +67,8 @@ class Reruns:
     def _concentrated(self, step: int) -> bool:
         """Rank 0: is the outlier at `step` (captured by the forensics) carried by a few sequences?"""
         captured = self.forensics.sequences.get(step)
-        return captured is not None and bool(self.monitor.blame(captured[1]).any())
+        # A few sequences by loss, or text that is one n-gram repeated (its loss need not stand out).
+        return captured is not None and bool(self.monitor.blame(captured[1]).any() or captured[2].any())
 
     def note_spread(self, step: int, first: tuple[float, float], again: tuple[float, float]) -> None:
         """The same step computed twice on the same weights, batch and random state (every rank,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dsslm.ckpt.format import Checkpoint
 from dsslm.ckpt.train_state import TrainState
-from dsslm.data.skips import merge_skip_list, stamp
+from dsslm.data.skips import is_window, merge_skip_list, stamp
 from dsslm.recovery.replay import VERDICT_OF, Phase, Replay
 
 
@@ -33,11 +33,15 @@ class Verdicts:
 
     def _decide(self, state: TrainState, r: Replay, verdict: str, escalated: bool = False) -> None:
         """Record the verdict: the rewind history, skip_list.json, the event, the forensics."""
-        window = r.window if verdict == "data" else [r.window[0], r.window[0]]
+        if verdict == "data" and not any(not is_window(e) for e in r.entries):
+            # The replay left out positions only: nothing in the spike's text stood out, so the
+            # verdict names no text; what it committed is this pass's skip (`recovery.reach`).
+            verdict = "batch"
+        window = r.window if verdict in ("data", "batch") else [r.window[0], r.window[0]]
         # An escalation concluded nothing: the backoff its last replay tried is not the run's.
         factor = self.cfg.monitor.lr_backoff ** r.backoffs if verdict == "state" and not escalated else 1.0
         # What the data verdict committed: from the step after the base, as `before_step` left it out.
-        skip = stamp(r.entries, r.base_step + 1) if verdict == "data" else []
+        skip = stamp(r.entries, r.base_step + 1) if verdict in ("data", "batch") else []
         record = {"step": r.spike_start, "window": window, "to_step": r.base_step,
                   "lr_scale_factor": min(1.0, factor), "verdict": verdict, "skip": skip}
         if verdict == "state" and self.cfg.monitor.lr_recover_steps and not escalated:
@@ -84,8 +88,9 @@ class Verdicts:
             self.rewinder.checkpointer.leave_after(r.base_step)
         # Where no replay showed the data innocent, its named documents go with the window: the
         # plain policy's best guess at the culprit, whose other chunks the window does not hold.
+        # The window by position (this pass), its text named only where it stood out (`entries`).
         self.rewinder.rewind(state, r.target, r.spike_start, fallback={
-            "window": r.window, "fed_end": r.fed_end, "skip_list": r.skip_list, "lr_scale": r.lr_scale,
+            "window": r.window, "fed_end": r.window[0], "skip_list": r.skip_list, "lr_scale": r.lr_scale,
             "verdict": verdict,
             "entries": r.entries if verdict == "unknown" else []})
         # What it loaded may be a checkpoint the replay saved (its same-data run-up, or its

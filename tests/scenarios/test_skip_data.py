@@ -44,28 +44,25 @@ def small_data(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("batches", [3, 1])
 def test_poisoned_chunks_skipped_in_epoch_1_are_never_fed_in_epoch_2(small_data, tmp_path, batches):
     """3 poisoned batches: a streak, triaged by replay. 1: an isolated outlier whose in-place
-    re-run reproduces it, but every sequence of its batch is the same poisoned text: nothing in
-    its per-sequence losses tells it from a state spike (their excess is not concentrated in a
-    few sequences), so it is `unknown`: the step is skipped and nothing is committed as data."""
+    re-run reproduces it. Every sequence of either is one 4-gram repeated, its loss the history's:
+    named by its text (`recovery.reach.repeated`), never fed again, in the next epoch either.
+    Before, the single batch's verdict was `unknown` (its loss concentrated in no few sequences):
+    the step was skipped, nothing named, and the drill's batch came back in the next epoch."""
     lo = Loader(small_data, 32, 1337)
     epoch = lo.n_chunks // B
     assert 45 < epoch < 80
-    steps = 2 * epoch + 5 if batches == 3 else 45
+    steps = 2 * epoch + 5
     run_dir = tmp_path / "run"
     assert train(tiny_cfg(run_dir, *RUN, f"data.dir={small_data}", f"train.total_steps={steps}",
                           f"faults.repeat_batches=[[40,{40 + batches}]]")) == 0
-    if batches == 1:
-        decisions = [(e["scope"], e["target"], e["verdict"], e["skip"]) for e in events(run_dir, "triage")]
-        assert decisions == [("step", 41, "unknown", [])] and not events(run_dir, "rewind")
-        state = json.loads((run_dir / "checkpoints" / f"step-{steps:08d}" / "state.json").read_text())
-        assert state["skip_list"] == [] and state["train"]["skipped_steps"] == 1
-        return
-    # One data verdict, in the first epoch; the drill's chunks (it follows them into every epoch)
-    # never spike again.
     decisions = [e for e in events(run_dir, "triage")]
-    # (The streak's steps re-run in place are unknown: the drill poisons whole batches alike.)
-    assert [(d["scope"], d["verdict"]) for d in decisions][-1] == ("window", "data")
-    assert {d["verdict"] for d in decisions if d["scope"] == "step"} <= {"unknown"}
+    if batches == 1:
+        assert [(d["scope"], d["target"], d["verdict"]) for d in decisions] == [("step", 41, "data")]
+        assert not events(run_dir, "rewind")
+    else:
+        # The streak's steps re-run in place name their text too; the triage's verdict is data.
+        assert [(d["scope"], d["verdict"]) for d in decisions][-1] == ("window", "data")
+        assert {d["verdict"] for d in decisions} == {"data"}
     assert max(d["target"] for d in decisions) <= 45
     assert not [e for e in events(run_dir, "skip") + events(run_dir, "rewind") if e["step"] > 45]
     state = json.loads((run_dir / "checkpoints" / f"step-{steps:08d}" / "state.json").read_text())

@@ -154,8 +154,10 @@ def test_state_spike_lowers_lr_scale_and_skips_no_data(tmp_path):
     decision = triages(tmp_path, "window")[-1]
     assert decision["verdict"] == "state" and not decision["escalated"]
     # The burst's first outliers came back in place: no same-data replay; without the spike's
-    # data, narrow and wide, it comes back; with the learning rate backed off it does not.
-    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["skip_window", "skip_window", "backoff"]
+    # window it comes back; with the learning rate backed off it does not. No sequence of the
+    # burst stands out, so there is no narrow replay of its text: one skip-window replay, of the
+    # window by position. (Before: a narrow replay of the whole steps' chunks, then the wide one.)
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["skip_window", "backoff"]
     # Re-run in place, the burst's first outliers came back with every sequence's loss up (no few
     # sequences carry it): not data, nothing committed at any point. (Before: "data", their
     # whole batches put on the skip list until the state verdict.)
@@ -174,10 +176,11 @@ def test_a_spike_on_the_first_of_three_bad_batches_is_data_not_state(tmp_path):
     """max_skips=0: the first outlier rewinds at once, so the triage knows step 51's data alone.
     Skipping it hands step 51's slots to the next sequences of the stream, batch 51's, bad too, so
     the narrow skip_window replay comes back; without all of the planned window it does not:
-    data, the run goes on. (Before: called state, backed off twice, exited 3.) Skipped as data:
-    what step 51 read, and what the narrow replay's step 51 read (batch 51, which brought the spike
-    back); the rest of the window by position: in a corpus the loader shuffles, the sequences
-    after a spike are random chunks, not its neighbours (the drill makes them bad)."""
+    data, the run goes on. (Before: called state, backed off twice, exited 3.) Named as data:
+    what stood out (every sequence, a repeated 4-gram) in step 51 and in the narrow replay's step
+    51 (batch 51, which brought the spike back); the window by position: in a corpus the loader
+    shuffles, the sequences after a spike are random chunks, not its neighbours (the drill makes
+    them bad)."""
     assert train(cfg(tmp_path, DATA, "monitor.max_skips=0")) == 0
     decision = triages(tmp_path, "window")[0]
     assert decision["verdict"] == "data" and decision["spike_start"] == decision["target"] == 51, decision
@@ -186,7 +189,8 @@ def test_a_spike_on_the_first_of_three_bad_batches_is_data_not_state(tmp_path):
     lo = Loader(default_data_dir(), 32, 1337)
     skip = final_state(tmp_path)["skip_list"]
     assert set(lo.skipped_chunks(skip).tolist()) == set(lo.chunk_ids(np.arange(50 * B, 52 * B)).tolist())
-    assert windows_of(skip) == [[52 * B, 58 * B]]  # monitor.skip_batches=8 from batch 50
+    # The planned window (monitor.skip_batches=8 from batch 50), by position: this pass only.
+    assert windows_of(skip) == [[50 * B, 58 * B]]
     assert final_state(tmp_path)["train"]["lr_scale"] == 1.0 and not events(tmp_path, "escalation")
 
 
@@ -195,7 +199,8 @@ def test_state_spike_that_survives_the_backoffs_escalates_with_exit_3(tmp_path, 
     ring = ["ckpt.every=100", "monitor.rewind_every=5", "monitor.rewind_points=3"] if base == "memory" else []
     rc = main([f"run.dir={tmp_path}", *TINY, *RUN, *ring, "faults.lr_burst=[[50,54,30.0]]", "monitor.max_backoffs=1"])
     assert rc == 3 and "escalated" in capsys.readouterr().err
-    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["skip_window", "skip_window", "backoff"]
+    # No sequence of the burst stands out: one skip-window replay (the window by position).
+    assert [e["triage_phase"] for e in events(tmp_path, "rewind")] == ["skip_window", "backoff"]
     assert triages(tmp_path, "window")[-1]["escalated"] and len(events(tmp_path, "escalation")) == 1
     # No verdict concluded a backoff: the restart a person makes after exit 3 trains at the
     # learning rate from before the triage, not at the backoff the last replay tried.
@@ -225,10 +230,10 @@ def test_over_the_replay_budget_falls_back_before_any_replay_and_says_what_it_kn
     rewinds = events(tmp_path, "rewind")
     assert [e.get("triage_phase") for e in rewinds] == [None] and rewinds[0]["verdict"] == "unknown"
     assert rewinds[0]["window"] == decision["window"] and decision["window"][0] == 50 * B
-    # The data the spike steps 51..53 read (batches 50..52), named as data (chunks), so no later
-    # epoch feeds it again; the rest of the planned window by position (random chunks).
+    # What stood out in the spike steps 51..53 (batches 50..52, every sequence a repeated 4-gram),
+    # named as data (chunks), so no later epoch feeds it again; the planned window by position.
     skip, lo = final_state(tmp_path)["skip_list"], Loader(default_data_dir(), 32, 1337)
-    assert windows_of(skip) == [[53 * B, decision["window"][1]]] and rewinds[0]["skip"] == skip
+    assert windows_of(skip) == [[50 * B, decision["window"][1]]] and rewinds[0]["skip"] == skip
     assert set(lo.skipped_chunks(skip).tolist()) == set(lo.chunk_ids(np.arange(50 * B, 53 * B)).tolist())
     record = final_state(tmp_path)["train"]["rewinds"][-1]
     assert record["verdict"] == "unknown" and record["to_step"] == rewinds[0]["to_step"] == 45
@@ -470,9 +475,10 @@ def test_spike_forensics_hold_the_batch_and_the_report_decodes_the_worst_sequenc
     assert total == pytest.approx(spike["gnorm"], rel=1e-4)  # the layer groups partition the norm
     assert len(spike["monitor_window"]["losses"]) == 20 and batch["sequence_loss"].shape == (B,)
     decisions = json.loads((folder / "triage.json").read_text())["decisions"]
-    # Step 51's re-run in place reproduced it, but the drill poisons every sequence of the batch
-    # alike: not concentrated in a few, so not data yet (unknown); the triage then says data.
-    assert [(d["scope"], d["verdict"]) for d in decisions] == [("step", "unknown"), ("window", "data")]
+    # Step 51's re-run in place reproduced it, and every sequence of the batch is one 4-gram
+    # repeated: data, named by its text (before: unknown, its loss concentrated in no few
+    # sequences); the streak goes on and its triage says data too.
+    assert [(d["scope"], d["verdict"]) for d in decisions] == [("step", "data"), ("window", "data")]
     assert not list((data_run / "spikes").glob(".tmp-*"))
     from dsslm.report import main as report
     from dsslm.recovery.forensics import printable
@@ -626,12 +632,11 @@ def test_where_kernels_are_not_bitwise_a_replay_must_exceed_the_measured_spread(
 def test_preempted_mid_replay_from_a_rewind_point_reaches_the_same_verdict(tmp_path, monkeypatch):
     """The state spike is triaged from the rewind point at 45 (durable checkpoints only at 0 and
     64). SIGUSR1 as the skip_window replay starts: the preemption checkpoint carries the replay;
-    the requeued job has no rewind points, so its first backoff replay starts from the durable
-    step 0 and replays 1..45 exactly as they were trained, keeping 45 as a rewind point for the
-    second: the same verdict, lr_scale and losses. The catch-up is not counted against the replay
-    budget (40 here; the plan is 4 x 8 steps): counted, it made the requeued job fall back, and the
-    plain rewind loaded the preemption's save with the skip-window replay in it, which went on and
-    concluded `data` on a state spike."""
+    the requeued job has no rewind points, so its backoff replay starts from the durable step 0
+    and replays 1..45 exactly as they were trained: the same verdict, lr_scale and losses. The
+    catch-up is not counted against the replay budget (40 here; the plan is 4 x 8 steps):
+    counted, it made the requeued job fall back, and the plain rewind loaded the preemption's
+    save with the skip-window replay in it, which went on and concluded `data` on a state spike."""
     original = triage_module.Triage._replay_from
 
     def replay_then_preempt(self, state, ckpt, r, window, lr_scale):
@@ -650,8 +655,9 @@ def test_preempted_mid_replay_from_a_rewind_point_reaches_the_same_verdict(tmp_p
     assert train(cfg(cut, *run)) == 0
     decide = lambda run: [(d["verdict"], d["window"], d["lr_scale"]) for d in triages(run, "window")]
     assert decide(cut) == decide(ref) and decide(ref)[0][0] == "state" and "fallback" not in triages(cut)[-1]
-    resumed = [e["checkpoint"] for e in events(cut, "rewind")][-2:]
-    assert resumed[0].endswith("step-00000000") and resumed[1] == "memory:step-00000045"
+    # The requeued job's next replay (the backoff: no sequence of the burst stands out, so there
+    # is one skip-window replay) starts from the durable step 0: it holds no rewind point.
+    assert [e["checkpoint"] for e in events(cut, "rewind")][-1].endswith("step-00000000")
     assert final_state(cut)["train"]["lr_scale"] == final_state(ref)["train"]["lr_scale"] == pytest.approx(0.01)
     assert final_state(cut)["skip_list"] == final_state(ref)["skip_list"] == []
     assert losses_by_step(cut) == losses_by_step(ref)

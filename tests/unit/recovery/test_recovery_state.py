@@ -201,7 +201,7 @@ def test_a_fallback_records_what_the_replays_showed_and_commits_the_planned_wind
     assert ("documents" in fields["fallback"]) == bool(named)
     # A skip-window (or backoff) replay's saves after its base hold its trajectory: set aside first.
     aside = [("leave_after", 45)] if replayed[-1:] == ["skip_window"] else []
-    assert calls == aside + [(53, 51, {"window": [800, 928], "fed_end": 848, "skip_list": [[0, 16]],
+    assert calls == aside + [(53, 51, {"window": [800, 928], "fed_end": 800, "skip_list": [[0, 16]],
                                        "lr_scale": 0.5, "verdict": verdict, "entries": named})]
 
 
@@ -280,10 +280,11 @@ class _Forensics:
     """The spike step's per-sequence losses, and the entries `data_entries` would name for it."""
 
     def __init__(self, losses):
-        self.sequences = collections.OrderedDict({51: (np.arange(800, 816), np.asarray(losses, dtype=np.float64))})
+        self.sequences = collections.OrderedDict({51: (np.arange(800, 816), np.asarray(losses, dtype=np.float64),
+                                                        np.zeros(16, dtype=bool))})
         self.recorded = []
 
-    def data_entries(self, steps, fed_of, blame, skip_list):
+    def data_entries(self, steps, monitor):
         assert list(steps) == [51]
         return [{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}]
 
@@ -348,9 +349,10 @@ def test_an_outlier_reproduced_in_place_during_a_replay_commits_nothing(tmp_path
     class Forensics(_Forensics):
         def __init__(self, losses):
             super().__init__(losses)
-            self.sequences = collections.OrderedDict({48: (np.arange(768, 784), np.asarray(losses))})
+            self.sequences = collections.OrderedDict({48: (np.arange(768, 784), np.asarray(losses),
+                                                            np.zeros(16, dtype=bool))})
 
-        def data_entries(self, steps, fed_of, blame, skip_list):
+        def data_entries(self, steps, monitor):
             return [{"shard": "web/train-00000.bin", "tokens": [900, 933]}]
 
     emitted, forensics, progress = [], Forensics(losses), ReplayProgress()
@@ -401,7 +403,7 @@ def test_data_a_streaks_rerun_committed_is_not_merged_into_a_resume_of_its_triag
             restored.append(list(state.skip_list))
 
     class Forensics(_Forensics):
-        def data_entries(self, steps, fed_of, blame, skip_list):
+        def data_entries(self, steps, monitor):
             return [entry]
 
     emitted = []
@@ -563,22 +565,22 @@ def test_a_resume_whose_merged_skip_list_passes_the_cap_escalates_instead_of_sav
 
 @pytest.mark.parametrize("why", ["every chunk", "more than the 100000"])
 def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
-    """A wide skip-window replay leaves out all the data its planned window read. On a small corpus
-    that can be every chunk there is: a DataError at the replay's first read (exit 2), on every
-    resume of it. At a large batch it can be more entries than a checkpoint may hold: the replay's
-    checkpoints would be refused on resume. Now that phase is not run: the triage goes on to the
-    backoff, and the evidence says why."""
+    """A skip-window replay leaves out the data its spike's standing-out sequences read (their
+    documents, where those stand out). On a small corpus that can be every chunk there is: a
+    DataError at the replay's first read (exit 2), on every resume of it. At a large batch it can
+    be more entries than a checkpoint may hold: the replay's checkpoints would be refused on
+    resume. Such a phase is not run, narrow or wide (the wide one adds the window by position to
+    the same entries): the triage goes on to the backoff, and the evidence says why."""
     from dsslm.data.sources import NothingLeft
     from dsslm.fields import MAX_SKIP_ENTRIES
     calls, emitted = [], []
-    entry = {"shard": "web/train-00000.bin", "tokens": [1000, 1033]}
-    window_data = ([{"shard": "web/train-00000.bin", "tokens": [0, 9000]}] if why == "every chunk" else
-                   [{"shard": "web/train-00000.bin", "tokens": [100 * i, 100 * i + 33]}
-                    for i in range(20, MAX_SKIP_ENTRIES + 20)])
+    named = ([{"shard": "web/train-00000.bin", "tokens": [0, 9000]}] if why == "every chunk" else
+             [{"shard": "web/train-00000.bin", "tokens": [100 * i, 100 * i + 33]}
+              for i in range(20, MAX_SKIP_ENTRIES + 21)])
 
     class Loader:
         def skipped_chunks(self, skip_list):
-            if why == "every chunk" and window_data[0] in skip_list:
+            if why == "every chunk" and named[0] in skip_list:
                 raise NothingLeft("the skip list names every chunk of DATA that training draws from")
 
     class Ckpt:
@@ -586,9 +588,6 @@ def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
 
     class Rewinder(_Rewinder):
         loader = Loader()
-
-        def data_of(self, window, skip_list, fed_end=None):
-            return list(window_data)
 
         def checkpoint_before(self, target, base, spike_start):
             return Ckpt()
@@ -599,16 +598,18 @@ def test_a_skip_window_replay_that_cannot_run_is_not_run(why):
 
     progress = ReplayProgress()
     triage = Triage(Config(), _Engine(), Rewinder(), None, None, progress, lambda e, **f: emitted.append((e, f)))
-    r = Replay(phase="skip_window", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[],
-               lr_scale=1.0, evidence=[{"phase": "original", "steps": []}, {"phase": "skip_window", "steps": []}],
-               entries=[entry], replay_steps=8)
+    r = Replay(phase="same_data", spike_start=51, target=53, base_step=45, window=[800, 928], skip_list=[],
+               lr_scale=1.0, evidence=[{"phase": "original", "steps": []}, {"phase": "same_data", "steps": []}],
+               entries=named, replay_steps=8)
     progress.replay = r
     triage._next_phase(TrainState(step=53), 53)
     assert r.phase == "backoff" and r.backoffs == 1 and r.wide
-    not_run = r.evidence[2]
-    assert not_run["phase"] == "skip_window" and why in not_run["not_run"] and not not_run["steps"]
-    assert r.evidence[3]["phase"] == "backoff" and [c[0] for c in calls] == ["restore"]
-    assert [e for e, _ in emitted] == ["triage_phase_not_run", "rewind"]
+    narrow, wide = r.evidence[2:4]
+    for phase in (narrow, wide):
+        assert phase["phase"] == "skip_window" and why in phase["not_run"] and not phase["steps"]
+    assert not narrow["wide"] and wide["wide"] and [800, 928] in r.entries
+    assert r.evidence[4]["phase"] == "backoff" and [c[0] for c in calls] == ["restore"]
+    assert [e for e, _ in emitted] == ["triage_phase_not_run", "triage_phase_not_run", "rewind"]
 
 
 def test_a_skip_list_naming_more_than_its_share_of_a_domain_asks_a_person(tmp_path):

@@ -1,0 +1,142 @@
+"""What a data verdict names, and how far (`recovery.reach`, `Forensics.data_entries`): only text
+that stands out; a lone sequence of ordinary text names nothing; a document only by its own
+other chunks; a repeated n-gram by its text, whatever its loss."""
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsslm.config import Config
+from dsslm.data import prepare
+from dsslm.data.loader import Loader
+from dsslm.data.skips import is_window
+from dsslm.recovery import forensics as forensics_module
+from dsslm.recovery.forensics import Forensics
+from dsslm.recovery.monitor import SpikeMonitor, Verdict
+from dsslm.recovery.reach import repeated, step_repeated
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def loader(tmp_path_factory) -> Loader:
+    """~30 KB of stdlib source, one document per file."""
+    root = tmp_path_factory.mktemp("reach")
+    src, total = root / "src", 0
+    src.mkdir()
+    for path in sorted(Path(os.__file__).parent.glob("*.py")):
+        text = path.read_text(errors="replace")
+        if 2_000 < len(text) < 8_000:
+            (src / path.name).write_text(text)
+            total += len(text)
+        if total > 30_000:
+            break
+    prepare([src], root / "data", domain="code", val_fraction=0.0)
+    return Loader(root / "data", SEQ, 1337)
+
+
+def test_repeated_text_is_told_from_prose_code_and_noise(loader):
+    x, y = loader.read(np.arange(loader.n_chunks))
+    rows = torch.cat([x, y[:, -1:]], dim=1)
+    kinds = repeated(rows)
+    # Every chunk of the corpus (code, docstrings) is no n-gram; a few are runs of indentation.
+    assert not (kinds == 1).any() and 0 < (kinds == 2).sum() <= 5
+    assert not step_repeated(kinds).any()  # counted only where runs fill a quarter of a step
+    assert not repeated(torch.randint(0, 257, (64, SEQ + 1))).any()
+    for unit in ([101, 102, 103, 104], [32, 32, 32, 120], [101, 32] * 4, list(range(97, 113))[:8]):
+        assert (repeated(torch.tensor(unit).repeat(SEQ)[:SEQ + 1][None]) == 1).all(), unit
+    # A run of one token (indentation, a rule of '-') is a run: text only as a quarter of a step.
+    for run in (torch.full((SEQ + 1,), 32), torch.tensor([32] * 7 + [10]).repeat(5)[:SEQ + 1]):
+        assert (repeated(run[None]) == 2).all()
+    assert step_repeated(np.array([2] + [0] * 15)).sum() == 0
+    assert step_repeated(np.array([2] * 4 + [0] * 12)).sum() == 4 and step_repeated(np.array([1] + [0] * 15)).sum() == 1
+    # A 16-gram in 33 tokens is two repeats: a document quoted twice, not the spike signature.
+    assert not repeated(rows[5, :16].repeat(3)[:SEQ + 1][None]).any()
+
+
+class _Engine:
+    is_main, device = True, torch.device("cpu")
+
+    def decide(self, fn):
+        return fn()
+
+
+def _monitor() -> SpikeMonitor:
+    """A monitor whose history of sequence losses is 2.0 +- 0.1, and that calls a step of mean 3.0 an outlier."""
+    cfg = Config()
+    cfg.monitor.min_history, cfg.monitor.window = 10, 20
+    monitor = SpikeMonitor(cfg.monitor)
+    rng = np.random.default_rng(0)
+    for step in range(1, 80):
+        losses = 2.0 + 0.1 * rng.standard_normal(16)
+        assert monitor.judge(step, float(losses.mean()), 1.0, losses) is Verdict.OK
+    return monitor
+
+
+def _forensics(loader, monkeypatch, captured: dict, doc_loss: float) -> tuple[Forensics, list]:
+    """Forensics holding `captured` (step -> (indices, losses, repeated)); a document's other
+    chunks evaluate at `doc_loss` each (what the collective forward would give)."""
+    asked = []
+
+    def document_losses(engine, read_chunks, docs, precision):
+        asked.append([list(map(int, d)) for d in docs])
+        return [np.full(len(d), doc_loss) for d in docs]
+    monkeypatch.setattr(forensics_module, "document_losses", document_losses)
+    f = Forensics(Config(), _Engine(), Path("/nonexistent"), {}, lambda *a, **k: None, loader)
+    f.sequences = collections.OrderedDict(captured)
+    return f, asked
+
+
+def _step(indices, high=(), rep=()):
+    losses = np.full(len(indices), 2.0)
+    losses[list(high)] = 9.0
+    flags = np.zeros(len(indices), dtype=bool)
+    flags[list(rep)] = True
+    return np.asarray(indices, dtype=np.int64), losses, flags
+
+
+def _spans(entries):
+    return [e["tokens"][1] - e["tokens"][0] for e in entries if not is_window(e)]
+
+
+def test_a_lone_outlier_of_ordinary_text_names_nothing_for_good(loader, monkeypatch):
+    """One sequence of 16 stands out by its loss; its document's other chunks are ordinary (loss
+    2.0, the history's median): its position is left out of this pass, no text is named."""
+    f, asked = _forensics(loader, monkeypatch, {51: _step(range(800, 816), high=[3])}, doc_loss=2.0)
+    entries = f.data_entries([51], _monitor())
+    assert entries == [[803, 804]]
+    assert asked and len(asked[0][0]) >= 2  # its document was asked
+
+
+def test_a_lone_outlier_whose_document_stands_out_names_the_document(loader, monkeypatch):
+    f, _ = _forensics(loader, monkeypatch, {51: _step(range(800, 816), high=[3])}, doc_loss=9.0)
+    entries = f.data_entries([51], _monitor())
+    assert entries and not any(is_window(e) for e in entries)
+    assert max(_spans(entries)) > SEQ + 1  # beyond its own chunk: the document
+
+
+def test_two_outliers_corroborate_and_are_named_by_their_chunks_alone(loader, monkeypatch):
+    f, _ = _forensics(loader, monkeypatch, {51: _step(range(800, 816), high=[3]), 52: _step(range(816, 832), high=[0])},
+                      doc_loss=2.0)
+    entries = f.data_entries([51, 52], _monitor())
+    assert not any(is_window(e) for e in entries) and len(_spans(entries)) == 2
+    assert all(s == SEQ + 1 for s in _spans(entries))  # each its chunk: their documents are ordinary
+    named = set(loader.skipped_chunks(entries).tolist())
+    assert named == set(loader.chunk_ids(np.array([803, 816])).tolist())
+
+
+def test_a_repeated_ngram_is_named_whatever_its_loss_and_a_step_of_nothing_names_nothing(loader, monkeypatch):
+    f, _ = _forensics(loader, monkeypatch, {51: _step(range(800, 816), rep=[7]), 52: _step(range(816, 832))},
+                      doc_loss=2.0)
+    monitor = _monitor()
+    # The repeated sequence's loss is the history's (2.0): blame alone names nothing.
+    assert not monitor.blame(f.sequences[51][1]).any()
+    entries = f.data_entries([51], monitor)
+    assert set(loader.skipped_chunks(entries).tolist()) == set(loader.chunk_ids(np.array([807])).tolist())
+    assert f.data_entries([52], monitor) == []  # no whole-step fallback
+    assert f.data_entries([40], monitor) == []  # a step not captured names nothing

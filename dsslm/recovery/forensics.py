@@ -129,7 +129,7 @@ class Forensics:
         (`recovery.reach`): the candidates' chunks, or their documents where those stand out, for
         good; a lone candidate of ordinary text as its position only (this pass). Nothing for a
         step whose sequences do not stand out, or that was not captured (before a resume)."""
-        found = self.engine.decide(lambda: candidates(self.sequences, steps, monitor.blame, self.loader))
+        found = self.engine.decide(lambda: candidates(self.sequences, steps, monitor.standing_out, self.loader))
         if not found:
             return []
         asked = found[:MAX_DOCUMENTS]  # the rest: by their chunks (a poisoned batch of 512 needs no 4,096 reads)

@@ -205,6 +205,22 @@ class SpikeMonitor:
                 return hit if not hit.all() else np.zeros(len(x), dtype=bool)
         return np.zeros(len(x), dtype=bool)
 
+    def standing_out(self, losses: Any) -> np.ndarray:
+        """Which sequences of a spiking step stand out on their own against the history (a bool
+        mask): non-finite, or more than REFERENCE_Z robust sigmas from its median, either side;
+        none of a step whose loss is no outlier. Unlike `blame`, no minimal explanation and no
+        cap: a batch bad throughout (every sequence random tokens) has every sequence standing
+        out, where a state spike raises each by a fraction of the history's spread. What a
+        replay-proven data verdict names (`recovery.reach`); until the history holds
+        MIN_REFERENCE sequences, `blame`'s batch test."""
+        x = np.asarray(losses, dtype=np.float64)
+        if len(x) == 0 or not self.loss_outlier(float(np.mean(x))):
+            return np.zeros(len(x), dtype=bool)
+        if len(self._sequences) < MIN_REFERENCE:
+            return self.blame(x)
+        median, scale = self._reference()
+        return ~np.isfinite(x) | (np.abs(np.where(np.isfinite(x), x, median) - median) > REFERENCE_Z * scale)
+
     def _reference(self) -> tuple[float, float]:
         """The history of sequence losses as (median, robust scale): what `blame` measures from."""
         history = np.asarray(self._sequences)

@@ -3,8 +3,8 @@
 Data means data (docs/spikes.md, "What a data verdict names"). A sequence of a spike step is a
 **candidate** when its own text stands out:
 
-- its loss, against the run's history of sequence losses (`SpikeMonitor.blame`: the fewest
-  furthest from the history that explain the step), or
+- its loss, against the run's history of sequence losses (`SpikeMonitor.standing_out`: beyond
+  4 robust sigmas of the history, in a step whose loss is an outlier), or
 - its text is one short n-gram repeated (`repeated`): the OLMo 2 spike signature. Its loss need
   not stand out (a repeated 4-gram sat at z 0.2 against the history on the project's drill, and
   its own gradient at 2x a clean sequence's, within the clean spread: what surges is a batch of
@@ -87,16 +87,16 @@ class Candidate:
     side: float = 1.0  # the sign of its loss's distance from the history (+ above, - below)
 
 
-def candidates(captured: dict, steps, blame, loader) -> list[Candidate]:
+def candidates(captured: dict, steps, stands, loader) -> list[Candidate]:
     """The candidates of the spike steps whose sequences were captured (`Forensics.sequences`:
-    step -> (indices, losses, repeated)); `blame`: the monitor's. Strong: repeated text, or one of
-    two or more candidates."""
+    step -> (indices, losses, repeated)); `stands`: the monitor's test of standing out
+    (`SpikeMonitor.standing_out`). Strong: repeated text, or one of two or more candidates."""
     found: list[tuple[int, bool, float]] = []
     for step in steps:
         if step not in captured:
             continue  # not captured (a step before a resume): its sequences name nothing
         indices, losses, rep = captured[step]
-        hit = np.asarray(blame(losses), dtype=bool) | np.asarray(rep, dtype=bool)
+        hit = np.asarray(stands(losses), dtype=bool) | np.asarray(rep, dtype=bool)
         finite = np.where(np.isfinite(losses), losses, np.inf)
         median = float(np.median(finite[np.isfinite(finite)])) if np.isfinite(finite).any() else 0.0
         for i in np.flatnonzero(hit):

@@ -140,3 +140,18 @@ def test_a_repeated_ngram_is_named_whatever_its_loss_and_a_step_of_nothing_names
     assert set(loader.skipped_chunks(entries).tolist()) == set(loader.chunk_ids(np.array([807])).tolist())
     assert f.data_entries([52], monitor) == []  # no whole-step fallback
     assert f.data_entries([40], monitor) == []  # a step not captured names nothing
+
+
+def test_a_batch_bad_throughout_stands_out_whole_and_a_state_rise_does_not():
+    """Random tokens in every sequence: each stands out on its own (blame's minimal explanation,
+    at most half the step, named none of them, and the verdict named nothing). A state spike
+    raises every sequence by a fraction of the history's spread: none stands out, though the
+    step is an outlier; nor does anything of a step whose loss is no outlier."""
+    monitor = _monitor()
+    garbage = np.full(16, 5.5)
+    assert not monitor.blame(garbage).any() and monitor.standing_out(garbage).all()
+    risen = 2.3 + 0.05 * np.random.default_rng(1).standard_normal(16)
+    assert monitor.loss_outlier(float(risen.mean())) and not monitor.standing_out(risen).any()
+    one = np.full(16, 2.0)
+    one[4] = 2.9  # 9 sigmas, but the step's mean passes
+    assert not monitor.loss_outlier(float(one.mean())) and not monitor.standing_out(one).any()

@@ -13,9 +13,10 @@ triage it, whose evidence goes into the triage decision):
                        and the tokenizer that decodes the batch (`python -m dsslm.report`)
     triage.json        {"decisions": [...]}: each triage decision that covered this step
 
-Every rank also keeps the last few spike steps' global sequence indices and per-sequence losses
-in memory (with or without `monitor.forensics`): `data_entries` turns them into the skip entries
-a data verdict commits, narrowed to the offending sequences (`data.skips.offending`). Those of
+Every rank also keeps the last few spike steps' global sequence indices, per-sequence losses
+and which are a repeated n-gram, in memory (with or without `monitor.forensics`; a replay's spike
+steps too, without a folder): `data_entries` turns them into the skip entries a data verdict
+commits, what stands out and no further than it earns (`recovery.reach`). Those of
 the steps a streak open at a checkpoint can span travel in its part "triage" (`ReplayProgress`),
 so a resume in the middle of a streak names the same data as the uninterrupted run.
 

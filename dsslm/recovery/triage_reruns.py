@@ -1,6 +1,7 @@
 """Re-runs in place, as the triage records them (`Reruns`, a base class of `triage.Triage`): an
 isolated outlier's step computed again at the same weights, batch and random state is transient
-(normal again), data (reproduced, and carried by a few sequences) or unknown, and a streak it
+(normal again), data (reproduced, and carried by a few sequences or repeated text), batch (one
+ordinary sequence: nothing named) or unknown, and a streak it
 opens is marked reproduced so its triage needs no same-data replay; and the job's first step
 computed twice, whose spread is the noise a replay must exceed to show a spike again where steps
 are not bitwise reproducible (docs/spikes.md)."""
@@ -26,12 +27,14 @@ class Reruns:
         """The in-place re-run of an isolated outlier at `step`: a normal re-run was transient. A
         reproduced one is no transient fault, and its update is still dropped (its batch was
         fed); it is data only where the monitor blames a few sequences for it (`SpikeMonitor.
-        blame`: against the run's history, the minimal explanation), and then their data joins the
-        skip list from the next step on. Otherwise nothing in the step tells data from state: the
-        verdict is `unknown`, nothing is committed, and a streak it opens is attributed by the
-        triage if it rewinds. Either way the streak is marked reproduced in place (`_start`
-        needs no same-data replay). In a triage's replay nothing is committed (`deferred`): the
-        pass is tentative, and only the triage's verdict commits data (docs/spikes.md)."""
+        blame`: against the run's history, the minimal explanation) or its text is one n-gram
+        repeated, and then what stands out joins the skip list from the next step on
+        (`recovery.reach`: a lone sequence of ordinary text names nothing, `batch`). Otherwise
+        nothing in the step tells data from state: the verdict is `unknown`, nothing is
+        committed, and a streak it opens is attributed by the triage if it rewinds. Either way
+        the streak is marked reproduced in place (`_start` needs no same-data replay). In a
+        triage's replay nothing is committed (`deferred`): the pass is tentative, and only the
+        triage's verdict commits data (docs/spikes.md)."""
         name = "transient" if verdict is Verdict.OK else "data"
         skip, deferred = [], {}
         if name == "data":

@@ -638,3 +638,27 @@ def test_a_skip_list_naming_more_than_its_share_of_a_domain_asks_a_person(tmp_pa
     with pytest.raises(Escalation, match=r"would name \d+\.\d% of domain .* past monitor.max_skip_share=0.01"):
         rewinder.write_run_file(TrainState(step=9, skip_list=much))
     assert read_recovery(tmp_path, 16)["skip_list"] == few  # nothing more was written
+
+
+@pytest.mark.parametrize("entries, verdict", [
+    ([], "batch"), ([[803, 804], [800, 928]], "batch"),
+    ([{"shard": "web/train-00000.bin", "tokens": [1000, 1033]}, [800, 928]], "data")])
+def test_a_clean_skip_window_replay_is_data_only_where_it_left_out_text(tmp_path, entries, verdict):
+    """The skip-window replay reaches the target clean. Where it left out text that stood out
+    (a data entry), the verdict is data and commits it; where it left out positions only (nothing
+    in the spike stood out, or a lone sequence of ordinary text), it is `batch`: the window is
+    skipped this pass and no text is named for good. (Before: data, naming every sequence of the
+    spike steps: an optimizer-state instability on clean text put its batches on the skip list.)"""
+    rewinder = _Rewinder()
+    rewinder.run_dir = tmp_path
+    emitted, forensics = [], _Forensics(np.full(16, 2.0))
+    progress = ReplayProgress()
+    triage = Triage(Config(), _Engine(), rewinder, None, forensics, progress, lambda e, **f: emitted.append((e, f)))
+    progress.replay = Replay(phase="skip_window", spike_start=51, target=53, base_step=45, window=[800, 928],
+                             skip_list=[], lr_scale=1.0, entries=entries, wide=True,
+                             evidence=[{"phase": "original", "steps": []}, {"phase": "skip_window", "steps": []}])
+    triage.review(TrainState(step=53), 53, Verdict.OK, "", 2.0, 1.0)
+    (name, decision), = [(e, f) for e, f in emitted if e == "triage"]
+    assert decision["verdict"] == verdict and decision["window"] == [800, 928]
+    named = [e for e in decision["skip"] if isinstance(e, dict)]
+    assert bool(named) == (verdict == "data") and all(e["from_step"] == 46 for e in named)

@@ -390,6 +390,14 @@ class Loader:
             chunk_ids[mask] = self._domain_first[d] + picked
         return chunk_ids
 
+    def epoch_of(self, indices: np.ndarray) -> np.ndarray:
+        """The pass each global sequence index is read in: its domain's epoch (int64)."""
+        g = np.asarray(indices, dtype=np.int64)
+        if self.mixture is None:
+            return g // max(self.n_chunks, 1)
+        domains, numbers = self.mixture.locate(g)
+        return numbers // np.maximum(self.domain_chunks[domains], 1)
+
     def chunk_ids(self, indices: np.ndarray) -> np.ndarray:
         """The chunk each global sequence index reads (int64): a chunk's id names its text."""
         return self._chunk_ids(np.asarray(indices, dtype=np.int64))

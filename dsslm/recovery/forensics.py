@@ -63,6 +63,7 @@ FORMAT = 1
 MAX_FOLDERS = 200
 WORST = 8  # sequences listed in spike.json, by loss
 MAX_DOCUMENTS = 16  # candidates whose documents a verdict reads (`data_entries`)
+MAX_SUSPECTS = 65_536  # chunks that stood out once, kept (the oldest dropped first)
 REMEMBERED = 64  # spike steps whose sequence losses stay in memory (a streak is a few steps)
 
 
@@ -78,6 +79,9 @@ class Forensics:
         # step -> (global sequence indices, mean loss per token of each, which are a repeated
         # n-gram), the whole step's, every rank.
         self.sequences: collections.OrderedDict[int, tuple[np.ndarray, ...]] = collections.OrderedDict()
+        # chunk -> the epoch it stood out in, alone and unproven (`recovery.reach`): standing out
+        # again in another pass is its second strike. In the checkpoint part "triage".
+        self.suspects: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def capture(self, step: int, fed: StepSlice, micro_batches: list, result: Any, verdict: str, reason: str,
                 window: dict, folder: bool = True) -> None:
@@ -130,23 +134,29 @@ class Forensics:
         (`recovery.reach`): the candidates' chunks, or their documents where those stand out, for
         good; a lone candidate of ordinary text as its position only (this pass). Nothing for a
         step whose sequences do not stand out, or that was not captured (before a resume)."""
-        found = self.engine.decide(lambda: candidates(self.sequences, steps, monitor.standing_out, self.loader))
+        found = self.engine.decide(lambda: candidates(self.sequences, steps, monitor, self.loader, self.suspects))
         if not found:
             return []
         asked = found[:MAX_DOCUMENTS]  # the rest: by their chunks (a poisoned batch of 512 needs no 4,096 reads)
         docs = [self.loader.document_chunks(c.chunk, DOCUMENT_SAMPLES) for c in asked]
         losses = document_losses(self.engine, self.read_chunks, docs, self.precision)
 
-        def reach() -> list:
-            entries: list = []
+        def reach() -> tuple[list, list]:
+            entries, struck = [], []
             for i, c in enumerate(found):
                 whole = i < len(asked) and stands_out(losses[i], c.side, monitor.z_of)
                 if c.strong or whole:
                     entries += self.loader.data_entries(np.asarray([c.index]), np.asarray([whole]))
                 else:  # ordinary text that stood out once: left out of this pass, named nowhere
                     entries.append([c.index, c.index + 1])
-            return merge_skip_list(entries)
-        return self.engine.decide(reach)
+                    struck.append((c.chunk, c.epoch))
+            return merge_skip_list(entries), struck
+        entries, struck = self.engine.decide(reach)
+        for chunk, epoch in struck:  # every rank: the suspects travel in each rank's checkpoint part
+            self.suspects.setdefault(chunk, epoch)
+            while len(self.suspects) > MAX_SUSPECTS:
+                self.suspects.popitem(last=False)
+        return entries
 
     def record_decision(self, steps: list[int], decision: dict) -> None:
         """Add a triage decision to the folder of every step it covers that has one (rank 0)."""

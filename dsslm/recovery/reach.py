@@ -15,13 +15,16 @@ without its window showed (that is a pass's skip of positions, `batch`, not text
 
 What a candidate's verdict **reaches** is earned:
 
-- a repeated-n-gram sequence, or one of two or more candidates in the spike (they corroborate
-  one another: a poisoned batch), is named for good: its chunk;
-- a lone candidate (one sequence of the whole spike, its text not repeated) is named for good
-  only when its document's own text stands out: up to DOCUMENT_SAMPLES of the document's other
-  chunks, read and evaluated at the current weights, have a median loss beyond the history's
-  REFERENCE_Z on the same side. Otherwise it is ordinary text that stood out once: it is left out
-  of this pass only (its position), and comes back in the next epoch;
+- proven text is named for good, by its chunk: a repeated n-gram; a sequence of a step bad
+  throughout (at least half its sequences stand out: a poisoned batch); a chunk standing out for
+  the second time, in another pass than the first (the `suspects` the forensics keep, in the
+  checkpoint: a corrupted chunk comes back each epoch, a clean one that stood out once rarely);
+- any other candidate is named for good only when its document's own text stands out: up to
+  DOCUMENT_SAMPLES of the document's other chunks, read and evaluated at the current weights,
+  have a median loss beyond the history's REFERENCE_Z on the same side. Otherwise it is ordinary
+  text that stood out once: it is left out of this pass only (its position), becomes a suspect,
+  and comes back in the next epoch. Two clean but unusual sequences of one step (a base32
+  alphabet and a row of digits at z 4-6, on the long bench) are two such, not one proof;
 - a document is named whole (`Loader.data_entries(..., documents)`) only when its own other
   chunks stand out so, never for one sequence's loss. Measured before this rule, a 30,000-step run
   named three clean documents of ~121K tokens each for one sequence at z 6.2-7.5 apiece.
@@ -80,32 +83,40 @@ def step_repeated(kinds: np.ndarray) -> np.ndarray:
 @dataclass
 class Candidate:
     """A sequence of a spike step that stands out: its global index (stream position), the chunk
-    it read, and whether it is named for good without asking its document (`strong`)."""
+    it read, the pass (its domain's epoch) it was read in, whether it is named for good without
+    asking its document (`strong`), and the side of the history it stands on (+1 above, -1 below)."""
     index: int
     chunk: int
+    epoch: int
     strong: bool
-    side: float = 1.0  # the sign of its loss's distance from the history (+ above, - below)
+    side: float = 1.0
 
 
-def candidates(captured: dict, steps, stands, loader) -> list[Candidate]:
+def candidates(captured: dict, steps, monitor, loader, suspects: dict) -> list[Candidate]:
     """The candidates of the spike steps whose sequences were captured (`Forensics.sequences`:
-    step -> (indices, losses, repeated)); `stands`: the monitor's test of standing out
-    (`SpikeMonitor.standing_out`). Strong: repeated text, or one of two or more candidates."""
+    step -> (indices, losses, repeated)), by `monitor.standing_out` and the repeated-text test.
+    Strong: repeated text; a step bad throughout (at least half its sequences stand out: a
+    poisoned batch; clean text never puts half a step beyond 4 sigmas); or a chunk that stood out
+    before, in another pass (`suspects`: chunk -> the epoch it stood out in), its second strike."""
     found: list[tuple[int, bool, float]] = []
     for step in steps:
         if step not in captured:
             continue  # not captured (a step before a resume): its sequences name nothing
         indices, losses, rep = captured[step]
-        hit = np.asarray(stands(losses), dtype=bool) | np.asarray(rep, dtype=bool)
-        finite = np.where(np.isfinite(losses), losses, np.inf)
-        median = float(np.median(finite[np.isfinite(finite)])) if np.isfinite(finite).any() else 0.0
-        for i in np.flatnonzero(hit):
-            found.append((int(indices[i]), bool(rep[i]), 1.0 if finite[i] >= median else -1.0))
+        stands = np.asarray(monitor.standing_out(losses), dtype=bool)
+        throughout = 2 * int(stands.sum()) >= len(losses) > 0
+        for i in np.flatnonzero(stands | np.asarray(rep, dtype=bool)):
+            z = monitor.z_of(losses[i]) if np.isfinite(losses[i]) else 1.0
+            found.append((int(indices[i]), bool(rep[i]) or throughout, -1.0 if z is not None and z < 0 else 1.0))
     if not found:
         return []
-    chunks = loader.chunk_ids(np.asarray([i for i, _, _ in found], dtype=np.int64))
-    several = len(found) >= 2
-    return [Candidate(i, int(c), rep or several, side) for (i, rep, side), c in zip(found, chunks)]
+    index = np.asarray([i for i, _, _ in found], dtype=np.int64)
+    chunks, epochs = loader.chunk_ids(index), loader.epoch_of(index)
+    out = []
+    for (i, strong, side), c, e in zip(found, chunks, epochs):
+        again = suspects.get(int(c)) not in (None, int(e))
+        out.append(Candidate(i, int(c), int(e), strong or again, side))
+    return out
 
 
 def document_losses(engine, read_chunks, chunk_ids: list[np.ndarray], precision: str) -> list[np.ndarray]:

@@ -74,9 +74,10 @@ class ReplayProgress:
     verdict names; gathered on every rank, so rank 0's state.json holds them all), saved for the
     steps still in `fed` only (the steps a streak open at the checkpoint can span: a few steps x
     the global batch); and `streak`, Triage's open streak (first step, the skip list before its
-    re-runs committed data), which a same-data replay of that streak feeds. Without them a resume
-    in the middle of a streak names every chunk its steps were fed and replays with the data its
-    re-runs committed: another verdict than the uninterrupted run's."""
+    re-runs committed data), which a same-data replay of that streak feeds; and `suspects`,
+    Forensics' chunks that stood out once, alone (a second time, in another pass, names them).
+    Without them a resume in the middle of a streak names other data and replays with the data
+    its re-runs committed: another verdict than the uninterrupted run's."""
 
     def __init__(self) -> None:
         self.replay: Replay | None = None
@@ -85,12 +86,15 @@ class ReplayProgress:
         self.recent: collections.deque = collections.deque()
         self.sequences: collections.OrderedDict[int, tuple[np.ndarray, ...]] = collections.OrderedDict()
         self.streak: tuple[int, list] | None = None
+        self.suspects: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def bind(self, fed: collections.OrderedDict, recent: collections.deque,
-             sequences: collections.OrderedDict | None = None) -> None:
+             sequences: collections.OrderedDict | None = None, suspects: collections.OrderedDict | None = None) -> None:
         self.fed, self.recent = fed, recent
         if sequences is not None:
             self.sequences = sequences
+        if suspects is not None:
+            self.suspects = suspects
 
     def state_dict(self) -> dict:
         # The repeated-n-gram sequences of the steps kept (`recovery.reach.repeated`), by index:
@@ -103,7 +107,9 @@ class ReplayProgress:
                 "sequences": [[step, [int(i) for i in seq[0]], [num(x) for x in seq[1]]]
                               for step, seq in self.sequences.items() if step in self.fed],
                 "streak": {"start": self.streak[0], "skip_list": list(self.streak[1])} if self.streak else None,
-                **({"repeated": repeated} if repeated else {})}
+                **({"repeated": repeated} if repeated else {}),
+                # Chunks that stood out once, alone (`recovery.reach`): [chunk, epoch], oldest first.
+                **({"suspects": [[c, e] for c, e in self.suspects.items()]} if self.suspects else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.replay = Replay(**state["replay"]) if state["replay"] else None
@@ -120,6 +126,8 @@ class ReplayProgress:
             self.sequences[int(step)] = (np.asarray(indices, dtype=np.int64),
                                          np.asarray([float(x) for x in losses], dtype=np.float64),
                                          np.asarray([int(i) in rep for i in indices], dtype=bool))
+        self.suspects.clear()
+        self.suspects.update((int(c), int(e)) for c, e in state.get("suspects", []))
         streak = state.get("streak")
         self.streak = (int(streak["start"]), list(streak["skip_list"])) if streak else None
 
@@ -137,7 +145,8 @@ def num(x: float) -> float | str:
 
 class _TriageState(Spec):
     """The triage part of state.json: {"format": 1, "replay": null or a Replay, "fed", "recent",
-    "sequences", "streak", "repeated"} (the last five optional: older checkpoints lack them)."""
+    "sequences", "streak", "repeated", "suspects"} (the last six optional: older checkpoints lack
+    them)."""
 
     replay = Fields(phase=Str(32), spike_start=Int(1, MAX_STEP), target=Int(1, MAX_STEP), base_step=Int(0, MAX_STEP),
                     window=Window(), skip_list=SkipList(), lr_scale=Float(1e-12, 1.0),
@@ -152,14 +161,16 @@ class _TriageState(Spec):
     sequences = ListOf(ListOf(Json(), length=3), max_len=1000)
     # [step, [global sequence index, ...]]: which of a step's sequences are a repeated n-gram.
     repeated = ListOf(ListOf(Json(), length=2), max_len=1000)
+    suspects = ListOf(ListOf(Int(0, MAX_COUNT), length=2), max_len=1 << 16)
     steps, indices = Int(1, MAX_STEP), ListOf(Int(0, MAX_COUNT), max_len=10_000_000)
     losses = ListOf(Float(finite=False), max_len=10_000_000)
     streak = Optional(Fields(start=Int(1, MAX_STEP), skip_list=SkipList()))
 
     def validate(self, value: Any, path: str) -> None:
-        Fields(optional=("fed", "recent", "sequences", "streak", "repeated"), format=Int(STATE_FORMAT, STATE_FORMAT),
-               replay=Json(), fed=self.fed, recent=self.recent, sequences=self.sequences,
-               streak=self.streak, repeated=self.repeated).validate(value, path)
+        Fields(optional=("fed", "recent", "sequences", "streak", "repeated", "suspects"),
+               format=Int(STATE_FORMAT, STATE_FORMAT), replay=Json(), fed=self.fed, recent=self.recent,
+               sequences=self.sequences, streak=self.streak, repeated=self.repeated,
+               suspects=self.suspects).validate(value, path)
         for i, (step, indices) in enumerate(value.get("repeated", [])):
             self.steps.validate(step, f"{path}.repeated[{i}][0]")
             self.indices.validate(indices, f"{path}.repeated[{i}][1]")

@@ -61,7 +61,8 @@ class Triage(Opening, Replays, Verdicts, Reruns, Steps):
         # The original pass's last few steps, for the evidence of a spike that rewinds.
         self._recent: collections.deque = collections.deque(maxlen=max(8, 2 * (cfg.monitor.max_skips + 2)))
         # All three travel in the checkpoint part "triage", and so does `_streak`.
-        progress.bind(rewinder._fed, self._recent, forensics.sequences if forensics is not None else None)
+        progress.bind(rewinder._fed, self._recent, forensics.sequences if forensics is not None else None,
+                      forensics.suspects if forensics is not None else None)
 
     @property
     def _streak(self) -> tuple[int, list] | None:

@@ -4,6 +4,7 @@ other chunks; a repeated n-gram by its text, whatever its loss."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 from pathlib import Path
 
@@ -120,14 +121,35 @@ def test_a_lone_outlier_whose_document_stands_out_names_the_document(loader, mon
     assert max(_spans(entries)) > SEQ + 1  # beyond its own chunk: the document
 
 
-def test_two_outliers_corroborate_and_are_named_by_their_chunks_alone(loader, monkeypatch):
+def test_two_ordinary_outliers_name_nothing_and_a_second_strike_in_another_pass_names_the_chunk(loader, monkeypatch):
+    """Two sequences of ordinary documents stand out in one spike (a base32 alphabet and a row of
+    digits did so on the long bench): each is left out of this pass and becomes a suspect; they
+    prove nothing together. The same chunk standing out again in another pass (the next epoch)
+    is its second strike: named, by its chunk alone. Read again in the same pass (a replay), it
+    is not."""
     f, _ = _forensics(loader, monkeypatch, {51: _step(range(800, 816), high=[3]), 52: _step(range(816, 832), high=[0])},
                       doc_loss=2.0)
-    entries = f.data_entries([51, 52], _monitor())
-    assert not any(is_window(e) for e in entries) and len(_spans(entries)) == 2
-    assert all(s == SEQ + 1 for s in _spans(entries))  # each its chunk: their documents are ordinary
-    named = set(loader.skipped_chunks(entries).tolist())
-    assert named == set(loader.chunk_ids(np.array([803, 816])).tolist())
+    monitor = _monitor()
+    assert f.data_entries([51, 52], monitor) == [[803, 804], [816, 817]]
+    chunk = int(loader.chunk_ids(np.array([803]))[0])
+    assert f.suspects[chunk] == 0 and len(f.suspects) == 2
+    assert f.data_entries([51], monitor) == [[803, 804]]  # the same pass: no second strike
+    # The next epoch: the position where the order puts that chunk again.
+    later = loader.n_chunks + int(np.flatnonzero(loader.chunk_ids(np.arange(loader.n_chunks, 2 * loader.n_chunks))
+                                                 == chunk)[0])
+    f.sequences[90] = _step([later] + list(range(later + 1, later + 16)), high=[0])
+    entries = f.data_entries([90], monitor)
+    assert not any(is_window(e) for e in entries) and _spans(entries) == [SEQ + 1]
+    assert set(loader.skipped_chunks(entries).tolist()) == {chunk}
+
+
+def test_a_step_bad_throughout_names_its_chunks_at_first_sight(loader, monkeypatch):
+    """Every sequence random tokens (loss 9 against 2.0 +- 0.1): a poisoned batch, no clean step
+    puts half its sequences beyond 4 sigmas. Its chunks are named at once, not their documents."""
+    f, _ = _forensics(loader, monkeypatch, {51: _step(range(800, 816), high=range(16))}, doc_loss=2.0)
+    entries = f.data_entries([51], _monitor())
+    assert set(loader.skipped_chunks(entries).tolist()) == set(loader.chunk_ids(np.arange(800, 816)).tolist())
+    assert sum(_spans(entries)) <= 16 * (SEQ + 1) and not f.suspects  # chunks (merged where adjacent), no documents
 
 
 def test_a_repeated_ngram_is_named_whatever_its_loss_and_a_step_of_nothing_names_nothing(loader, monkeypatch):
@@ -155,3 +177,26 @@ def test_a_batch_bad_throughout_stands_out_whole_and_a_state_rise_does_not():
     one = np.full(16, 2.0)
     one[4] = 2.9  # 9 sigmas, but the step's mean passes
     assert not monitor.loss_outlier(float(one.mean())) and not monitor.standing_out(one).any()
+
+
+def test_the_suspects_and_repeated_flags_travel_in_the_triage_part_and_are_checked():
+    from dsslm.fields import StateError
+    from dsslm.recovery.replay import ReplayProgress
+    fed, sequences, suspects = collections.OrderedDict({51: (800, 816)}), collections.OrderedDict(), \
+        collections.OrderedDict({1234: 0, 77: 2})
+    sequences[51] = _step(range(800, 816), rep=[5])
+    progress = ReplayProgress()
+    progress.bind(fed, collections.deque(), sequences, suspects)
+    saved = json.loads(json.dumps(progress.state_dict()))
+    progress.state_spec.validate(saved, "state.triage")
+    assert saved["suspects"] == [[1234, 0], [77, 2]] and saved["repeated"] == [[51, [805]]]
+    mine, theirs = collections.OrderedDict(), collections.OrderedDict()
+    restored = ReplayProgress()
+    restored.bind(collections.OrderedDict(), collections.deque(), mine, theirs)
+    restored.load_state_dict(saved)
+    assert theirs == suspects and mine[51][2].tolist() == sequences[51][2].tolist()
+    with pytest.raises(StateError, match="suspects"):
+        progress.state_spec.validate({**saved, "suspects": [[1234, -1]]}, "state.triage")
+    # A part written before either field existed loads with none.
+    restored.load_state_dict({"format": 1, "replay": None})
+    assert not theirs and not mine

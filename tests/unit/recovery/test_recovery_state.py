@@ -282,6 +282,7 @@ class _Forensics:
     def __init__(self, losses):
         self.sequences = collections.OrderedDict({51: (np.arange(800, 816), np.asarray(losses, dtype=np.float64),
                                                         np.zeros(16, dtype=bool))})
+        self.suspects = collections.OrderedDict()
         self.recorded = []
 
     def data_entries(self, steps, monitor):

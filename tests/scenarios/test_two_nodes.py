@@ -316,3 +316,55 @@ def test_prepare_on_two_nodes_writes_the_bytes_one_process_writes(slurm_on_two_n
     prepare(inputs, reference, tokenizer="bpe", vocab_size=300, tokenizer_sample=1 << 20)
     assert every_file(out) == every_file(reference)
     assert sorted(p.name for p in out.iterdir()) == ["default", "manifest.json", "tokenizer.json"]
+
+
+def array_tasks(cluster, job_id: int) -> list[dict[str, str]]:
+    """`scontrol show job` of a job array: one record per task once Slurm split them (a pending
+    remainder is one record, its ArrayTaskId a range)."""
+    import re
+    out = cluster.client(["scontrol", "-o", "show", "job", str(job_id)]).stdout
+    return [dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.slurm
+def test_slurm_runs_a_ladder_of_8_points_as_a_job_array_on_two_nodes(slurm_on_two_nodes, tmp_path):
+    """python -m dsslm.ladder --slurm writes the plan and submits slurm/ladder.sbatch as an array of
+    8 tasks (2 widths x 2 rates x 2 seeds, 10 steps each), one node each, on both nodes; each task
+    runs its point through slurm/train.sbatch; --collect then finds 8 finished points."""
+    import time
+    from slurm_cluster import FINISHED_STATES
+    from test_slurm import JOB_TIMEOUT_S
+    cluster, out = slurm_on_two_nodes, tmp_path / "ladder"
+    base = ["engine.kind=ddp", "train.precision=fp32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
+            "train.micro_batch_size=4", "train.total_steps=10", "ckpt.every=10", "optim.warmup_steps=3",
+            "run.val_batches=2", "run.tensorboard=false", "train.device=cpu"]
+    env = {**cluster.env, "DSSLM_PYTHON": PYTHON, "DSSLM_NPROC_PER_NODE": "1", "DS_ACCELERATOR": "cpu"}
+    argv = [PYTHON, "-m", "dsslm.ladder", "--slurm", "--widths", "32,64", "--lrs", "1e-3,1e-2", "--seeds", "1,2",
+            "--out", str(out), *base]
+    done = subprocess.run(cluster.wrap(argv), env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--array=0-7" in done.stdout, done.stdout + done.stderr
+    job_id = int(done.stdout.split()[-1])
+    cluster.job_ids.append(job_id)  # scancelled with the cluster, whatever happens here
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((out / "logs").glob("*.out")))
+    deadline, tasks = time.monotonic() + 2 * JOB_TIMEOUT_S, []
+    while time.monotonic() < deadline:
+        tasks = array_tasks(cluster, job_id)
+        if len(tasks) == 8 and all(t.get("JobState") in FINISHED_STATES for t in tasks):
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"job array {job_id} not done after {2 * JOB_TIMEOUT_S} s: "
+                             f"{[(t.get('ArrayTaskId'), t.get('JobState')) for t in tasks]}\n{logs()}")
+    assert sorted(int(t["ArrayTaskId"]) for t in tasks) == list(range(8)), tasks
+    assert {(t["JobState"], t["ExitCode"]) for t in tasks} == {("COMPLETED", "0:0")}, logs()
+    assert {t["BatchHost"] for t in tasks} == {"nodea", "nodeb"}, [t["BatchHost"] for t in tasks]
+
+    collected = subprocess.run([PYTHON, "-m", "dsslm.ladder", "--collect", "--out", str(out)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    results = json.loads((out / "ladder.json").read_text())["results"]["points"]
+    assert len(results) == 8 and {r["status"] for r in results} == {"finished"}, (results, logs())
+    assert all(r["val_step"] == 10 and r["val_loss"] > 0 for r in results), results
+    assert "width 32, depth 2: best rate" in collected.stdout and (out / "ladder.png").exists(), collected.stdout

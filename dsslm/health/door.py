@@ -84,6 +84,7 @@ class Health:
                             cfg.run.alert_command, engine.is_main)
         if engine.world_size > 1:
             ids = engine.all_gather((socket.gethostname(), os.getpid(), reaper.pid_start(os.getpid())))
+            watchdog.peers = [(host, pid) for host, pid, _ in ids]
             node = [r for r, (host, _, _) in enumerate(ids) if host == ids[engine.rank][0]]
             if node[0] == engine.rank:
                 watchdog.start_reaper([ids[r][1:] for r in node])

@@ -95,6 +95,10 @@ class Watchdog:
         self.progress, self.failures, self.alert_command = progress, failures, alert_command
         self.is_main = rank == 0 if is_main is None else is_main
         self.host, self.pid = socket.gethostname(), os.getpid()
+        # Every rank's (host, pid), gathered once at the start (health.door): a rank whose beat this
+        # watchdog never read is still named by its host in a record (a link down before the first
+        # read left it "?", and the record named one host of two).
+        self.peers: list[tuple[str, int]] = []
         self.limits = Limits(cfg, progress.longest)
         self._saved = dict(progress.longest)
         self.grace_s = max(3 * cfg.beat_s, 2.0)  # a peer whose connection closed and stopped beating this long is gone
@@ -183,7 +187,8 @@ class Watchdog:
             return
         for rank in sorted(set(quiet) - self._said_silent):
             s = quiet[rank]
-            who = f"rank {rank} ({s.host}, pid {s.pid})" if s.host != "?" else f"rank {rank} (never heard from)"
+            who = (f"rank {rank} ({s.host}, pid {s.pid})" if s.phase != "?" else
+                   f"rank {rank} ({'' if s.host == '?' else s.host + ', '}never heard from)")
             where = f" in {s.phase} at step {s.step}" if s.phase in ORDER else ""
             print(f"dsslm: {who} silent for {s.silent_s:.0f} s{where}; calling a hang at {limit:.0f} s (Ctrl-C "
                   f"calls it now, with its record)", file=sys.stderr, flush=True)
@@ -243,7 +248,8 @@ class Watchdog:
                 out.append(self._me(now))
                 continue
             if not hangs.seen_ok(beat):  # never beat, or not a beat: silent since we started
-                out.append(Seen(rank, "?", 0, -1, "?", now - self.rebased, float("inf"), max(0.0, at - self.rebased)))
+                host, pid = self.peers[rank] if rank < len(self.peers) else ("?", 0)
+                out.append(Seen(rank, host, pid, -1, "?", now - self.rebased, float("inf"), max(0.0, at - self.rebased)))
                 continue
             count, changed_at = self.changed.get(rank, (None, at))
             if beat.get("n") != count:

@@ -209,6 +209,23 @@ def test_one_claim_per_job_the_loser_gets_the_winners_folder_and_code(tmp_path):
     assert hangs.claimed(tmp_path, "job2") is None
 
 
+def test_a_rank_whose_beat_was_never_read_is_named_by_its_host_from_the_start(tmp_path):
+    """A link that goes down before this watchdog read a peer's first beat: the peer was "?" in
+    the record, which then named one host of two (tests/scenarios/test_two_nodes.py, once in a
+    full suite under load). Every rank's host and pid are gathered at the start (health.door)."""
+    dog = Watchdog(WatchdogCfg(beat_s=600), tmp_path, 0, "tok", Links(), Progress())
+    try:
+        now = time.monotonic()
+        never = dog._seen(now, now, [None, None])[1]
+        assert (never.host, never.pid, never.phase) == ("?", 0, "?")
+        dog.peers = [("nodea", 11), ("nodeb", 22)]
+        never = dog._seen(now, now, [None, None])[1]
+        assert (never.host, never.pid, never.step, never.phase) == ("nodeb", 22, -1, "?")
+    finally:
+        dog.closed = True
+        dog._stop.set()
+
+
 def record(run_dir: Path, name: str, step: int, phase: str, row: int) -> None:
     (run_dir / "hangs" / name).mkdir(parents=True)
     hangs.write_record(run_dir / "hangs" / name, {"schema": 1, "step": step, "phase": phase, "in_a_row": row,

@@ -72,7 +72,7 @@ class Forensics:
                  loader: Loader | None = None):
         self.enabled = cfg.monitor.enabled and cfg.monitor.forensics
         self.engine, self.dir, self.tokenizer, self.emit = engine, Path(run_dir) / SPIKES_DIR, tokenizer, emit
-        self.loader, self.precision = loader, cfg.train.precision
+        self.loader, self.precision, self.micro = loader, cfg.train.precision, cfg.train.micro_batch_size
         # Chunks by id as training reads them (job.setup: through the fault drills).
         self.read_chunks: Callable[[np.ndarray], tuple] | None = loader.read_chunks if loader is not None else None
         self.written = 0  # the same count on every rank: every rank captures the same steps
@@ -139,7 +139,7 @@ class Forensics:
             return []
         asked = found[:MAX_DOCUMENTS]  # the rest: by their chunks (a poisoned batch of 512 needs no 4,096 reads)
         docs = [self.loader.document_chunks(c.chunk, DOCUMENT_SAMPLES) for c in asked]
-        losses = document_losses(self.engine, self.read_chunks, docs, self.precision)
+        losses = document_losses(self.engine, self.read_chunks, docs, self.precision, self.micro)
 
         def reach() -> tuple[list, list]:
             entries, struck = [], []

@@ -119,27 +119,33 @@ def candidates(captured: dict, steps, monitor, loader, suspects: dict) -> list[C
     return out
 
 
-def document_losses(engine, read_chunks, chunk_ids: list[np.ndarray], precision: str) -> list[np.ndarray]:
+def document_losses(engine, read_chunks, chunk_ids: list[np.ndarray], precision: str, micro: int) -> list[np.ndarray]:
     """Every rank, together: the mean loss per target token of each chunk in each list (one list
-    per candidate), at the current weights, in eval mode. A forward of every engine is collective
-    (FSDP and ZeRO-3 gather their shards), so every rank runs the same batches."""
+    per candidate), at the current weights, in eval mode, `micro` sequences a forward (the run's
+    micro-batch: 128 chunks at once would hold 128 x seq_len x vocab fp32 logits). A forward of
+    every engine is collective (FSDP and ZeRO-3 gather their shards), so every rank runs the same
+    batches in the same order."""
     from dsslm.precision import autocast
 
     flat = np.concatenate(chunk_ids) if chunk_ids else np.empty(0, dtype=np.int64)
     if len(flat) == 0:
         return [np.empty(0) for _ in chunk_ids]
-    inputs, targets = read_chunks(flat)
+    parts = []
     engine.train_mode(False)
     try:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            with autocast(precision, engine.device):
-                logits = engine.forward(inputs.to(engine.device))
-            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.to(engine.device).flatten(),
-                                                   reduction="none", ignore_index=-100).view(targets.shape)
-            real = (targets != -100).sum(-1).clamp(min=1).to(ce.device)
-            losses = (ce.sum(-1) / real).double().cpu().numpy()
+            for lo in range(0, len(flat), max(1, micro)):
+                inputs, targets = read_chunks(flat[lo:lo + max(1, micro)])
+                targets = targets.to(engine.device)
+                with autocast(precision, engine.device):
+                    logits = engine.forward(inputs.to(engine.device))
+                ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                       reduction="none", ignore_index=-100).view(targets.shape)
+                real = (targets != -100).sum(-1).clamp(min=1)
+                parts.append((ce.sum(-1) / real).double().cpu().numpy())
     finally:
         engine.train_mode(True)
+    losses = np.concatenate(parts)
     out, at = [], 0
     for ids in chunk_ids:
         out.append(losses[at:at + len(ids)])

@@ -84,7 +84,7 @@ def _forensics(loader, monkeypatch, captured: dict, doc_loss: float) -> tuple[Fo
     chunks evaluate at `doc_loss` each (what the collective forward would give)."""
     asked = []
 
-    def document_losses(engine, read_chunks, docs, precision):
+    def document_losses(engine, read_chunks, docs, precision, micro):
         asked.append([list(map(int, d)) for d in docs])
         return [np.full(len(d), doc_loss) for d in docs]
     monkeypatch.setattr(forensics_module, "document_losses", document_losses)
@@ -200,3 +200,37 @@ def test_the_suspects_and_repeated_flags_travel_in_the_triage_part_and_are_check
     # A part written before either field existed loads with none.
     restored.load_state_dict({"format": 1, "replay": None})
     assert not theirs and not mine
+
+
+def test_a_documents_chunks_are_evaluated_in_micro_batches_in_eval_mode(loader):
+    """`document_losses` runs the real forward a micro-batch at a time (all at once would hold
+    every chunk's logits) and hands each candidate its own chunks' mean losses; the model is back
+    in train mode after."""
+    from dsslm.config import ModelCfg
+    from dsslm.model import build_model
+    from dsslm.recovery.reach import document_losses
+    torch.manual_seed(0)
+    model = build_model(ModelCfg(d_model=32, n_layers=1, n_heads=2, seq_len=SEQ, vocab_size=257))
+
+    class Engine:
+        device = torch.device("cpu")
+        modes = []
+
+        def forward(self, x):
+            return model(x)
+
+        def train_mode(self, training):
+            self.modes.append(training)
+            model.train(training)
+
+    docs = [np.arange(3, 8), np.array([], dtype=np.int64), np.arange(40, 43)]
+    engine = Engine()
+    by_three = document_losses(engine, loader.read_chunks, docs, "fp32", 3)
+    at_once = document_losses(engine, loader.read_chunks, docs, "fp32", 100)
+    x, y = loader.read_chunks(np.arange(40, 43))
+    with torch.no_grad():
+        direct = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+    assert [len(d) for d in by_three] == [5, 0, 3] and engine.modes == [False, True, False, True] and model.training
+    for a, b in zip(by_three, at_once):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(by_three[2], direct.mean(-1).double().numpy(), rtol=1e-5)

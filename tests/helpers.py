@@ -156,6 +156,21 @@ def hook_env(folder: Path, code: str) -> dict:
     return {"PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
+def stdlib_sources(folder: Path, budget: int = 30_000) -> Path:
+    """About `budget` bytes of stdlib source into `folder`, one document (module) per file, each
+    2-8 KB: a small code corpus built locally, the same files on every machine with this Python."""
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for path in sorted(Path(os.__file__).parent.glob("*.py")):
+        text = path.read_text(errors="replace")
+        if 2_000 < len(text) < 8_000:
+            (folder / path.name).write_text(text)
+            total += len(text)
+        if total > budget:
+            break
+    return folder
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -113,8 +113,7 @@ class Drills:
             inputs, targets = inputs.clone(), targets.clone()
             for i in range(inputs.shape[0]):
                 if hit[row + i]:
-                    gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(where[row + i]))
-                    noise = torch.randint(0, self.vocab_size, (inputs.shape[1] + 1,), generator=gen)
+                    noise = self._noise_at(int(where[row + i]), inputs.shape[1] + 1)
                     inputs[i], targets[i] = noise[:-1], noise[1:]
             row += inputs.shape[0]
             out.append((inputs, targets))
@@ -140,14 +139,19 @@ class Drills:
         cfg = self.cfg
         if self.loader is None or not (cfg.repeat_chunks or cfg.poison_chunks):
             return micro_batches
-        mine = self.loader.chunk_ids(np.asarray(indices, dtype=np.int64))
-        firsts, noisy = np.full(len(mine), -1), np.full(len(mine), -1)
-        for first, end in cfg.repeat_chunks:
-            firsts[(mine >= first) & (mine < end)] = first
-        for first, end in cfg.poison_chunks:
-            inside = (mine >= first) & (mine < end)
-            noisy[inside] = mine[inside]
+        firsts, noisy = self._chunk_keys(self.loader.chunk_ids(np.asarray(indices, dtype=np.int64)))
         return self._replace(self._replace(micro_batches, firsts, self._chunk_ngram), noisy, self._chunk_noise)
+
+    def _chunk_keys(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For chunks `ids`: the repeat_chunks range's first chunk each reads, and the poison_chunks
+        chunk id each is (the keys `_chunk_ngram` and `_chunk_noise` take), else -1."""
+        firsts, noisy = np.full(len(ids), -1), np.full(len(ids), -1)
+        for first, end in self.cfg.repeat_chunks:
+            firsts[(ids >= first) & (ids < end)] = first
+        for first, end in self.cfg.poison_chunks:
+            inside = (ids >= first) & (ids < end)
+            noisy[inside] = ids[inside]
+        return firsts, noisy
 
     def read_chunks(self, chunk_ids: np.ndarray) -> Batch:
         """Chunks by id as a batch, as the data drills would feed them wherever they are fed (a
@@ -167,12 +171,7 @@ class Drills:
                 batch = self._replace(batch, starts, self._repeated_tokens)
             elif cfg.poison_rank in (-1, self.rank):
                 batch = self._replace(batch, where, fill)
-        firsts, noisy = np.full(len(ids), -1), np.full(len(ids), -1)
-        for first, end in cfg.repeat_chunks:
-            firsts[(ids >= first) & (ids < end)] = first
-        for first, end in cfg.poison_chunks:
-            inside = (ids >= first) & (ids < end)
-            noisy[inside] = ids[inside]
+        firsts, noisy = self._chunk_keys(ids)
         return self._replace(self._replace(batch, firsts, self._chunk_ngram), noisy, self._chunk_noise)[0]
 
     def _first_fed(self, windows: list, ids: np.ndarray) -> np.ndarray:

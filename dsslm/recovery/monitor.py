@@ -228,13 +228,14 @@ class SpikeMonitor:
         return median, max(MAD_TO_STD * float(np.median(np.abs(history - median))), SCALE_FLOOR_REL * abs(median),
                            SCALE_FLOOR_NATS)
 
-    def z_of(self, loss: float) -> float | None:
-        """How many robust standard deviations a mean loss per token stands from the history of
-        sequence losses (signed), or None until the history holds MIN_REFERENCE sequences."""
+    def z_of(self, loss: Any) -> Any:
+        """How many robust standard deviations a mean loss per token (or an array of them: the
+        history's median taken once) stands from the history of sequence losses (signed), or None
+        until the history holds MIN_REFERENCE sequences."""
         if len(self._sequences) < MIN_REFERENCE:
             return None
         median, scale = self._reference()
-        return (float(loss) - median) / scale
+        return (np.asarray(loss, dtype=np.float64) - median) / scale if np.ndim(loss) else (float(loss) - median) / scale
 
     def forgive(self) -> None:
         """Take back the last verdict's place in the streak (a replayed step within the noise)."""

@@ -105,9 +105,10 @@ def candidates(captured: dict, steps, monitor, loader, suspects: dict) -> list[C
         indices, losses, rep = captured[step]
         stands = np.asarray(monitor.standing_out(losses), dtype=bool)
         throughout = 2 * int(stands.sum()) >= len(losses) > 0
+        z = monitor.z_of(losses)  # signed, the history's reference taken once a step (None: too short)
+        below = np.zeros(len(losses), dtype=bool) if z is None else np.isfinite(losses) & (z < 0)
         for i in np.flatnonzero(stands | np.asarray(rep, dtype=bool)):
-            z = monitor.z_of(losses[i]) if np.isfinite(losses[i]) else 1.0
-            found.append((int(indices[i]), bool(rep[i]) or throughout, -1.0 if z is not None and z < 0 else 1.0))
+            found.append((int(indices[i]), bool(rep[i]) or throughout, -1.0 if below[i] else 1.0))
     if not found:
         return []
     index = np.asarray([i for i, _, _ in found], dtype=np.int64)

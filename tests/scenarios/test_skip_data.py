@@ -3,7 +3,6 @@ epoch, and a skip list of data entries feeds the same batches on 1 and 2 ranks."
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ from dsslm.data import prepare
 from dsslm.data.loader import Loader
 from dsslm.train import train
 from helpers import one_thread  # noqa: F401  (autouse here: every run on one thread)
-from helpers import events, read_jsonl, run_train, tiny_cfg
+from helpers import events, read_jsonl, run_train, stdlib_sources, tiny_cfg
 
 # As tests/scenarios/test_triage.py: a constant learning rate, batches of 16; a repeated 4-gram
 # in data batches 40..42 is a data spike by step 41.
@@ -27,16 +26,7 @@ B = 16
 def small_data(tmp_path_factory) -> Path:
     """~30 KB of stdlib source, one document per file: an epoch of about 58 steps of 16 x 32 tokens."""
     root = tmp_path_factory.mktemp("small")
-    src, total = root / "src", 0
-    src.mkdir()
-    for path in sorted(Path(os.__file__).parent.glob("*.py")):
-        text = path.read_text(errors="replace")
-        if 2_000 < len(text) < 8_000:
-            (src / path.name).write_text(text)
-            total += len(text)
-        if total > 30_000:
-            break
-    prepare([src], root / "data", domain="code", val_fraction=0.02)
+    prepare([stdlib_sources(root / "src")], root / "data", domain="code", val_fraction=0.02)
     return root / "data"
 
 

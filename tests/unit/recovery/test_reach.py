@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from dsslm.recovery import forensics as forensics_module
 from dsslm.recovery.forensics import Forensics
 from dsslm.recovery.monitor import SpikeMonitor, Verdict
 from dsslm.recovery.reach import repeated, step_repeated
+from helpers import stdlib_sources
 
 SEQ = 32
 
@@ -28,16 +28,7 @@ SEQ = 32
 def loader(tmp_path_factory) -> Loader:
     """~30 KB of stdlib source, one document per file."""
     root = tmp_path_factory.mktemp("reach")
-    src, total = root / "src", 0
-    src.mkdir()
-    for path in sorted(Path(os.__file__).parent.glob("*.py")):
-        text = path.read_text(errors="replace")
-        if 2_000 < len(text) < 8_000:
-            (src / path.name).write_text(text)
-            total += len(text)
-        if total > 30_000:
-            break
-    prepare([src], root / "data", domain="code", val_fraction=0.0)
+    prepare([stdlib_sources(root / "src")], root / "data", domain="code", val_fraction=0.0)
     return Loader(root / "data", SEQ, 1337)
 
 

@@ -1,9 +1,12 @@
 """`python -m dsslm.health.exclude --job JOBID --nodes N [-- TRAIN ARGS]`: keep a bad node out of a job's requeue.
 
-slurm/train.sbatch runs it right after `scontrol requeue`, with the arguments it gave dsslm.train
-(for run.dir and observe.nodes): Slurm takes a job's ExcNodeList only once the job no longer runs
+slurm/train.sbatch runs it with `--later FILE` just before `scontrol requeue`, with the arguments it
+gave dsslm.train (for run.dir and observe.nodes), and sets the ExcNodeList it wrote into FILE with
+one `scontrol update` right after: Slurm takes a job's ExcNodeList only once the job no longer runs
 (measured on 22.05: a running job's update is refused, "Job is no longer pending execution"; a
-requeued one's is taken while it completes). A bad node is
+requeued one's is taken while it completes), and a requeued job may start again within seconds
+where cred_expire is short, so the deciding (a Python start, scontrol, sinfo: 6 s and more on a
+loaded node) must not sit between the requeue and the update. A bad node is
 - one that failed its check before the first step (run.dir/nodes.json, health/nodecheck.py);
 - one that `observe.nodes.hang_blames` hang records (run.dir/hangs/*/hang.json) blamed within
   `exclude_hours`: the ranks a record proves stopped (its `blamed`; in an older record without
@@ -197,9 +200,10 @@ def hostnames(expr: str, run: Run) -> list[str]:
 
 
 def exclude(run_dir: Path, cfg: Config, job: str, run: Run = slurm_run, now: float | None = None,
-            nodes: int = 1, partition: str = "") -> list[str]:
+            nodes: int = 1, partition: str = "", update: Callable[[str], None] | None = None) -> list[str]:
     """Do it for job `job` of `nodes` nodes (its allocation's: a completing job's NumNodes counts only
-    the nodes still completing) in `partition`: the lines to log."""
+    the nodes still completing) in `partition`: the lines to log. `update(exc_node_list)` sets the
+    new list (by default `scontrol update`, at once)."""
     now = time.time() if now is None else now
     expiry = 3600 * cfg.observe.nodes.exclude_hours
     if expiry <= 0:
@@ -221,7 +225,10 @@ def exclude(run_dir: Path, cfg: Config, job: str, run: Run = slurm_run, now: flo
             listed[parts[0]] = parts[1]
     result = plan(found, kept, listed, needed, current, now, expiry)
     if result.exclude != current:
-        run(["scontrol", "update", f"job={job}", f"ExcNodeList={','.join(result.exclude)}"])
+        if update is None:
+            run(["scontrol", "update", f"job={job}", f"ExcNodeList={','.join(result.exclude)}"])
+        else:
+            update(",".join(result.exclude))
     if result.kept != kept:
         write_json_atomic(run_dir / EXCLUDED, {"nodes": result.kept}, indent=1)
     return result.lines
@@ -232,14 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", required=True, help="the Slurm job id ($SLURM_JOB_ID)")
     parser.add_argument("--nodes", type=int, default=1, help="the job's node count ($SLURM_NNODES)")
     parser.add_argument("--partition", default="", help="its partition, where scontrol does not say")
+    parser.add_argument("--later", type=Path, default=None,
+                        help="write the ExcNodeList to set into this file instead of setting it (the job still runs)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then dsslm.train's arguments")
     args = parser.parse_args(argv)
+    update = None if args.later is None else args.later.write_text
     from dsslm.preflight import parse_args
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     try:
         targs, overrides = parse_args(train_args)
         cfg = load(targs.config, overrides)
-        for line in exclude(Path(cfg.run.dir), cfg, args.job, nodes=args.nodes, partition=args.partition):
+        for line in exclude(Path(cfg.run.dir), cfg, args.job, nodes=args.nodes, partition=args.partition,
+                            update=update):
             print(line, flush=True)
     except (ConfigError, OSError, ValueError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or exc

@@ -240,18 +240,28 @@ def test_slurm_requeues_a_job_a_node_refused_without_that_node(slurm_on_two_node
     blocker.write_text(f"#!/bin/bash\n#SBATCH --nodelist=nodea\n#SBATCH --exclusive\n#SBATCH --output={tmp_path}/b.out\n"
                        "sleep 600\n")
     env = {"DSSLM_PYTHON": PYTHON, "DSSLM_NPROC_PER_NODE": "1", "DS_ACCELERATOR": "cpu"}
+    busy = job_id = None
     try:
         busy = cluster.sbatch(blocker)
         cluster.wait_state(busy, "RUNNING", 60)
         job_id = cluster.sbatch(SBATCH, [f"run.dir={run_dir}", *RUN_ARGS, "train.total_steps=10", "ckpt.every=5", *QUICK],
                                 ["--nodes=1", f"--output={tmp_path}/%x-%j.out"], env=env, cwd=ROOT)
         try:
-            cluster.wait_job(job_id, lambda j: j["Restarts"] == "1" and j["ExcNodeList"] == "nodeb", JOB_TIMEOUT_S)
+            # Restarts 1 exactly, ExcNodeList set as soon as the job is pending again: decided before
+            # the requeue, set right after it. (Before, under load, the job started on node B again:
+            # the helper's update came 6 s after the requeue.)
+            released = cluster.wait_job(job_id, lambda j: j["Restarts"] != "0" and j["JobState"] == "PENDING"
+                                        and "JobHeld" not in j["Reason"], JOB_TIMEOUT_S)
+            assert (released["Restarts"], released["ExcNodeList"]) == ("1", "nodeb"), released
         except TimeoutError as err:
             raise AssertionError(f"{err}\n{job_log(tmp_path, job_id)}") from None
         cluster.client(["scancel", str(busy)])
         info = cluster.wait_state(job_id, FINISHED_STATES, JOB_TIMEOUT_S)
     finally:
+        # Whatever failed above, neither job may hold a node into the tests after this one.
+        for left in (busy, job_id):
+            if left is not None:
+                cluster.client(["scancel", str(left)], check=False)
         subprocess.run([*in_b, "umount", "-l", str(run_dir)], check=False)
     log = job_log(tmp_path, job_id)
     assert (info["JobState"], info["ExitCode"], info["Restarts"], info["ExcNodeList"]) == \

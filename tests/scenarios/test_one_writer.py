@@ -32,7 +32,10 @@ def test_a_second_trainer_exits_2_naming_the_holder_and_writes_nothing(tmp_path)
         if nproc == 1:
             assert other.returncode == 2, other.stderr[-3000:]
         else:  # torchrun itself exits 1 when a rank fails; its summary has each rank's code
-            assert other.stderr.count("exitcode  : 2 ") == 2, other.stderr[-3000:]
+            # Once (CI, 2026-12-07) rank 0 was still there 30 s after rank 1's exit 2 and torchrun
+            # killed it; not reproduced in 11 runs under load. The ranks' own lines come first in
+            # stderr, torchrun's summary last: both are shown.
+            assert other.stderr.count("exitcode  : 2 ") == 2, other.stderr[:4000] + "\n[...]\n" + other.stderr[-3000:]
         ours = [line for line in other.stderr.splitlines() if line.startswith("dsslm:")]
         assert len(ours) == 1, other.stderr[-3000:]  # rank 0 says it for every rank (each exits 2, above)
         assert all(f"pid {holder.pid} on host {socket.gethostname()}" in line for line in ours)

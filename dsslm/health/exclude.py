@@ -6,7 +6,8 @@ one `scontrol update` right after: Slurm takes a job's ExcNodeList only once the
 (measured on 22.05: a running job's update is refused, "Job is no longer pending execution"; a
 requeued one's is taken while it completes), and a requeued job may start again within seconds
 where cred_expire is short, so the deciding (a Python start, scontrol, sinfo: 6 s and more on a
-loaded node) must not sit between the requeue and the update. A bad node is
+loaded node) must not sit between the requeue and the update (a preemption's requeue is the
+exception: it comes first, this after it, because its save has used the notice's time). A bad node is
 - one that failed its check before the first step (run.dir/nodes.json, health/nodecheck.py);
 - one that `observe.nodes.hang_blames` hang records (run.dir/hangs/*/hang.json) blamed within
   `exclude_hours`: the ranks a record proves stopped (its `blamed`; in an older record without

@@ -298,6 +298,26 @@ def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
     assert (run_dir / "excluded_nodes.json").exists()
 
 
+def test_a_preemption_is_requeued_before_its_bad_nodes_are_decided(tmp_path):
+    """After a notice's save the requeue must not wait for a Python start: requeued first, the
+    helper after it, its list set after that (what a preemption excludes is a straggler or an
+    older record, never a node that just failed)."""
+    from dsslm.health.nodes import write_nodes
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_nodes(run_dir, {"schema": 1, "time": time.time(), "stragglers": [], "nodes": {
+        "node2": {"host": "node2", "slurm_node": None, "ranks": [1], "verdict": "bad", "checks": {},
+                  "why": ["run.dir /r: 0.1 MB free, the next checkpoint needs 0.6 MB"]}}})
+    show = 'if [[ $1 == -o ]]; then echo "JobId=42 Partition=debug NumNodes=1 ExcNodeList=(null)"; fi; exit 0'
+    rc, out, calls = run_alone(tmp_path, 'trap "" USR1; kill -USR1 $PPID; sleep 0.2; echo preempted >"$DSSLM_STATUS_FILE"',
+                               {"DSSLM_PYTHON": PYTHON, "PYTHONPATH": str(ROOT)}, args=[f"run.dir={run_dir}"],
+                               stand_ins={"scontrol": show, "sinfo": "echo 'node1 idle'; echo 'node2 comp'"})
+    lines = calls.splitlines()
+    assert rc == 0 and "excluding node2 from this job's requeues until" in out, out
+    requeued = lines.index("requeue 42")
+    assert requeued < lines.index("-o show job 42") < lines.index("update job=42 ExcNodeList=node2"), calls
+
+
 def test_the_scripts_exit_codes_are_dsslms():
     from dsslm.exits import EXIT_BAD_NODE, EXIT_OUT_OF_MEMORY, EXIT_REQUEUE, NEEDS_A_PERSON
     script = SBATCH.read_text()

@@ -418,6 +418,12 @@ def warn_at_start(cfg: Any, device_type: str, n_params: int, tokens_per_step: in
     if cfg.run.val_every > total_steps:
         lines.append(f"run.val_every={cfg.run.val_every} is more than train.total_steps={total_steps}: validation "
                      f"runs only at the last step; set e.g. run.val_every={max(1, total_steps // 4)}")
+    if cfg.model.mup_base_width and cfg.model.tie_embeddings and cfg.model.d_model > cfg.model.mup_base_width:
+        # The shared table's AdamW step follows the sum of both gradients; the head's carries muP's
+        # 1/m, so the wider the model, the less the head's side moves it (docs/mup.md#tied-embeddings).
+        lines.append(f"model.mup_base_width={cfg.model.mup_base_width} with tied embeddings: the head's share of the "
+                     f"shared table's update shrinks with width, so the best rate transfers but wider models "
+                     f"learn no better (measured, docs/mup.md#tied-embeddings); set model.tie_embeddings=false")
     for line in lines:
         LOG.warning(line)
     return lines

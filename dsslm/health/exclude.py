@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the ExcNodeList to set into this file instead of setting it (the job still runs)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then dsslm.train's arguments")
     args = parser.parse_args(argv)
-    update = None if args.later is None else args.later.write_text
+    # A newline after the list: an emptied list (every exclusion lifted) is a change too, and the
+    # script applies the file only when it is not empty (`[[ -s ]]`).
+    update = None if args.later is None else lambda exc_node_list: args.later.write_text(exc_node_list + "\n")
     from dsslm.preflight import parse_args
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     try:

@@ -298,6 +298,22 @@ def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
     assert (run_dir / "excluded_nodes.json").exists()
 
 
+def test_an_expired_exclusion_is_lifted_by_the_requeue(tmp_path):
+    """The record's only exclusion is past its `until`: the requeue empties the job's ExcNodeList
+    (an empty list is a change too; it was once written as an empty file and never applied)."""
+    import json
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "excluded_nodes.json").write_text(json.dumps({"nodes": {"node2": {
+        "since": time.time() - 30 * 3600, "until": time.time() - 6 * 3600, "why": "full run.dir"}}}))
+    show = 'if [[ $1 == -o ]]; then echo "JobId=42 Partition=debug NumNodes=1 ExcNodeList=node2"; fi; exit 0'
+    rc, out, calls = run_alone(tmp_path, "exit 75", {"DSSLM_PYTHON": PYTHON, "PYTHONPATH": str(ROOT)},
+                               args=[f"run.dir={run_dir}"],
+                               stand_ins={"scontrol": show, "sinfo": "echo 'node1 idle'; echo 'node2 idle'"})
+    lines = calls.splitlines()
+    assert rc == 0 and lines[lines.index("requeue 42") + 1] == "update job=42 ExcNodeList=", (out, calls)
+
+
 def test_a_preemption_is_requeued_before_its_bad_nodes_are_decided(tmp_path):
     """After a notice's save the requeue must not wait for a Python start: requeued first, the
     helper after it, its list set after that (what a preemption excludes is a straggler or an

@@ -272,11 +272,9 @@ def test_a_diagnosed_hang_is_requeued_and_a_crash_loop_never(tmp_path, srun, req
     assert rc == (0 if requeued else int(said.split()[1]) if "needs a person" in said else 1), out
 
 
-def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
-    """Exit 76 (or srun's other code with `bad_node 76` in the status file): requeued; dsslm.health.exclude
-    decides before the requeue, and right after it (Slurm takes ExcNodeList only from a job no longer
-    running) the script adds the node nodes.json names to the job's ExcNodeList, sinfo listing it
-    and another node left for it."""
+def run_with_node2_bad(tmp_path: Path, srun: str):
+    """run_alone with the real exclude helper over a run.dir whose nodes.json names node2 bad (a full
+    run.dir), sinfo listing node1 and node2 and scontrol showing a 1-node job with no exclusions."""
     from dsslm.health.nodes import write_nodes
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -284,9 +282,16 @@ def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
         "node2": {"host": "node2", "slurm_node": None, "ranks": [1], "verdict": "bad", "checks": {},
                   "why": ["run.dir /r: 0.1 MB free, the next checkpoint needs 0.6 MB"]}}})
     show = 'if [[ $1 == -o ]]; then echo "JobId=42 Partition=debug NumNodes=1 ExcNodeList=(null)"; fi; exit 0'
-    rc, out, calls = run_alone(tmp_path, 'echo "bad_node 76" >"$DSSLM_STATUS_FILE"; exit 137',
-                               {"DSSLM_PYTHON": PYTHON, "PYTHONPATH": str(ROOT)}, args=[f"run.dir={run_dir}"],
-                               stand_ins={"scontrol": show, "sinfo": "echo 'node1 idle'; echo 'node2 comp'"})
+    return run_alone(tmp_path, srun, {"DSSLM_PYTHON": PYTHON, "PYTHONPATH": str(ROOT)}, args=[f"run.dir={run_dir}"],
+                     stand_ins={"scontrol": show, "sinfo": "echo 'node1 idle'; echo 'node2 comp'"})
+
+
+def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
+    """Exit 76 (or srun's other code with `bad_node 76` in the status file): requeued; dsslm.health.exclude
+    decides before the requeue, and right after it (Slurm takes ExcNodeList only from a job no longer
+    running) the script adds the node nodes.json names to the job's ExcNodeList, sinfo listing it
+    and another node left for it."""
+    rc, out, calls = run_with_node2_bad(tmp_path, 'echo "bad_node 76" >"$DSSLM_STATUS_FILE"; exit 137')
     assert rc == 0 and "requeueing elsewhere" in out, out
     assert "excluding node2 from this job's requeues until" in out and "0.1 MB free" in out, out
     lines = calls.splitlines()
@@ -295,7 +300,7 @@ def test_a_refused_node_is_requeued_and_left_out_of_the_requeue(tmp_path):
     # node being excluded before the update came.
     requeued = lines.index("requeue 42")
     assert lines.index("-o show job 42") < requeued and lines[requeued + 1] == "update job=42 ExcNodeList=node2", calls
-    assert (run_dir / "excluded_nodes.json").exists()
+    assert (tmp_path / "run" / "excluded_nodes.json").exists()
 
 
 def test_an_expired_exclusion_is_lifted_by_the_requeue(tmp_path):
@@ -318,16 +323,8 @@ def test_a_preemption_is_requeued_before_its_bad_nodes_are_decided(tmp_path):
     """After a notice's save the requeue must not wait for a Python start: requeued first, the
     helper after it, its list set after that (what a preemption excludes is a straggler or an
     older record, never a node that just failed)."""
-    from dsslm.health.nodes import write_nodes
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    write_nodes(run_dir, {"schema": 1, "time": time.time(), "stragglers": [], "nodes": {
-        "node2": {"host": "node2", "slurm_node": None, "ranks": [1], "verdict": "bad", "checks": {},
-                  "why": ["run.dir /r: 0.1 MB free, the next checkpoint needs 0.6 MB"]}}})
-    show = 'if [[ $1 == -o ]]; then echo "JobId=42 Partition=debug NumNodes=1 ExcNodeList=(null)"; fi; exit 0'
-    rc, out, calls = run_alone(tmp_path, 'trap "" USR1; kill -USR1 $PPID; sleep 0.2; echo preempted >"$DSSLM_STATUS_FILE"',
-                               {"DSSLM_PYTHON": PYTHON, "PYTHONPATH": str(ROOT)}, args=[f"run.dir={run_dir}"],
-                               stand_ins={"scontrol": show, "sinfo": "echo 'node1 idle'; echo 'node2 comp'"})
+    rc, out, calls = run_with_node2_bad(
+        tmp_path, 'trap "" USR1; kill -USR1 $PPID; sleep 0.2; echo preempted >"$DSSLM_STATUS_FILE"')
     lines = calls.splitlines()
     assert rc == 0 and "excluding node2 from this job's requeues until" in out, out
     requeued = lines.index("requeue 42")

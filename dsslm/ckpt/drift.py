@@ -150,6 +150,9 @@ RESUME_MUTABLE_KEYS = (
     # Muon: who orthogonalises changes no bit; NS's dtype is rounding, and `auto` already resolves
     # differently when a CPU run resumes on a GPU (train.device may change).
     "optim.muon_distribute", "optim.muon_ns_dtype",
+    # Read once, when the weights are drawn: a resume's weights come from its checkpoint, so a new
+    # value (configs/tiny.yaml's default moved from 0.02 to 0.05) changes nothing the run computes.
+    "model.init_std",
 )
 
 
@@ -164,10 +167,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _mutable(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS)
+
+
 def hashed_items(cfg: Config) -> dict[str, Any]:
     """The flat key -> value map that the config hash covers (mutable keys left out)."""
-    return {key: value for key, value in _flatten(to_dict(cfg)).items()
-            if not any(key == k or key.startswith(k + ".") for k in RESUME_MUTABLE_KEYS)}
+    return {key: value for key, value in _flatten(to_dict(cfg)).items() if not _mutable(key)}
 
 
 def config_hash(cfg: Config) -> str:
@@ -192,7 +198,9 @@ def drift(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     behaved as: LEGACY_VALUES where that differs from today's default (model.vocab_pad_to was 1,
     no padding), else the default (model.norm_eps=1e-6 was a constant before): then no drift."""
     now, defaults = hashed_items(cfg), hashed_items(Config())
-    saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now}, **saved}
+    # A checkpoint written before a key became mutable still holds it: it is no difference either.
+    saved = {**{k: v for k, v in LEGACY_VALUES.items() if k in now},
+             **{k: v for k, v in saved.items() if not _mutable(k)}}
     keys = set(saved) | set(now)
     return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)
             and not (k not in saved and k in defaults and now.get(k) == defaults[k])

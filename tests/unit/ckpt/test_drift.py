@@ -127,3 +127,28 @@ def test_a_branch_asked_of_a_run_dir_with_checkpoints_says_it_resumes_instead(re
     assert train(tiny_cfg(run_dir, *STEPS, f"run.init_from={other}")) == 0
     changes = events(run_dir, "resume")[-1]["changes"]
     assert any(f"run.init_from={other} is not used" in c for c in changes), changes
+
+
+def test_init_std_is_read_once_so_a_checkpoint_that_hashed_it_is_no_drift():
+    """model.init_std draws the first weights and nothing after: a checkpoint made under 0.02 (one
+    written before the key became mutable still lists it) resumed under tiny.yaml's 0.05 was
+    refused as a drift of a value the resume never reads."""
+    from dsslm.ckpt.drift import drift, hashed_items
+    from dsslm.config import load
+    old = {**hashed_items(load(None, TINY)), "model.init_std": 0.02}
+    assert drift(old, load(None, [*TINY, "model.init_std=0.05"])) == {}
+    assert drift(old, load(None, [*TINY, "model.init_std=0.05", "optim.weight_decay=0.2"])) == {
+        "optim.weight_decay": (0.1, 0.2)}
+
+
+@pytest.mark.slow
+def test_a_resume_under_another_init_std_continues_to_the_bit(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000008")  # resume from step 4, retrain 5-8
+    assert train(tiny_cfg(run_dir, *STEPS, "model.init_std=0.05")) == 0
+    assert events(run_dir, "resume")[-1]["step"] == 4
+
+    def losses(path: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_jsonl(path / "metrics.jsonl") if "loss" in r and r["step"] > 4}
+    assert losses(run_dir) == losses(reference) and len(losses(reference)) == 4

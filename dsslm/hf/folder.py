@@ -64,11 +64,13 @@ def apply_shape(cfg: Config, hf_dir: Path, data_dir: Path, manifest: dict) -> No
     except ValueError as exc:  # HFError, or a DATA_DIR whose tokenizer does not match its manifest
         raise HFError(f"run.init_from=hf:{hf_dir}: {exc}") from None
     defaults = ModelCfg()
+    loaded = "explicit" in vars(cfg)  # by load(): the default file's values (tiny.yaml's QK-norm) are not the user's
     for key, value in values.items():
         now = getattr(cfg.model, key)
-        # Set by the user (explicit: even at its default value), or off its default however it was
-        # set (a Config built in code has no `explicit`): it must ask for the folder's value.
-        if (f"model.{key}" in cfg.explicit or now != getattr(defaults, key)) and not _agrees(key, now, value, values):
+        # Set by the user (explicit: even at its default value), or, in a Config built in code (no
+        # `explicit`), off its default: it must ask for the folder's value.
+        user_set = f"model.{key}" in cfg.explicit or (not loaded and now != getattr(defaults, key))
+        if user_set and not _agrees(key, now, value, values):
             raise HFError(f"model.{key}={now!r} disagrees with {hf_dir / CONFIG_FILE} ({EXPORTED_KEYS[key]}="
                           f"{value!r}); drop model.{key} from the config and overrides, or set model.{key}={value!r}")
         setattr(cfg.model, key, value)

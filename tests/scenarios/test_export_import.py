@@ -338,7 +338,10 @@ def test_import_of_a_folder_transformers_wrote_itself_matches_its_logits(runs, t
     transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token="<|endoftext|>").save_pretrained(
         tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    cfg = tiny_cfg(tmp_path / "run", f"data.dir={runs['byte_data']}", f"run.init_from=hf:{tmp_path / 'hf'}")
+    # Without TINY's explicit qk_norm: tiny.yaml's default (QK-norm on) is not the user's and yields
+    # to the folder's architecture either way (a Llama folder under it was refused).
+    cfg = load(None, [f"run.dir={tmp_path / 'run'}", *(o for o in TINY if not o.startswith("model.qk_norm")),
+                      f"data.dir={runs['byte_data']}", f"run.init_from=hf:{tmp_path / 'hf'}"])
     apply_shape(cfg, tmp_path / "hf", runs["byte_data"], load_manifest(runs["byte_data"]))
     assert (cfg.model.norm_eps, cfg.model.rope_theta, cfg.model.ffn_hidden) == (1e-5, 5e5, 64)
     assert cfg.model.qk_norm == (arch == "Qwen3ForCausalLM") and not cfg.model.tie_embeddings

@@ -67,7 +67,11 @@ def train_width(width: int, args: argparse.Namespace, data: list[torch.Tensor]) 
     overrides = [f"model.d_model={width}", f"model.n_heads={args.heads}", f"model.n_layers={args.layers}",
                  f"model.seq_len={args.seq_len}", "model.vocab_size=256", f"model.mup_base_width={args.mup_base_width}",
                  f"model.mup_base_depth={args.mup_base_depth}", f"optim.name={args.optimizer}",
-                 f"optim.peak_lr={args.lr}", "optim.min_lr=0", "optim.warmup_steps=0", "train.device=cpu"]
+                 f"optim.peak_lr={args.lr}", "optim.min_lr=0", "optim.warmup_steps=0", "train.device=cpu",
+                 # The check's model, not tiny.yaml's recipe: GPT-2's init and no QK-norm, so the figures
+                 # in docs/mup.md stay comparable across changes of the default (QK-norm would hide the
+                 # scores' growth that muP's 1/d_head attention exists to prevent).
+                 f"model.init_std={getattr(args, 'init_std', 0.02)}", f"model.qk_norm={getattr(args, 'qk_norm', False)}"]
     cfg = load(None, overrides)
     torch.manual_seed(args.seed)
     model = build_model(cfg.model)
@@ -185,6 +189,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--clip", type=float, default=1.0, help="global grad-norm bound (optim.clip's default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-std", type=float, default=0.02, help="model.init_std (GPT-2's 0.02)")
+    parser.add_argument("--qk-norm", action="store_true", help="model.qk_norm=true (off: the scores show muP's 1/d_head)")
     parser.add_argument("--out", default="coordcheck", metavar="DIR", help="where coord.json and coord.png go")
     args = parser.parse_args(argv)
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)} must be >= {low}" for k, low in

@@ -21,7 +21,7 @@ MULTIBYTE = "naïve café — 日本語 🙂 ß∑ <|endoftext|> \x00\x7f end"
 
 def model_cfg(*overrides: str) -> ModelCfg:
     cfg = load(None, ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.seq_len=16",
-                      "model.vocab_size=50", *overrides]).model
+                      "model.vocab_size=50", "model.qk_norm=false", *overrides]).model  # Llama unless asked
     return cfg
 
 

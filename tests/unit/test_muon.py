@@ -115,7 +115,8 @@ def test_after_one_step_q_k_and_v_move_alike():
     ratios = {}
     for split in ("true", "false"):
         cfg = load(None, ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                          "model.seq_len=64", "optim.name=muon", "optim.muon_ns_dtype=float32",
+                          "model.seq_len=64", "model.qk_norm=false", "model.init_std=0.02",  # as measured
+                          "optim.name=muon", "optim.muon_ns_dtype=float32",
                           "optim.muon_weight_decay=0", f"optim.muon_split={split}"])
         torch.manual_seed(0)
         model = build_model(cfg.model)

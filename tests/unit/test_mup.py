@@ -17,7 +17,9 @@ from dsslm.coordcheck import coord_check, main as coordcheck_main
 from dsslm.model import build_model
 from dsslm.optim import build_optimizer, muon_groups, param_groups, role_table, set_lr
 
-TINY = ["model.vocab_size=64", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=16"]
+# GPT-2's init and no QK-norm: the figures below (SP's growth, 0.02/sqrt(2L)) were measured so.
+TINY = ["model.vocab_size=64", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=16",
+        "model.init_std=0.02", "model.qk_norm=false"]
 
 
 def coord_args(base: int) -> argparse.Namespace:

@@ -169,3 +169,47 @@ def test_swiglu_equals_autograd_of_the_formula_to_the_bit(dtype):
         (out * weight).sum().backward()
         grads.append((out.detach(), x.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def autograd_split_norm_heads(qkv, table, n_heads, q_norm, k_norm):
+    """What `_SplitNormRopeFn` replaces: unbind, the two RMSNorms, `apply_rope`, transpose."""
+    batch, seq, width = qkv.shape
+    q, k, v = qkv.view(batch, seq, 3, n_heads, width // 3 // n_heads).unbind(2)
+    q, k = apply_rope(q_norm(q), table), apply_rope(k_norm(k), table)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("used", ["qkv", "q"])
+def test_split_norm_rope_equals_autograd_of_the_norms_and_apply_rope(dtype, used):
+    """QK-norm's eager path (tiny.yaml's default since it earned its place): the same outputs,
+    qkv gradient and both gains' gradients as autograd through RMSNorm and apply_rope; fp32 to
+    the bit."""
+    from dsslm.model import _SplitNormRopeFn
+    gen = torch.Generator().manual_seed(7)
+    table = rope_table(64, 16, 10000.0)[:24]
+    qkv = (torch.randn(3, 24, 3 * 4 * 16, generator=gen) * 2).to(dtype)
+    weights = [torch.randn(3, 4, 24, 16, generator=gen).to(dtype) for _ in range(3)]
+    gains = [1 + 0.3 * torch.randn(16, generator=gen) for _ in range(2)]
+    results = []
+    for fused in (True, False):
+        x = qkv.clone().requires_grad_()
+        norms = [RMSNorm(16, 1e-6) for _ in range(2)]
+        for norm, gain in zip(norms, gains):
+            norm.weight.data.copy_(gain)
+        outs = (_SplitNormRopeFn.apply(x, table, 4, norms[0].weight, norms[1].weight, 1e-6) if fused
+                else autograd_split_norm_heads(x, table, 4, *norms))
+        chosen = outs if used == "qkv" else outs[:1]
+        sum((out.float() * w.float()).sum() for out, w in zip(chosen, weights)).backward()
+        results.append(([out.detach() for out in outs], x.grad, [n.weight.grad for n in norms]))
+    (got, got_grad, got_gains), (expected, expected_grad, expected_gains) = results
+    for g, e in zip(got, expected):
+        assert g.dtype == dtype and g.shape == e.shape and torch.equal(g, e)
+    tolerance = 0 if dtype == torch.float32 else 2 ** -7 * float(expected_grad.float().abs().max())
+    assert got_grad.dtype == dtype and (got_grad.float() - expected_grad.float()).abs().max() <= tolerance
+    # An unused output's gradient reaches a Function as zeros (autograd materialises it): k's gain
+    # gets zeros where autograd's path, which never reaches k's norm, leaves None.
+    for g, e in zip(got_gains, expected_gains):
+        assert torch.equal(g, e if e is not None else torch.zeros_like(g))
+    if used == "q":
+        assert got_grad.view(3, 24, 3, 4, 16)[:, :, 1:].abs().max() == 0

@@ -27,6 +27,8 @@ and the data, with its own config file and the recipe's flags.
    (training only, the comparable figure). `--ds-max-iters N` gives dsslm a horizon of its own:
    its cosine reaches min_lr at N and the run ends there (nanoGPT keeps `--max-iters`; run
    nanoGPT at a shorter `--max-iters` too to see what the horizon alone buys it).
+   `--ds-recipe defaults` runs dsslm with its own defaults (configs/tiny.yaml: its rates, warmup,
+   beta2, init and QK-norm) in place of nanoGPT's optimizer settings, in nanoGPT's shape.
 
 3. With `--muon-lr X`: a third time-to-loss run, dsslm with `optim.name=muon` (Muon at X for the
    hidden matrices, AdamW at the recipe's rate for the rest).
@@ -217,6 +219,15 @@ def dsslm(data_dir: Path | str, run_dir: Path, iters: int, eval_every: int, thre
             "evals": [(s, v, t - events["start"]) for s, v, t in evals]}
 
 
+def own_recipe() -> list[str]:
+    """configs/tiny.yaml's optimizer settings as overrides of the ones RECIPE sets (nanoGPT's)."""
+    sys.path.insert(0, str(ROOT))
+    from dsslm.config import load as load_config
+    optim = load_config(None, []).optim
+    return [f"optim.peak_lr={optim.peak_lr:g}", f"optim.min_lr={optim.min_lr:g}",
+            f"optim.warmup_steps={optim.warmup_steps}", f"optim.beta2={optim.beta2:g}"]
+
+
 def first_under(evals: list, target: float):
     return next(((s, v, t) for s, v, t in evals if v <= target), None)
 
@@ -234,6 +245,9 @@ def main() -> None:
                         help="dsslm's own horizon in the time-to-loss runs (its cosine ends there); default --max-iters")
     parser.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a dsslm override for the time-to-loss runs and the sweep (e.g. optim.peak_lr=2e-3)")
+    parser.add_argument("--ds-recipe", choices=["nanogpt", "defaults"], default="nanogpt",
+                        help="dsslm's optimizer settings in the time-to-loss runs and the sweep: nanoGPT's recipe "
+                             "(lr 1e-3 -> 1e-4, warmup 100, beta2 0.99) or dsslm's own defaults (configs/tiny.yaml)")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--target", type=float, default=1.88)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
@@ -251,6 +265,9 @@ def main() -> None:
     if (needs_nanogpt and not (args.nanogpt and (args.nanogpt / "train.py").is_file())) or not args.text.is_file():
         raise SystemExit(f"need {args.nanogpt or '--nanogpt'}/train.py and {args.text}; see this script's docstring")
     data_dir, _ = prepare_data(args.text)
+    if args.ds_recipe == "defaults":  # tiny.yaml's optimizer in place of nanoGPT's; its model settings apply anyway
+        args.ds_set[:0] = own_recipe()
+        print(f"dsslm: its own defaults {' '.join(args.ds_set)}")
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
     print(f"text {args.text} ({args.text.stat().st_size:,} bytes), {tokens} tokens/iteration, threads "
           f"{args.threads or 'default'}, {'compiled' if args.compile else 'eager (the recipe)'}")

@@ -158,7 +158,7 @@ class _SplitNormRopeFn(torch.autograd.Function):
     """`_SplitRopeFn` with QK-norm between the split and the rotation: each head's q and k
     RMS-normalised with its gain (`_RMSNormFn`'s arithmetic, rounded to the input dtype where
     autograd's path rounds), then rotated. One backward in place of autograd's unbind, two norms,
-    two rotations and a stack: QK-norm on the CPU cost ~10% of a step that way (d 128)."""
+    two rotations and a stack (at d 128 on the CPU the step time moved inside the VM's noise)."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, table: torch.Tensor, n_heads: int, q_gain: torch.Tensor,
@@ -217,9 +217,9 @@ class Attention(nn.Module):
 
     def split_heads(self, qkv: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v [batch, heads, seq, head_dim] from the qkv projection's output: QK-norm
-        (when on) and RoPE on q and k. Without QK-norm, eager: `_SplitRopeFn`, whose backward
-        writes the three gradients into one tensor. Otherwise views of one [batch, seq, 3, heads,
-        head_dim] tensor, so autograd gathers the three gradients with one stack."""
+        (when on) and RoPE on q and k. Eager: `_SplitRopeFn` (`_SplitNormRopeFn` with QK-norm),
+        whose backward writes the three gradients into one tensor. Compiled: views of one [batch,
+        seq, 3, heads, head_dim] tensor, so autograd gathers the three gradients with one stack."""
         if not torch.compiler.is_compiling():
             if self.q_norm is None:
                 return _SplitRopeFn.apply(qkv, rope, self.n_heads)

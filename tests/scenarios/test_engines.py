@@ -27,6 +27,8 @@ FIRST, SKIPPED, TOTAL = 6, 2, 10  # engine runs train steps [0, FIRST) skipping 
 def make_cfg(kind: str = "ddp", stage: int = 1, *extra: str):
     cfg = load(None, ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", f"model.seq_len={SEQ}",
                       "train.precision=fp32", "train.device=cpu", "optim.warmup_steps=2", "train.total_steps=20",
+                      # the model the engines' tolerances were measured on (tiny.yaml's init and QK-norm differ)
+                      "model.init_std=0.02", "model.qk_norm=false",
                       f"engine.kind={kind}", f"engine.zero_stage={stage}", *extra])
     cfg.model.vocab_size = VOCAB
     return cfg

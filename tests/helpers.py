@@ -28,9 +28,10 @@ PYTHON = sys.executable
 # Small enough to train hundreds of steps in seconds on 2 cores; real text (stdlib source). The
 # Llama block and GPT-2's init that the tests' expectations (parameter names, exports, monitor
 # thresholds) were written for: tiny.yaml's QK-norm and init_std 0.05 have tests of their own.
+LLAMA_GPT2_INIT = ["model.qk_norm=false", "model.init_std=0.02"]
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.seq_len=32",
         "train.micro_batch_size=4", "train.precision=fp32", "run.val_every=0", "run.tensorboard=false",
-        "optim.warmup_steps=5", "train.device=cpu", "model.qk_norm=false", "model.init_std=0.02"]
+        "optim.warmup_steps=5", "train.device=cpu", *LLAMA_GPT2_INIT]
 
 
 @pytest.fixture(autouse=True)

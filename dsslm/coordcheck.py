@@ -71,7 +71,7 @@ def train_width(width: int, args: argparse.Namespace, data: list[torch.Tensor]) 
                  # The check's model, not tiny.yaml's recipe: GPT-2's init and no QK-norm, so the figures
                  # in docs/mup.md stay comparable across changes of the default (QK-norm would hide the
                  # scores' growth that muP's 1/d_head attention exists to prevent).
-                 f"model.init_std={getattr(args, 'init_std', 0.02)}", f"model.qk_norm={getattr(args, 'qk_norm', False)}"]
+                 f"model.init_std={args.init_std}", f"model.qk_norm={args.qk_norm}"]
     cfg = load(None, overrides)
     torch.manual_seed(args.seed)
     model = build_model(cfg.model)

@@ -9,6 +9,7 @@ from dsslm.config import ConfigError, load
 from dsslm.model import build_model
 from dsslm.muon import Ranks, block_names, ns_dtype, orthogonalise, orthogonalise_blocks
 from dsslm.optim import build_optimizer, muon_groups, set_lr
+from helpers import LLAMA_GPT2_INIT
 
 
 def cfg_with(*overrides):
@@ -115,7 +116,7 @@ def test_after_one_step_q_k_and_v_move_alike():
     ratios = {}
     for split in ("true", "false"):
         cfg = load(None, ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                          "model.seq_len=64", "model.qk_norm=false", "model.init_std=0.02",  # as measured
+                          "model.seq_len=64", *LLAMA_GPT2_INIT,  # as measured
                           "optim.name=muon", "optim.muon_ns_dtype=float32",
                           "optim.muon_weight_decay=0", f"optim.muon_split={split}"])
         torch.manual_seed(0)

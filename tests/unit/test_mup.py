@@ -16,15 +16,17 @@ from dsslm.config import ConfigError, load
 from dsslm.coordcheck import coord_check, main as coordcheck_main
 from dsslm.model import build_model
 from dsslm.optim import build_optimizer, muon_groups, param_groups, role_table, set_lr
+from helpers import LLAMA_GPT2_INIT
 
 # GPT-2's init and no QK-norm: the figures below (SP's growth, 0.02/sqrt(2L)) were measured so.
 TINY = ["model.vocab_size=64", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=16",
-        "model.init_std=0.02", "model.qk_norm=false"]
+        *LLAMA_GPT2_INIT]
 
 
 def coord_args(base: int) -> argparse.Namespace:
     return argparse.Namespace(widths=[32, 64, 128, 256], steps=4, mup_base_width=base, mup_base_depth=0, lr=1e-2,
-                              optimizer="adamw", layers=2, heads=4, seq_len=16, batch=4, clip=1.0, seed=0)
+                              optimizer="adamw", layers=2, heads=4, seq_len=16, batch=4, clip=1.0, seed=0,
+                              init_std=0.02, qk_norm=False)
 
 
 def test_coordinate_check_is_flat_under_mup_and_grows_under_the_standard_parametrisation():

@@ -165,10 +165,18 @@ def _num(v: float | None, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def parametrisation(rules: dict) -> str:
+    """What the ladder's points train under, for its report and plot: the width and the depth
+    rule each on its own (a depth-only ladder is not the standard parametrisation)."""
+    keys = [f"model.{k}={rules[k]}" for k in ("mup_base_width", "mup_base_depth") if rules.get(k)]
+    if not keys:
+        return "standard parametrisation"
+    return f"{'muP' if rules.get('mup_base_width') else 'depth-muP'} ({', '.join(keys)})"
+
+
 def report(plan: dict, results: list[dict], table: list[dict], best: list[dict], rule: dict) -> str:
     rules = plan.get("rules", {})
-    param = (f"muP (model.mup_base_width={rules['mup_base_width']}" + (f", mup_base_depth={rules['mup_base_depth']})"
-             if rules.get("mup_base_depth") else ")")) if rules.get("mup_base_width") else "standard parametrisation"
+    param = parametrisation(rules)
     counts = {s: sum(r["status"] == s for r in results) for s in dict.fromkeys(r["status"] for r in results)}
     lines = [f"ladder: {len(results)} points, {param}, model.n_heads={rules.get('n_heads')}; "
              + ", ".join(f"{n} {s}" for s, n in counts.items()), "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsslm.ladder_collect import fmt_lr
+from dsslm.ladder_collect import fmt_lr, parametrisation
 
 
 def plot(plan: dict, table: list[dict], best: list[dict], path: Path) -> bool:
@@ -43,7 +43,7 @@ def plot(plan: dict, table: list[dict], best: list[dict], path: Path) -> bool:
     ax.set_xticks(lrs, [fmt_lr(lr) for lr in lrs])
     ax.minorticks_off()
     rules = plan.get("rules", {})
-    param = f"muP, base width {rules['mup_base_width']}" if rules.get("mup_base_width") else "standard parametrisation"
+    param = parametrisation(rules)
     seeds = len(plan.get("grid", {}).get("seeds", [])) or 1
     gone = "; x: diverged" if any(c["diverged"] for c in table) else ""
     ax.set(xlabel="peak learning rate (optim.peak_lr)", ylabel="final validation loss",

@@ -9,8 +9,10 @@ Variants: dsslm as shipped (vocabulary padded to 64: 320 rows; SwiGLU hidden 384
 `model.vocab_pad_to=1` (257 rows, as nanoGPT), and with `model.ffn_hidden=344` too (SwiGLU's three
 matrices hold as many weights as nanoGPT's 4x GELU MLP). `--ablate` adds dsslm with nanoGPT's
 pieces in place of its own, one at a time and all together: LayerNorm for RMSNorm, the 4x GELU
-MLP for SwiGLU, no RoPE (nanoGPT's learned positions are left out: one add). What is left between
-"all three" and nanoGPT is the rest of the step (the loss, the optimizer, the head). Per variant:
+MLP for SwiGLU, no RoPE (nanoGPT's learned positions are left out: one add; with QK-norm on, as
+configs/tiny.yaml has it, "no-rope" drops the QK-norm too, since both live in the split of the
+heads), and without QK-norm alone (`model.qk_norm=false`). What is left between "all three" and
+nanoGPT is the rest of the step (the loss, the optimizer, the head). Per variant:
 the median over rounds of the process CPU time per step (50 steps a round, after 5 warm-up
 steps), and nanoGPT's CPU time over it (a tokens/s ratio). Rounds alternate the variants, so
 load hits them alike.
@@ -101,7 +103,7 @@ def main() -> None:
     parser.add_argument("--nanogpt", type=Path, required=True, help="a nanoGPT checkout (its model.py)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--ablate", action="store_true", help="also dsslm with nanoGPT's norm, MLP, no RoPE")
+    parser.add_argument("--ablate", action="store_true", help="also dsslm with nanoGPT's norm, MLP, no RoPE, no QK-norm")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
@@ -109,6 +111,7 @@ def main() -> None:
                 "dsslm vocab_pad_to=1": dsslm_step("model.vocab_pad_to=1"),
                 "dsslm vocab_pad_to=1 ffn_hidden=344": dsslm_step("model.vocab_pad_to=1", "model.ffn_hidden=344")}
     if args.ablate:
+        variants["dsslm model.qk_norm=false"] = dsslm_step("model.qk_norm=false")
         for pieces in (("layernorm",), ("gelu",), ("no-rope",), ("layernorm", "gelu", "no-rope")):
             variants["dsslm + " + " + ".join(pieces)] = dsslm_step(pieces=frozenset(pieces))
     inputs, targets = torch.randint(0, VOCAB, (BATCH, CONTEXT)), torch.randint(0, VOCAB, (BATCH, CONTEXT))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from dsslm.ckpt.drift import check_allow_drift
 from dsslm.ckpt.train_state import ResumeRefused, check_fingerprint
 from dsslm.config import ConfigError, load
-from dsslm.coordcheck import coord_check, main as coordcheck_main
+from dsslm.coordcheck import coord_check, main as coordcheck_main, parse
 from dsslm.model import build_model
 from dsslm.optim import build_optimizer, muon_groups, param_groups, role_table, set_lr
 from helpers import LLAMA_GPT2_INIT
@@ -24,9 +24,9 @@ TINY = ["model.vocab_size=64", "model.d_model=64", "model.n_layers=2", "model.n_
 
 
 def coord_args(base: int) -> argparse.Namespace:
-    return argparse.Namespace(widths=[32, 64, 128, 256], steps=4, mup_base_width=base, mup_base_depth=0, lr=1e-2,
-                              optimizer="adamw", layers=2, heads=4, seq_len=16, batch=4, clip=1.0, seed=0,
-                              init_std=0.02, qk_norm=False)
+    # Through the CLI's parser: its defaults (lr 1e-2, GPT-2's init, no QK-norm, ...) are the check's.
+    return parse(["--widths", "32,64,128,256", "--steps", "4", "--mup-base-width", str(base), "--seq-len", "16",
+                  "--batch", "4"])
 
 
 def test_coordinate_check_is_flat_under_mup_and_grows_under_the_standard_parametrisation():
